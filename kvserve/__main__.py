@@ -1,0 +1,3 @@
+from kvserve.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Benchmark harness: synthetic WikiText workloads, latency metrics and the HF baseline."""

@@ -1,0 +1,100 @@
+"""`kvserve bench throughput` and `kvserve bench scaling`."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from kvserve.bench.metrics import format_table, ratio
+from kvserve.cli import add_engine_args, llm_from_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks against HF transformers, run side by side")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+
+    tp = kinds.add_parser("throughput", help="offline throughput on a WikiText-2 workload vs HF generate")
+    tp.add_argument("--num-requests", type=int, default=64)
+    tp.add_argument("--seed", type=int, default=0, help="workload seed")
+    tp.add_argument("--prompt-len-median", type=int, default=128)
+    tp.add_argument("--output-len-median", type=int, default=64)
+    tp.add_argument("--sigma", type=float, default=0.8, help="lognormal spread of lengths")
+    tp.add_argument("--max-prompt-len", type=int, default=1024)
+    tp.add_argument("--max-output-len", type=int, default=512)
+    tp.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
+    tp.add_argument("--skip-hf", action="store_true", help="run kvserve only")
+    tp.add_argument("--skip-contiguous", action="store_true", help="skip the contiguous baseline")
+    tp.add_argument("--out", default="bench_out", help="folder for the JSON and markdown results")
+    add_engine_args(tp)
+    tp.set_defaults(func=run, max_model_len=2048)
+
+    sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
+    sc.add_argument("--prompt-len", type=int, default=32)
+    sc.add_argument("--num-tokens", type=int, default=512)
+    sc.add_argument("--out", default="bench_out")
+    add_engine_args(sc)
+    sc.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (run_throughput if args.bench == "throughput" else run_scaling)(args, out)
+
+
+def run_throughput(args: argparse.Namespace, out: Path) -> None:
+    from kvserve.bench.throughput import run_kvserve
+    from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH, load_wikitext_ids, make_workload
+
+    llm = llm_from_args(args, "paged")
+    ids = load_wikitext_ids(llm.tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
+    requests = make_workload(ids, args.num_requests, args.seed, args.prompt_len_median,
+                             args.output_len_median, args.sigma, args.max_prompt_len, args.max_output_len)
+    summaries = [run_kvserve(llm, requests, "kvserve-paged")]
+    if not args.skip_contiguous:
+        del llm
+        summaries.append(run_kvserve(llm_from_args(args, "contiguous"), requests, "kvserve-contiguous"))
+    if not args.skip_hf:
+        from kvserve.bench.hf_baseline import load_hf_model, run_hf_static_batches
+        from kvserve.bench.metrics import summarize
+        from kvserve.model.loader import default_model_path
+
+        model, tok = load_hf_model(str(args.model or default_model_path()), getattr(torch, args.dtype))
+        timings, wall = run_hf_static_batches(model, requests, args.max_num_seqs, tok.pad_token_id or 0)
+        summaries.append(summarize("hf-transformers", timings, wall))
+    table = format_table(summaries)
+    report = [f"workload: {len(requests)} requests, seed {args.seed}, prompt median "
+              f"{args.prompt_len_median}, output median {args.output_len_median}, sigma {args.sigma}; "
+              f"dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, torch threads "
+              f"{torch.get_num_threads()}", "", table, ""]
+    if not args.skip_hf:
+        r = ratio(summaries[0], summaries[-1])
+        report.append("kvserve-paged / hf: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+    text = "\n".join(report)
+    print(text)
+    (out / "throughput.md").write_text(text + "\n")
+    (out / "throughput.json").write_text(json.dumps([asdict(s) for s in summaries], indent=2))
+
+
+def run_scaling(args: argparse.Namespace, out: Path) -> None:
+    from kvserve.bench.scaling import plot, time_per_token
+
+    args.max_model_len = args.max_model_len or args.prompt_len + args.num_tokens
+    series = {}
+    for mode, label in (("paged", "cached (paged KV)"), ("no-cache", "no-cache (recompute)")):
+        llm = llm_from_args(args, mode)
+        prompt = list(range(100, 100 + args.prompt_len))
+        series[label] = time_per_token(llm, prompt, args.num_tokens, label)
+    path = out / "scaling.png"
+    plot(args.prompt_len, series, path)
+    lines = []
+    for label, times in series.items():
+        q = len(times) // 4
+        lines.append(f"{label}: total {sum(times):.2f} s; mean ms/token first quarter "
+                     f"{1e3 * sum(times[1:q]) / (q - 1):.1f}, last quarter {1e3 * sum(times[-q:]) / q:.1f}")
+    text = "\n".join(lines + [f"plot: {path}"])
+    print(text)
+    (out / "scaling.md").write_text(text + "\n")

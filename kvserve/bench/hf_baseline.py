@@ -1,0 +1,107 @@
+"""HuggingFace transformers baseline: static padded batches through `generate`."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from tqdm import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+
+from kvserve.bench.metrics import RequestTiming
+from kvserve.bench.workload import WorkloadRequest
+
+
+def load_hf_model(
+    gguf_path: str, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    # HF dequantizes the GGUF into plain `dtype` weights (and needs `accelerate`
+    # installed to do so); local_files_only keeps it from touching the Hub.
+    directory, filename = os.path.split(os.path.abspath(gguf_path))
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=filename, dtype=dtype, local_files_only=True
+    )
+    model.eval()
+    return model, tokenizer
+
+
+class _StepClock(StoppingCriteria):
+    """Timestamps each decode step; `generate` calls it right after appending a token."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor | None, **kwargs: object) -> torch.BoolTensor:
+        # On GPU the token is not really ready until queued kernels finish.
+        if input_ids.is_cuda:
+            torch.cuda.synchronize(input_ids.device)
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _left_pad(
+    prompts: list[list[int]], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Left padding keeps every row's last prompt token in the final column,
+    # which is where a decoder-only model's next token is read from.
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def run_hf_static_batches(
+    model: PreTrainedModel,
+    requests: list[WorkloadRequest],
+    batch_size: int,
+    pad_token_id: int,
+    progress: bool = True,
+) -> tuple[list[RequestTiming], float]:
+    """Every request arrives at the start; returns per-request timings and wall seconds."""
+    timings: list[RequestTiming] = []
+    batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for batch in tqdm(batches, desc="hf generate", unit="batch", disable=not progress):
+            input_ids, attention_mask = _left_pad(
+                [r.prompt_token_ids for r in batch], pad_token_id, model.device
+            )
+            # Static batching: the whole batch decodes until its longest request is
+            # done; min_new_tokens stops EOS from ending it early, matching the
+            # engine's ignore_eos benchmark mode.
+            steps = max(r.max_tokens for r in batch)
+            clock = _StepClock()
+            model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                pad_token_id=pad_token_id,
+                stopping_criteria=StoppingCriteriaList([clock]),
+            )
+            # A request's useful work ends at its own max_tokens; later steps are
+            # padding waste that static batching forces on it.
+            timings.extend(
+                RequestTiming(
+                    prompt_len=len(r.prompt_token_ids),
+                    output_len=r.max_tokens,
+                    arrival=t0,
+                    first_token=clock.stamps[0],
+                    finish=clock.stamps[r.max_tokens - 1],
+                )
+                for r in batch
+            )
+    return timings, time.perf_counter() - t0

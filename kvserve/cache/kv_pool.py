@@ -1,0 +1,27 @@
+"""The preallocated K and V pools: per layer, `num_blocks x block_size` token slots."""
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        if num_blocks < 1:
+            raise ValueError("KVPool.num_blocks must be at least 1")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: masked-out slots are still multiplied by 0 in attention, and
+        # uninitialised memory may hold NaN, which 0 does not cancel.
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)

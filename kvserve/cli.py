@@ -1,0 +1,145 @@
+"""The `kvserve` command line: generate, chat, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvserve.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="a .gguf file, a Hugging Face model directory, or random:<preset> "
+                        "(default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
+    g.add_argument("--device", default="auto", help="auto (default: cuda if present), cpu or cuda")
+    g.add_argument("--kv-cache-memory", default="2GiB",
+                   help="KV pool size: bytes like 2GiB, or a fraction of free memory like 0.5")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="sequences per batch (default 32)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--cache-mode", default="paged", choices=["paged", "contiguous", "no-cache"],
+                   help="paged (default); contiguous and no-cache are baselines")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def llm_from_args(args: argparse.Namespace, cache_mode: str | None = None) -> Any:
+    from kvserve import LLM
+    return LLM(model=args.model, dtype=args.dtype, device=args.device,
+               kv_cache_memory=_memory(args.kv_cache_memory), block_size=args.block_size,
+               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+               cache_mode=cache_mode or args.cache_mode)
+
+
+def _memory(text: str) -> str | float:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop=args.stop)
+
+
+def _stream(llm: Any, prompt: str | list[int], params: SamplingParams) -> str:
+    text = ""
+    for out in llm.stream(prompt, params):
+        print(out.delta_text, end="", flush=True)
+        text = out.text
+    print()
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    llm = llm_from_args(args)
+    prompt: str | list[int] = args.prompt
+    if not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                   add_generation_prompt=True, tokenize=False)
+    _stream(llm, prompt, _params(args))
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    llm = llm_from_args(args)
+    if llm.tokenizer is None or not llm.tokenizer.chat_template:
+        sys.exit("kvserve chat: this model has no chat template")
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("kvserve chat: type a message, /reset to start over, Ctrl-D to quit.")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return
+        if line == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line:
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            reply = _stream(llm, prompt, _params(args))
+        except ValueError as err:  # e.g. the conversation outgrew the context
+            print(f"error: {err}")
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from kvserve.bench import cli as bench_cli
+    bench_cli.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="An LLM inference engine with a paged KV cache and continuous batching.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a reply to one prompt, streamed to stdout")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--raw", action="store_true",
+                     help="complete the text as is instead of applying the chat template")
+    add_engine_args(gen)
+    _sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with the chat template applied")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    _sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    from kvserve.bench.cli import add_parser as add_bench
+    add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"kvserve {args.command}: error: {err}")
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The engine's configuration: one dataclass, validated on construction."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.model.config import ModelConfig
+
+CACHE_MODES = ("paged", "contiguous", "no-cache")
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"EngineConfig.kv_cache_memory: cannot parse {text!r} (use e.g. '2GiB' or 0.5)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class EngineConfig:
+    model: str | Path | ModelConfig | None = None  # None: bundled SmolLM2-135M-Instruct
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    kv_cache_memory: str | float = "2GiB"  # bytes ("2GiB") or a fraction of free memory (0.5)
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None  # default: max(max_model_len, 2048)
+    max_model_len: int | None = None           # default: the model's context length
+    cache_mode: str = "paged"                  # "paged" | "contiguous" | "no-cache"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"EngineConfig.cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+        for name in ("block_size", "max_num_seqs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if isinstance(self.kv_cache_memory, float) and not 0 < self.kv_cache_memory <= 1:
+            raise ValueError(f"EngineConfig.kv_cache_memory as a fraction must be in (0, 1], "
+                             f"got {self.kv_cache_memory}")
+        if isinstance(self.kv_cache_memory, str):
+            parse_bytes(self.kv_cache_memory)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def kv_budget_bytes(self) -> int:
+        if isinstance(self.kv_cache_memory, str):
+            return parse_bytes(self.kv_cache_memory)
+        return int(self.kv_cache_memory * available_memory(self.torch_device))

@@ -1,0 +1,164 @@
+"""The engine: takes requests, steps the scheduler and model, and reports outputs."""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from typing import Any
+
+import torch
+
+from kvserve.cache.block_manager import BlockManager, BlockUsage
+from kvserve.cache.kv_pool import KVPool
+from kvserve.config import EngineConfig
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.sequence import RequestOutput, Sequence
+from kvserve.model.loader import load_model
+from kvserve.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device
+        loaded = load_model(config.model, config.torch_dtype, self.device, config.seed)
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.model_name = loaded.name
+        cfg = self.model_config
+
+        self.max_model_len = config.max_model_len or cfg.max_position
+        if self.max_model_len > cfg.max_position:
+            raise ValueError(f"EngineConfig.max_model_len ({self.max_model_len}) exceeds the model's "
+                             f"context length ({cfg.max_position})")
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 2048)
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= max_model_len ({self.max_model_len}) so that any prompt can be prefilled")
+
+        block_bytes = KVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                                             cfg.head_dim, config.torch_dtype)
+        budget = config.kv_budget_bytes()
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"EngineConfig.kv_cache_memory: {budget} bytes is smaller than one KV block "
+                             f"({block_bytes} bytes = {config.block_size} tokens)")
+        contiguous = config.cache_mode == "contiguous"
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        if contiguous and self.block_manager.blocks_for(self.max_model_len) > num_blocks:
+            raise ValueError(f"EngineConfig.kv_cache_memory: contiguous mode preallocates max_model_len "
+                             f"({self.max_model_len}) tokens per sequence, more than the "
+                             f"{num_blocks * config.block_size} slots the budget holds")
+        self.pool = KVPool(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
+                           cfg.head_dim, config.torch_dtype, self.device)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+                                   reserve_tokens=self.max_model_len if contiguous else 0,
+                                   recompute_all=config.cache_mode == "no-cache")
+        self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device)
+        self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
+                             else cfg.eos_token_id)
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._rng = random.Random(config.seed)
+
+    # -- requests ---------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validates everything before touching engine state, so a bad request never disturbs others."""
+        params = params or SamplingParams()
+        text, ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt: empty prompt")
+        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
+            raise ValueError(f"prompt: token ids must be in [0, {self.model_config.vocab_size})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
+                             f"the context length max_model_len={self.max_model_len}")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if len(ids) + params.max_tokens > capacity:
+            raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
+                             f"the whole KV cache ({capacity} tokens); raise kv_cache_memory")
+        request_id = request_id or str(next(self._ids))
+        if request_id in self._seqs:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        seq = Sequence(request_id, ids, params, seed, prompt=text)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            seq.finish_reason = "abort"
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One forward pass; returns an output for every sequence that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        tokens = self.runner.run(batch.seqs)
+        now = time.perf_counter()
+        outputs = []
+        for seq, token in zip(batch.seqs, tokens):
+            seq.output_token_ids.append(token)
+            seq.num_computed_tokens = seq.num_tokens - 1
+            seq.first_token_time = seq.first_token_time or now
+            delta = self._detokenize(seq)
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                seq.finish_time = now
+                self.scheduler.finish(seq)
+                del self._seqs[seq.request_id]
+            outputs.append(RequestOutput.of(seq, delta))
+        return outputs
+
+    def _detokenize(self, seq: Sequence) -> str:
+        """Emits only whole characters: a byte-level token may end mid-UTF-8 sequence."""
+        if self.tokenizer is None:
+            return ""
+        ids = seq.output_token_ids
+        prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        seq.text += delta
+        return delta
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if not p.ignore_eos and token == self.eos_token_id:
+            seq.finish_reason = "stop"
+        elif token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif p.stop and (hit := min((i for s in p.stop if (i := seq.text.find(s)) >= 0), default=-1)) >= 0:
+            seq.text = seq.text[:hit]
+            seq.finish_reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    # -- reporting --------------------------------------------------------------------------
+    def kv_usage(self) -> BlockUsage:
+        return self.block_manager.usage()
+
+    def stats(self) -> dict[str, Any]:
+        usage = self.kv_usage()
+        return {"kv_blocks_total": usage.total, "kv_blocks_used": usage.used,
+                "kv_blocks_peak": self.block_manager.peak_used, "kv_waste": usage.waste,
+                "kv_pool_bytes": self.pool.nbytes, "num_preemptions": self.scheduler.num_preemptions,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)}

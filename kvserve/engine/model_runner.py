@@ -1,0 +1,34 @@
+"""Runs one scheduled batch through the model and samples each sequence's next token."""
+from __future__ import annotations
+
+import torch
+
+from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.kv_pool import KVPool
+from kvserve.engine.sampler import sample
+from kvserve.engine.sequence import Sequence
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, block_manager: BlockManager,
+                 device: torch.device) -> None:
+        self.model, self.pool, self.block_manager, self.device = model, pool, block_manager, device
+        cfg = model.config
+        self.group = cfg.num_heads // cfg.num_kv_heads
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        query_lens = [s.num_new_tokens for s in seqs]
+        input_ids = [t for s in seqs for t in s.token_ids[s.num_computed_tokens:]]
+        meta = AttentionMetadata.build(
+            query_lens, [s.num_tokens for s in seqs],
+            [self.block_manager.tables[s.request_id] for s in seqs],
+            self.pool.block_size, self.group, self.device)
+        logit_index = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+        logits = self.model(torch.tensor(input_ids, device=self.device), meta, self.pool.layers,
+                            logit_index)
+        tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                        [len(s.output_token_ids) for s in seqs])
+        return tokens.tolist()

@@ -1,0 +1,97 @@
+"""Continuous batching: which sequences run in the next step, and who is preempted."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvserve.cache.block_manager import BlockManager
+from kvserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence]
+    is_prefill: bool
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    """Prefill-first: a step admits waiting sequences if any fit, otherwise decodes all running ones.
+
+    `reserve_tokens` makes every admitted sequence take blocks for that many tokens up front
+    (the contiguous baseline); `recompute_all` reruns every token each step (the no-cache baseline).
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 reserve_tokens: int = 0, recompute_all: bool = False) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.reserve_tokens = reserve_tokens
+        self.recompute_all = recompute_all
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        admitted = self._admit()
+        if admitted:
+            return SchedulerOutput(admitted, True, [])
+        preempted = self._make_room_for_decode()
+        if self.recompute_all:
+            for seq in self.running:
+                seq.num_computed_tokens = 0
+        return SchedulerOutput(list(self.running), False, preempted)
+
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_tokens > budget or not self.block_manager.allocate(
+                    seq.request_id, seq.num_tokens, self.reserve_tokens):
+                break
+            budget -= seq.num_tokens
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(self.waiting.popleft())
+            admitted.append(seq)
+        return admitted
+
+    def _make_room_for_decode(self) -> list[Sequence]:
+        """Every running sequence needs a slot for its next token; when blocks run out, the most
+        recently admitted sequence gives its blocks back and waits to be recomputed."""
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if self.block_manager.allocate(seq.request_id, seq.num_tokens, self.reserve_tokens):
+                i += 1
+                continue
+            victim = self.running.pop()
+            self.preempt(victim)
+            preempted.append(victim)
+        return preempted
+
+    def preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a sequence wherever it is (running, waiting, or already gone)."""
+        self.block_manager.free(seq.request_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED

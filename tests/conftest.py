@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random-weight engines for speed, the real model for parity."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve import LLM
+from kvserve.model.config import ModelConfig
+
+TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, max_position=512)
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    usage = llm.engine.kv_usage()
+    assert usage.used == 0 and usage.free == usage.total, usage
+    assert not llm.engine.block_manager.tables
+
+
+@pytest.fixture
+def tiny_llm() -> Iterator[Callable[..., LLM]]:
+    """Builds engines on the same random tiny model; checks each leaked no block."""
+    made: list[LLM] = []
+
+    def make(**kwargs: Any) -> LLM:
+        kwargs = {"model": TINY, "dtype": "float32", "device": "cpu", "kv_cache_memory": "4MiB",
+                  "max_model_len": 256, **kwargs}
+        llm = LLM(**kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        assert_all_blocks_free(llm)
+
+
+@pytest.fixture(scope="session")
+def smol() -> LLM:
+    """The bundled SmolLM2-135M-Instruct in fp32, for exact comparison with HF transformers."""
+    return LLM(dtype="float32", device="cpu", kv_cache_memory="512MiB", max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def hf_smol() -> Any:
+    from kvserve.bench.hf_baseline import load_hf_model
+    from kvserve.model.loader import default_model_path
+    model, _ = load_hf_model(str(default_model_path()), torch.float32)
+    return model

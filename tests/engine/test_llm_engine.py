@@ -1,0 +1,131 @@
+"""End-to-end engine behaviour on a tiny random model: modes agree, preemption, bad input."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+
+PROMPTS = [[5, 9, 17, 3], list(range(1, 40)), [7] * 17, list(range(60, 93)), [11, 12], list(range(3, 19))]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def token_ids(llm: LLM, prompts: list[list[int]] = PROMPTS,
+              params: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("mode", ["no-cache", "contiguous"])
+def test_cached_decoding_equals_baselines(tiny_llm: Callable[..., LLM], mode: str) -> None:
+    assert token_ids(tiny_llm()) == token_ids(tiny_llm(cache_mode=mode))
+
+
+def test_continuous_batching_equals_one_at_a_time(tiny_llm: Callable[..., LLM]) -> None:
+    alone = [token_ids(tiny_llm(), [p])[0] for p in PROMPTS]
+    llm = tiny_llm(max_num_seqs=2)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (5, 24, 9, 24, 3, 24)]
+    outs = token_ids(llm, PROMPTS, params)
+    assert outs == [a[:p.max_tokens] for a, p in zip(alone, params)]
+
+
+def test_preemption_under_tiny_budget_keeps_outputs(tiny_llm: Callable[..., LLM]) -> None:
+    reference = token_ids(tiny_llm())
+    # 2 layers x 2 kv heads x 16 dims x 4 bytes x (K, V) = 512 bytes/token: 8 blocks of 16 tokens.
+    small = tiny_llm(kv_cache_memory="64KiB")
+    assert small.engine.block_manager.num_blocks == 8
+    assert token_ids(small) == reference
+    assert small.engine.scheduler.num_preemptions > 0
+
+
+def test_contiguous_reserves_max_model_len(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm(cache_mode="contiguous", max_model_len=64)
+    llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    llm.engine.step()
+    assert llm.engine.kv_usage().used == 64 // 16
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+
+
+def test_seeded_sampling_is_batch_and_preemption_independent(tiny_llm: Callable[..., LLM]) -> None:
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = token_ids(tiny_llm(), [PROMPTS[1]], params)[0]
+    others = [SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True) for i in range(5)]
+    batched = token_ids(tiny_llm(kv_cache_memory="64KiB"), PROMPTS, [others[0], params, *others[1:]])[1]
+    assert batched == alone
+    different_seed = token_ids(tiny_llm(), [PROMPTS[1]],
+                               SamplingParams(max_tokens=20, temperature=1.0, seed=99, ignore_eos=True))[0]
+    assert different_seed != alone
+
+
+def test_stop_token_ids_end_generation(tiny_llm: Callable[..., LLM]) -> None:
+    full = token_ids(tiny_llm(), [PROMPTS[0]])[0]
+    stop = full[5]
+    out = tiny_llm().generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                            stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert out.token_ids == full[:full.index(stop) + 1] and out.finish_reason == "stop"
+
+
+def test_abort_frees_blocks(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm()
+    rid = llm.engine.add_request(PROMPTS[1], GREEDY)
+    llm.engine.step()
+    assert llm.engine.kv_usage().used > 0
+    llm.engine.abort(rid)
+    assert llm.engine.kv_usage().used == 0 and not llm.engine.has_unfinished()
+
+
+def test_stream_consumer_stopping_early_aborts(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm()
+    stream = llm.stream(PROMPTS[:2], GREEDY)
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished()
+
+
+def test_bad_input_is_rejected_without_disturbing_running_requests(tiny_llm: Callable[..., LLM]) -> None:
+    reference = token_ids(tiny_llm(), PROMPTS[:3])
+    llm = tiny_llm()
+    engine = llm.engine
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    engine.step()
+    engine.step()
+    bad = [
+        (lambda: engine.add_request([], GREEDY), "empty prompt"),
+        (lambda: engine.add_request(list(range(1, 100)) * 3, GREEDY), "max_model_len"),
+        (lambda: engine.add_request([1, 2], SamplingParams(max_tokens=255)), "max_model_len"),
+        (lambda: engine.add_request([1, 999], GREEDY), "token ids"),
+        (lambda: engine.add_request("text", GREEDY), "no tokenizer"),
+        (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda: SamplingParams(top_p=0.0), "top_p"),
+        (lambda: SamplingParams(top_p=1.5), "top_p"),
+    ]
+    for call, message in bad:
+        with pytest.raises(ValueError, match=message):
+            call()
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert [outputs[i] for i in ids] == reference
+
+
+def test_request_larger_than_kv_budget_is_rejected(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm(kv_cache_memory="32KiB")  # 4 blocks = 64 tokens
+    with pytest.raises(ValueError, match="whole KV cache"):
+        llm.engine.add_request(list(range(1, 50)), SamplingParams(max_tokens=30))
+
+
+def test_generate_rejects_all_when_one_prompt_is_empty(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm()
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([[1, 2], []], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_bad_engine_config_errors(tiny_llm: Callable[..., LLM]) -> None:
+    with pytest.raises(ValueError, match="smaller than one KV block"):
+        tiny_llm(kv_cache_memory="1KiB")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        LLM(model="/nonexistent/model.gguf")
+    with pytest.raises(ValueError, match="contiguous"):
+        tiny_llm(cache_mode="contiguous", kv_cache_memory="64KiB")
