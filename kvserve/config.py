@@ -17,7 +17,7 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, 
 
 
 def parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"EngineConfig.kv_cache_memory: cannot parse {text!r} (use e.g. '2GiB' or 0.5)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
@@ -27,6 +27,10 @@ def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -45,18 +49,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"EngineConfig.cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
         for name in ("block_size", "max_num_seqs"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-        if isinstance(self.kv_cache_memory, float) and not 0 < self.kv_cache_memory <= 1:
+        if not isinstance(self.kv_cache_memory, str) and not 0 < self.kv_cache_memory <= 1:
             raise ValueError(f"EngineConfig.kv_cache_memory as a fraction must be in (0, 1], "
                              f"got {self.kv_cache_memory}")
         if isinstance(self.kv_cache_memory, str):

@@ -18,7 +18,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")

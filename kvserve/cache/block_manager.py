@@ -37,12 +37,11 @@ class BlockManager:
     def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int = 0) -> bool:
         """Grow `seq_id`'s table to hold `max(num_tokens, reserve_tokens)` slots and record that it
         holds `num_tokens` tokens. Allocates nothing and returns False if blocks are short."""
-        table = self.tables.setdefault(seq_id, [])
+        table = self.tables.get(seq_id, [])
         need = self.blocks_for(max(num_tokens, reserve_tokens)) - len(table)
         if need > len(self.free_blocks):
-            if not table:
-                del self.tables[seq_id]
             return False
+        self.tables[seq_id] = table
         table.extend(self.free_blocks.popleft() for _ in range(need))
         self.num_tokens[seq_id] = num_tokens
         self.peak_used = max(self.peak_used, self.num_blocks - len(self.free_blocks))

@@ -8,6 +8,7 @@ from kvserve.cache.kv_pool import KVPool
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.cpu_linear import can_pack, pack_linears
 from kvserve.model.llama import LlamaForCausalLM
 
 
@@ -15,6 +16,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, block_manager: BlockManager,
                  device: torch.device) -> None:
         self.model, self.pool, self.block_manager, self.device = model, pool, block_manager, device
+        if can_pack(device, pool.layers[0][0].dtype):
+            pack_linears(model)
         cfg = model.config
         self.group = cfg.num_heads // cfg.num_kv_heads
 
@@ -24,7 +27,9 @@ class ModelRunner:
         input_ids = [t for s in seqs for t in s.token_ids[s.num_computed_tokens:]]
         meta = AttentionMetadata.build(
             query_lens, [s.num_tokens for s in seqs],
-            [self.block_manager.tables[s.request_id] for s in seqs],
+            # Only the blocks holding context: a contiguous reservation's unused tail is not read.
+            [self.block_manager.tables[s.request_id][:self.block_manager.blocks_for(s.num_tokens)]
+             for s in seqs],
             self.pool.block_size, self.group, self.device)
         logit_index = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         logits = self.model(torch.tensor(input_ids, device=self.device), meta, self.pool.layers,

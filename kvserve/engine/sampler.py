@@ -1,13 +1,19 @@
 """Turns a batch of logits into next tokens: greedy, temperature, top-k, top-p, seeded."""
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from kvserve.sampling_params import SamplingParams
 
-# Mixes the request seed with the token position, so each draw depends only on
-# (seed, position): the same in any batch and after a preemption.
-_SEED_STRIDE = 1_000_003
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """Each draw depends only on (seed, position): the same in any batch and after a preemption.
+    Hashing keeps distinct pairs apart and any int seed in the generator's range."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
@@ -25,7 +31,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly.
     noise = torch.stack([
         torch.empty(logits.shape[1]).exponential_(
-            generator=torch.Generator().manual_seed(seed * _SEED_STRIDE + pos))
+            generator=torch.Generator().manual_seed(draw_seed(seed, pos)))
         for seed, pos in zip(seeds, positions)]).to(device)
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([p.greedy for p in params], device=device)
@@ -42,6 +48,7 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     drop = ranks >= top_k[:, None]
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+    # Rows with top_p == 1 skip this: a dominant token's mass can round to exactly 1.0.
+    drop |= ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & (top_p < 1)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

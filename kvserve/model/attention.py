@@ -18,7 +18,8 @@ class AttentionMetadata:
     """Per-step indexing shared by every layer; built once by the model runner."""
     slot_mapping: torch.Tensor   # [T] flat pool slot that each new token's K/V is written to
     block_tables: torch.Tensor   # [B, max_blocks] block ids, padded with 0 (masked out)
-    query_index: torch.Tensor    # [T] flat index of each new token in the [B * max_query_len] grid
+    query_index: torch.Tensor | None  # [T] flat index of each new token in the [B * max_query_len]
+                                      # grid; None when every sequence brings max_query_len tokens
     positions: torch.Tensor      # [T] position of each new token in its sequence (for RoPE)
     mask: torch.Tensor           # [B, 1, max_query_len * group, max_blocks * block_size] bool
     max_query_len: int
@@ -54,8 +55,10 @@ class AttentionMetadata:
         mask = (k_pos[None, None, :] <= q_pos.view(batch, max_q, 1)) & (
             k_pos[None, None, :] < ctx_lens[:, None, None])
         mask = mask.repeat_interleave(group, dim=1).unsqueeze(1)
-        return cls(slot_mapping.to(device), tables.to(device), query_index.to(device),
-                   positions.to(device), mask.to(device), max_q)
+        padded = len(query_index) != batch * max_q
+        return cls(slot_mapping.to(device), tables.to(device),
+                   query_index.to(device) if padded else None, positions.to(device),
+                   mask.to(device), max_q)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -74,8 +77,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     batch = meta.block_tables.shape[0]
     max_q = meta.max_query_len
 
-    grid = q.new_zeros(batch * max_q, heads, dim)
-    grid[meta.query_index] = q
+    if meta.query_index is None:
+        grid = q
+    else:
+        grid = q.new_zeros(batch * max_q, heads, dim)
+        grid[meta.query_index] = q
     # [B, Lq, kvh, group, D] -> [B, kvh, Lq * group, D]: row i * group + g is query i, head g.
     grid = grid.view(batch, max_q, kv_heads, group, dim).permute(0, 2, 1, 3, 4)
     grid = grid.reshape(batch, kv_heads, max_q * group, dim)
@@ -86,4 +92,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = F.scaled_dot_product_attention(grid, k, v, attn_mask=meta.mask, scale=scale)
 
     out = out.view(batch, kv_heads, max_q, group, dim).permute(0, 2, 1, 3, 4)
-    return out.reshape(batch * max_q, heads, dim)[meta.query_index]
+    out = out.reshape(batch * max_q, heads, dim)
+    return out if meta.query_index is None else out[meta.query_index]

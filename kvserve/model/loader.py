@@ -90,7 +90,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> Loaded
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         state.update(load_file(shard))
-    state = {k: v.to(dtype) for k, v in state.items()}
+    state = fuse_hf_state({k: v.to(dtype) for k, v in state.items()})
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -104,6 +104,42 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> Loaded
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     return LoadedModel(model.to(device).eval(), cfg, tokenizer, path.name)
+
+
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_hf_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face parameter names -> ours: q/k/v and gate/up concatenated along outputs."""
+    state = dict(state)
+    layers = {k.split(".")[2] for k in state if k.startswith("model.layers.")}
+    for layer in layers:
+        prefix = f"model.layers.{layer}."
+        for fused, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}{part}.{kind}" for part in parts]
+                if all(n in state for n in names):
+                    state[f"{prefix}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+    return state
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Ours -> Hugging Face parameter names, for saving a model as an HF directory."""
+    cfg = model.config
+    sizes = {"self_attn.qkv_proj": [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2,
+             "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        fused = next((f for f in _FUSED if f".{f}." in name), None)
+        if fused is None:
+            if not (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                out[name] = tensor
+            continue
+        prefix, kind = name.split(f"{fused}.")
+        for part, piece in zip(_FUSED[fused], tensor.split(sizes[fused])):
+            out[f"{prefix}{part}.{kind}"] = piece.contiguous()
+    return out
 
 
 _GGUF_NAMES = {

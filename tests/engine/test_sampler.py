@@ -1,0 +1,211 @@
+"""Sampler: greedy, top-k/top-p filtering against brute force, seeding, and the drawn distribution."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.engine.sampler import _top_k_top_p, sample
+from kvserve.sampling_params import SamplingParams
+
+
+def greedy_params() -> SamplingParams:
+    return SamplingParams(temperature=0.0)
+
+
+def flat_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Nearly uniform logits: a sampled token almost never equals the argmax, so any test that
+    expects argmax (or expects two draws to agree) fails if the wrong path is taken."""
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 0.01
+
+
+def brute_force_keep(row: list[float], top_k: int, top_p: float) -> set[int]:
+    """Indices kept by top-k then top-p, worked with a Python loop in float64.
+
+    top-k keeps the k largest logits (0 = all). top-p then renormalises over those and keeps the
+    smallest prefix, in descending order, whose mass reaches p: a token stays while the mass of
+    the tokens before it is still below p.
+    """
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    if top_k > 0:
+        order = order[:top_k]
+    m = max(row[i] for i in order)
+    weights = [math.exp(row[i] - m) for i in order]
+    total = sum(weights)
+    kept: list[int] = []
+    mass = 0.0
+    for i, w in zip(order, weights):
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += w / total
+    return set(kept)
+
+
+def prefix_margin(row: list[float], top_k: int, top_p: float) -> float:
+    """How close any exclusive prefix mass comes to p; a tiny margin would make the float32 and
+    float64 answers legitimately differ, so the tests check it is comfortably large."""
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    if top_k > 0:
+        order = order[:top_k]
+    m = max(row[i] for i in order)
+    weights = [math.exp(row[i] - m) for i in order]
+    total = sum(weights)
+    mass, margin = 0.0, float("inf")
+    if top_p >= 1:
+        return margin  # p = 1 keeps everything: no boundary to be near
+    for w in weights:
+        margin = min(margin, abs(mass - top_p))
+        mass += w / total
+    return margin
+
+
+def test_all_greedy_is_argmax() -> None:
+    logits = flat_logits(16, 50, seed=0)
+    out = sample(logits, [greedy_params()] * 16, seeds=list(range(16)), positions=[3] * 16)
+    assert out.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_temperature_zero_rows_stay_greedy_in_mixed_batch() -> None:
+    # Even rows greedy, odd rows sampled with filters, so the batch goes through temperature,
+    # top-k/top-p and the noise race; the greedy rows must still give their argmax.
+    rows, vocab = 32, 200
+    logits = flat_logits(rows, vocab, seed=1)
+    params = [greedy_params() if i % 2 == 0 else SamplingParams(temperature=0.7, top_k=50, top_p=0.9)
+              for i in range(rows)]
+    out = sample(logits, params, seeds=list(range(rows)), positions=list(range(rows)))
+    argmax = logits.argmax(dim=-1)
+    assert out[0::2].tolist() == argmax[0::2].tolist()
+    # The sampled rows really sampled: with flat logits most miss the argmax.
+    assert (out[1::2] != argmax[1::2]).sum() >= 10
+
+
+@pytest.mark.parametrize("top_k,top_p", [
+    (1, 1.0), (3, 1.0), (17, 1.0), (63, 1.0), (64, 1.0), (100, 1.0),  # top-k only (100 > vocab)
+    (0, 0.05), (0, 0.3), (0, 0.77), (0, 0.999),                      # top-p only
+    (5, 0.5), (20, 0.3), (40, 0.95), (2, 0.99),                      # both
+])
+def test_top_k_top_p_matches_brute_force(top_k: int, top_p: float) -> None:
+    rows, vocab = 12, 64
+    gen = torch.Generator().manual_seed(top_k * 1000 + int(top_p * 1000))
+    # Scale 1.5 keeps every probability far above float32 rounding of the prefix sums (the
+    # p = 1 rounding case has its own test below), while top-k and top-p still cut deep.
+    logits = torch.randn(rows, vocab, generator=gen) * 1.5
+    params = [SamplingParams(top_k=top_k, top_p=top_p)] * rows
+    out = _top_k_top_p(logits.clone(), params)
+    for r in range(rows):
+        row = logits[r].tolist()
+        assert prefix_margin(row, top_k, top_p) > 1e-5
+        expected = brute_force_keep(row, top_k, top_p)
+        kept = set(torch.isfinite(out[r]).nonzero().flatten().tolist())
+        assert kept == expected, f"row {r}"
+        # Kept logits are untouched; dropped ones are -inf.
+        idx = sorted(kept)
+        assert torch.equal(out[r, idx], logits[r, idx])
+        assert torch.all(out[r][~torch.isfinite(out[r])] == float("-inf"))
+
+
+def test_top_k_top_p_per_row_params() -> None:
+    # Each row uses its own settings, in one call.
+    settings = [(0, 1.0), (1, 1.0), (0, 0.4), (7, 0.6), (30, 1.0), (0, 0.9)]
+    logits = torch.randn(len(settings), 40, generator=torch.Generator().manual_seed(7)) * 1.5
+    out = _top_k_top_p(logits.clone(), [SamplingParams(top_k=k, top_p=p) for k, p in settings])
+    for r, (k, p) in enumerate(settings):
+        row = logits[r].tolist()
+        assert prefix_margin(row, k, p) > 1e-5
+        kept = set(torch.isfinite(out[r]).nonzero().flatten().tolist())
+        assert kept == brute_force_keep(row, k, p), f"row {r}"
+
+
+def test_top_p_hand_worked() -> None:
+    # probs 0.4, 0.3, 0.2, 0.1 (in shuffled vocab order). p = 0.65: 0.4 < 0.65 so 0.3 stays,
+    # 0.7 >= 0.65 so the rest go. p = 0.75: 0.7 < 0.75 so 0.2 also stays.
+    logits = torch.log(torch.tensor([[0.2, 0.4, 0.1, 0.3]] * 3))
+    out = _top_k_top_p(logits.clone(), [SamplingParams(top_p=0.65), SamplingParams(top_p=0.75),
+                                        SamplingParams(top_p=0.3)])
+    assert torch.isfinite(out).tolist() == [[False, True, False, True],
+                                            [True, True, False, True],
+                                            [False, True, False, False]]
+
+
+def test_top_p_one_keeps_every_token() -> None:
+    # top_p = 1.0 is the "off" value. One dominant logit makes the float32 mass of the first token
+    # round to exactly 1.0, and `prefix mass >= top_p` then drops every other token. sample() runs
+    # the filter on all rows as soon as any row in the batch uses top-k/top-p, so a top_p = 1 row's
+    # distribution (and in principle its seeded draw) depends on its neighbours.
+    logits = torch.tensor([[20.0, 0.0, 0.0, 0.0], [0.0, 20.0, 1.0, -1.0]])
+    out = _top_k_top_p(logits.clone(), [SamplingParams(top_p=1.0), SamplingParams(top_k=3, top_p=1.0)])
+    assert torch.isfinite(out).tolist() == [[True, True, True, True], [True, True, True, False]]
+
+
+def test_same_seed_and_position_independent_of_batch() -> None:
+    vocab = 500
+    logits = flat_logits(6, vocab, seed=3)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(6)]
+    seeds, positions = [11, 22, 33, 44, 55, 66], [0, 5, 5, 9, 100, 3]
+    alone = [sample(logits[i:i + 1], [params[i]], [seeds[i]], [positions[i]]).item() for i in range(6)]
+    together = sample(logits, params, seeds, positions).tolist()
+    assert together == alone
+    # Reversed order, plus greedy and filtered rows mixed in (which sends the whole batch
+    # through _top_k_top_p): each original row still draws the same token.
+    order = [5, 4, 3, 2, 1, 0]
+    extra = flat_logits(2, vocab, seed=4)
+    mixed_logits = torch.cat([logits[order], extra])
+    mixed_params = [params[i] for i in order] + [greedy_params(), SamplingParams(top_k=3, top_p=0.5)]
+    mixed = sample(mixed_logits, mixed_params, [seeds[i] for i in order] + [1, 2],
+                   [positions[i] for i in order] + [0, 0]).tolist()
+    assert mixed[:6] == [alone[i] for i in order]
+    # And the draws are not all the same token (else the comparison above proves nothing).
+    assert len(set(alone)) > 1
+
+
+def test_different_positions_give_different_draws() -> None:
+    # Uniform over 1000 tokens: 200 independent draws give about 181 distinct tokens; draws that
+    # ignored the position would all coincide.
+    n, vocab = 200, 1000
+    logits = torch.zeros(n, vocab)
+    params = [SamplingParams(temperature=1.0)] * n
+    same_seed = sample(logits, params, seeds=[42] * n, positions=list(range(n)))
+    assert len(set(same_seed.tolist())) > 150
+    same_pos = sample(logits, params, seeds=list(range(n)), positions=[7] * n)
+    assert len(set(same_pos.tolist())) > 150
+    # Repeating the call repeats the draws exactly.
+    assert torch.equal(same_seed, sample(logits, params, seeds=[42] * n, positions=list(range(n))))
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    ({"temperature": 1.0}, [0.1, 0.2, 0.3, 0.4]),
+    # Temperature 0.5 squares the probabilities: 1, 4, 9, 16 over 30.
+    ({"temperature": 0.5}, [1 / 30, 4 / 30, 9 / 30, 16 / 30]),
+    ({"temperature": 1.0, "top_k": 2}, [0, 0, 3 / 7, 4 / 7]),
+    # top_p 0.75: prefix masses 0, 0.4, 0.7 are below 0.75, so 0.4, 0.3, 0.2 stay.
+    ({"temperature": 1.0, "top_p": 0.75}, [0, 2 / 9, 3 / 9, 4 / 9]),
+])
+def test_empirical_distribution(kwargs: dict, expected: list[float]) -> None:
+    n = 4000
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4])).expand(n, 4).contiguous()
+    params = [SamplingParams(**kwargs)] * n
+    out = sample(logits, params, seeds=list(range(n)), positions=[17] * n)
+    freq = torch.bincount(out, minlength=4).double() / n
+    for got, want in zip(freq.tolist(), expected):
+        if want == 0:
+            assert got == 0  # filtered tokens are never drawn
+        else:
+            assert abs(got - want) < 0.03, (freq.tolist(), expected)
+
+
+def test_large_seed_accepted_by_params_can_be_sampled() -> None:
+    # SamplingParams accepts any int seed. The sampler mixes it as seed * 1_000_003 + position and
+    # hands that to torch.Generator.manual_seed, which only takes values below 2**64; so any
+    # seed from about 2**44 up makes sample() raise mid-step. Either the params must reject
+    # such a seed (naming the field) or the sampler must draw with it.
+    seed = 2**50
+    try:
+        params = SamplingParams(temperature=1.0, seed=seed)
+    except ValueError as e:
+        assert "seed" in str(e)
+        return
+    logits = flat_logits(1, 10, seed=0)
+    first = sample(logits, [params], [seed], [0])
+    assert torch.equal(first, sample(logits, [params], [seed], [0]))

@@ -1,0 +1,233 @@
+"""Scheduler without a model: admission limits, prefill/decode steps, preemption, finish.
+
+A model step is simulated the way the engine does it: after schedule(), each scheduled sequence
+gets one new output token and counts everything but that token as computed.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+from kvserve.cache.block_manager import BlockManager
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.sampling_params import SamplingParams
+
+
+def make_seq(request_id: str, prompt_len: int) -> Sequence:
+    return Sequence(request_id, list(range(prompt_len)), SamplingParams(), seed=0)
+
+
+def run_model(out: SchedulerOutput) -> None:
+    """What the engine does after a forward pass: one sampled token per scheduled sequence."""
+    for seq in out.seqs:
+        seq.output_token_ids.append(7)
+        seq.num_computed_tokens = seq.num_tokens - 1
+
+
+def ids(seqs: Iterable[Sequence]) -> list[str]:
+    return [s.request_id for s in seqs]
+
+
+def check_blocks(sched: Scheduler) -> None:
+    """Running sequences own enough blocks for their tokens, waiting ones own none, and no block
+    is shared or lost (brute force over the tables)."""
+    bm = sched.block_manager
+    for seq in sched.running:
+        assert len(bm.tables[seq.request_id]) * bm.block_size >= seq.num_tokens - 1
+    for seq in sched.waiting:
+        assert seq.request_id not in bm.tables
+    assert set(bm.tables) <= {s.request_id for s in sched.running}
+    used = [b for t in bm.tables.values() for b in t]
+    assert sorted(used + list(bm.free_blocks)) == list(range(bm.num_blocks))
+
+
+def test_admits_in_order_up_to_max_num_seqs() -> None:
+    sched = Scheduler(BlockManager(100, 4), max_num_seqs=2, max_num_batched_tokens=1000)
+    seqs = [make_seq(f"r{i}", 3) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert out.is_prefill and ids(out.seqs) == ["r0", "r1"] and out.preempted == []
+    assert all(s.status is SequenceStatus.RUNNING and s.num_computed_tokens == 0 for s in out.seqs)
+    assert ids(sched.waiting) == ["r2"] and seqs[2].status is SequenceStatus.WAITING
+    run_model(out)
+    # Full: the next step decodes the two running sequences; r2 keeps waiting.
+    out = sched.schedule()
+    assert not out.is_prefill and ids(out.seqs) == ["r0", "r1"]
+    assert ids(sched.waiting) == ["r2"]
+    check_blocks(sched)
+
+
+def test_admission_stops_at_batched_token_budget() -> None:
+    sched = Scheduler(BlockManager(100, 4), max_num_seqs=10, max_num_batched_tokens=12)
+    for i in range(3):
+        sched.add(make_seq(f"r{i}", 5))
+    out = sched.schedule()
+    assert out.is_prefill and ids(out.seqs) == ["r0", "r1"]  # 5 + 5 = 10; a third 5 exceeds 12
+    run_model(out)
+    # The next step is again a prefill (prefill first), admitting only the one still waiting.
+    out = sched.schedule()
+    assert out.is_prefill and ids(out.seqs) == ["r2"]
+    run_model(out)
+    out = sched.schedule()
+    assert not out.is_prefill and ids(out.seqs) == ["r0", "r1", "r2"]
+    # Each has had one token sampled, so the decode step runs exactly one new token each.
+    assert [s.num_new_tokens for s in out.seqs] == [1, 1, 1]
+
+
+def test_admission_stops_when_blocks_run_out_and_keeps_fifo() -> None:
+    # 3 blocks of 4: r0 (8 tokens) takes 2, r1 (8 tokens) does not fit. r2 (1 token) would fit,
+    # but admission is in order, so it is not let past r1.
+    bm = BlockManager(3, 4)
+    sched = Scheduler(bm, max_num_seqs=10, max_num_batched_tokens=1000)
+    for name, n in [("r0", 8), ("r1", 8), ("r2", 1)]:
+        sched.add(make_seq(name, n))
+    out = sched.schedule()
+    assert out.is_prefill and ids(out.seqs) == ["r0"]
+    assert ids(sched.waiting) == ["r1", "r2"]
+    assert set(bm.tables) == {"r0"} and len(bm.free_blocks) == 1  # the failed try left nothing
+    run_model(out)
+    out = sched.schedule()
+    assert not out.is_prefill and ids(out.seqs) == ["r0"]
+    check_blocks(sched)
+
+
+def test_decode_preempts_most_recent_sequence() -> None:
+    # 4 blocks of 4. Three 4-token prompts take one block each; after one token each, every
+    # sequence needs a second block at the next decode but only one is free.
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=10, max_num_batched_tokens=1000)
+    a, b, c, d = make_seq("a", 4), make_seq("b", 4), make_seq("c", 4), make_seq("d", 9)
+    for s in (a, b, c, d):
+        sched.add(s)
+    out = sched.schedule()
+    assert ids(out.seqs) == ["a", "b", "c"]  # d (3 blocks) does not fit
+    run_model(out)
+    c_blocks = list(bm.tables["c"])
+
+    out = sched.schedule()
+    # a takes the free block, b finds none, so c (admitted last) is preempted and b gets c's block.
+    assert not out.is_prefill
+    assert ids(out.seqs) == ["a", "b"] and ids(out.preempted) == ["c"]
+    assert ids(sched.running) == ["a", "b"]
+    assert "c" not in bm.tables and "c" not in bm.num_tokens
+    assert len(bm.tables["a"]) == 2 and len(bm.tables["b"]) == 2
+    assert set(bm.tables["b"]) & set(c_blocks)  # c's freed block went to b
+    assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0
+    assert c.output_token_ids == [7]            # its token is kept and recomputed later
+    assert ids(sched.waiting) == ["c", "d"]     # put first, ahead of older waiting d
+    assert c.num_preemptions == 1 and sched.num_preemptions == 1
+    assert a.num_preemptions == 0 and b.num_preemptions == 0
+    check_blocks(sched)
+
+    # After a and b finish, c is readmitted and recomputes its prompt plus its kept token.
+    run_model(out)
+    sched.finish(a)
+    sched.finish(b)
+    out = sched.schedule()
+    assert out.is_prefill and ids(out.seqs) == ["c"]
+    assert c.num_new_tokens == 5
+
+
+def test_preempts_itself_when_last_and_short() -> None:
+    # Two blocks of 2: a (2 tokens) and b (2 tokens) fill the pool. At decode a needs a block:
+    # b is preempted; then a runs alone. When a outgrows the whole pool it is the only (and so
+    # most recent) running sequence and preempts itself rather than looping forever.
+    bm = BlockManager(2, 2)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    a, b = make_seq("a", 2), make_seq("b", 2)
+    sched.add(a)
+    sched.add(b)
+    run_model(sched.schedule())
+    out = sched.schedule()
+    assert ids(out.seqs) == ["a"] and ids(out.preempted) == ["b"]
+    run_model(out)                     # a: 4 tokens, fits in 2 blocks
+    out = sched.schedule()
+    assert ids(out.seqs) == ["a"] and out.preempted == []
+    run_model(out)                     # a: 5 tokens, needs a 3rd block
+    out = sched.schedule()
+    assert out.seqs == [] and ids(out.preempted) == ["a"]
+    assert ids(sched.waiting) == ["a", "b"] and bm.tables == {}
+    assert len(bm.free_blocks) == 2
+
+
+def test_recompute_all_resets_every_decode() -> None:
+    sched = Scheduler(BlockManager(50, 4), max_num_seqs=4, max_num_batched_tokens=1000,
+                      recompute_all=True)
+    a, b = make_seq("a", 3), make_seq("b", 6)
+    sched.add(a)
+    sched.add(b)
+    run_model(sched.schedule())
+    for step in range(1, 5):
+        out = sched.schedule()
+        assert not out.is_prefill
+        # The whole sequence (prompt + outputs so far) runs again each step.
+        assert [s.num_computed_tokens for s in out.seqs] == [0, 0]
+        assert [s.num_new_tokens for s in out.seqs] == [3 + step, 6 + step]
+        run_model(out)
+
+
+def test_reserve_tokens_takes_blocks_up_front() -> None:
+    bm = BlockManager(10, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=1000, reserve_tokens=16)
+    for name in ("a", "b", "c"):
+        sched.add(make_seq(name, 2))
+    out = sched.schedule()
+    # Each reservation is 16 tokens = 4 blocks, so only two of the three fit in 10 blocks.
+    assert ids(out.seqs) == ["a", "b"]
+    assert [len(bm.tables[n]) for n in ("a", "b")] == [4, 4] and len(bm.free_blocks) == 2
+    run_model(out)
+    run_model(sched.schedule())
+    assert [len(bm.tables[n]) for n in ("a", "b")] == [4, 4]  # growth stays inside the reservation
+
+
+def test_finish_frees_blocks_wherever_the_sequence_is() -> None:
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=1000)
+    a, b = make_seq("a", 10), make_seq("b", 2)
+    sched.add(a)
+    sched.add(b)
+    run_model(sched.schedule())
+    assert len(bm.free_blocks) == 1
+    sched.finish(a)
+    assert len(bm.free_blocks) == 4 and "a" not in bm.tables
+    assert a.status is SequenceStatus.FINISHED and a.finished and a not in sched.running
+    sched.finish(b)  # still waiting
+    assert not sched.waiting and b.status is SequenceStatus.FINISHED
+    assert not sched.has_unfinished()
+    sched.finish(a)  # twice: harmless
+    assert len(bm.free_blocks) == 4
+
+
+def test_random_workload_completes_with_invariants() -> None:
+    # A seeded stream of requests with small pools: each step the block ownership is checked by
+    # brute force, each sequence finishes after its max_tokens, and every block comes back.
+    rng = random.Random(7)
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=40)
+    want: dict[str, int] = {}
+    pending: list[Sequence] = []
+    for i in range(20):
+        seq = make_seq(f"r{i}", rng.randint(1, 12))
+        want[seq.request_id] = rng.randint(1, 10)
+        pending.append(seq)
+    done: list[str] = []
+    for _ in range(2000):
+        if pending and rng.random() < 0.8:
+            sched.add(pending.pop(0))
+        if not sched.has_unfinished() and not pending:
+            break
+        out = sched.schedule()
+        if out.is_prefill:
+            assert sum(s.num_tokens for s in out.seqs) <= 40
+        assert len(sched.running) <= 4
+        run_model(out)
+        check_blocks(sched)
+        for seq in list(out.seqs):
+            if len(seq.output_token_ids) >= want[seq.request_id]:
+                sched.finish(seq)
+                done.append(seq.request_id)
+    assert sorted(done) == sorted(want) and len(done) == len(set(done))
+    assert sched.num_preemptions > 0  # the pool was small enough to exercise preemption
+    assert sorted(bm.free_blocks) == list(range(8)) and bm.tables == {}

@@ -1,0 +1,206 @@
+"""Paged attention against a dense causal reference.
+
+The reference never touches the pool: it runs `scaled_dot_product_attention` per sequence on
+contiguous K/V with each KV head repeated for its query heads (what Llama's `repeat_kv` does),
+so any mistake in slot mapping, block-table gathering, masking or head grouping shows up as a
+numeric mismatch.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+
+HEAD_DIM = 32
+ATOL = RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    # These tensors are tiny; on a 2-core machine shared with other work, torch's intra-op
+    # threads spin against each other and a 10 ms case takes 400 ms. One thread is faster here.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@dataclass
+class SeqData:
+    """One sequence of a step: `ctx` tokens in total, the last `q_len` of them new this step."""
+    ctx: int
+    q_len: int
+    k: torch.Tensor       # [ctx, kv_heads, D], K of every token of the sequence
+    v: torch.Tensor       # [ctx, kv_heads, D]
+    q: torch.Tensor       # [q_len, heads, D], queries of the new tokens
+    table: list[int]      # block ids, in sequence order
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def make_case(shapes: list[tuple[int, int]], heads: int, kv_heads: int, block_size: int,
+              seed: int) -> tuple[list[SeqData], torch.Tensor, torch.Tensor]:
+    """Random sequences plus a pool filled with garbage.
+
+    Blocks are handed out from a random permutation of the pool, so tables are neither sorted
+    nor contiguous, and block 0 (the padding id of shorter tables) may belong to someone else.
+    The pool starts as random garbage rather than zeros so that reading an unowned slot (a
+    padded table entry, or the unused tail of a sequence's last block) changes the result.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    needed = sum(blocks_for(ctx, block_size) for ctx, _ in shapes)
+    num_blocks = needed + 3  # a few blocks no one owns
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    seqs: list[SeqData] = []
+    for ctx, q_len in shapes:
+        n = blocks_for(ctx, block_size)
+        table, perm = perm[:n], perm[n:]
+        seqs.append(SeqData(
+            ctx, q_len,
+            k=torch.randn(ctx, kv_heads, HEAD_DIM, generator=gen),
+            v=torch.randn(ctx, kv_heads, HEAD_DIM, generator=gen),
+            q=torch.randn(q_len, heads, HEAD_DIM, generator=gen),
+            table=table))
+    shape = (num_blocks, block_size, kv_heads, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen)
+    v_cache = torch.randn(shape, generator=gen)
+    return seqs, k_cache, v_cache
+
+
+def dense_reference(seq: SeqData, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
+    """Causal attention of the new queries over all `ctx` keys: [q_len, heads, D]."""
+    group = heads // kv_heads
+    k = seq.k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, D]
+    v = seq.v.repeat_interleave(group, dim=1).transpose(0, 1)
+    q = seq.q.transpose(0, 1)                                   # [heads, q_len, D]
+    # New token j sits at position ctx - q_len + j and sees keys 0..that position.
+    q_pos = torch.arange(seq.ctx - seq.q_len, seq.ctx)[:, None]
+    mask = torch.arange(seq.ctx)[None, :] <= q_pos
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def write_context(seqs: list[SeqData], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_size: int, group: int) -> None:
+    """Put each sequence's earlier tokens (those before this step) into the pool, as the
+    prefill steps that produced them would have: a prefill over the first ctx - q_len tokens."""
+    prior = [s for s in seqs if s.ctx > s.q_len]
+    if not prior:
+        return
+    lens = [s.ctx - s.q_len for s in prior]
+    meta = AttentionMetadata.build(lens, lens, [s.table for s in prior], block_size, group,
+                                   torch.device("cpu"))
+    write_kv(k_cache, v_cache, torch.cat([s.k[: s.ctx - s.q_len] for s in prior]),
+             torch.cat([s.v[: s.ctx - s.q_len] for s in prior]), meta.slot_mapping)
+
+
+def expected_pool(seqs: list[SeqData], k0: torch.Tensor, v0: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The garbage pool with exactly the written tokens placed where the tables say, by a loop."""
+    k_exp, v_exp = k0.clone(), v0.clone()
+    for s in seqs:
+        for pos in range(s.ctx):
+            block, off = s.table[pos // block_size], pos % block_size
+            k_exp[block, off] = s.k[pos]
+            v_exp[block, off] = s.v[pos]
+    return k_exp, v_exp
+
+
+def run_step(shapes: list[tuple[int, int]], heads: int, kv_heads: int, block_size: int,
+             seed: int = 0, scale: float | None = None) -> None:
+    """Write context, then write the step's new tokens and attend; compare with the reference."""
+    group = heads // kv_heads
+    scale = 1 / math.sqrt(HEAD_DIM) if scale is None else scale
+    seqs, k_cache, v_cache = make_case(shapes, heads, kv_heads, block_size, seed)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+
+    write_context(seqs, k_cache, v_cache, block_size, group)
+    meta = AttentionMetadata.build([s.q_len for s in seqs], [s.ctx for s in seqs],
+                                   [s.table for s in seqs], block_size, group, torch.device("cpu"))
+    # Positions (for RoPE) are the last q_len positions of each sequence, in batch order.
+    assert meta.positions.tolist() == [p for s in seqs for p in range(s.ctx - s.q_len, s.ctx)]
+    write_kv(k_cache, v_cache, torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]),
+             torch.cat([s.v[s.ctx - s.q_len:] for s in seqs]), meta.slot_mapping)
+
+    # Every token landed at table[pos // bs], offset pos % bs, and nothing else was touched.
+    k_exp, v_exp = expected_pool(seqs, k0, v0, block_size)
+    assert torch.equal(k_cache, k_exp)
+    assert torch.equal(v_cache, v_exp)
+
+    out = paged_attention(torch.cat([s.q for s in seqs]), k_cache, v_cache, meta, scale)
+    ref = torch.cat([dense_reference(s, heads, kv_heads, scale) for s in seqs])
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
+HEAD_LAYOUTS = [pytest.param(4, 4, id="mha"), pytest.param(8, 2, id="gqa"),
+                pytest.param(4, 1, id="mqa")]
+BLOCK_SIZES = [1, 16, 128]
+
+# (ctx, q_len) per sequence. Lengths straddle block boundaries for 16 and 128 on purpose.
+PREFILL = [(7, 7), (1, 1), (17, 17), (130, 130), (33, 33)]
+DECODE = [(5, 1), (129, 1), (300, 1), (16, 1), (17, 1)]
+# Two prefills, two decodes with long context, and one chunk of 5 new tokens after 15 cached.
+MIXED = [(40, 40), (257, 1), (3, 3), (64, 1), (20, 5)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", HEAD_LAYOUTS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("shapes", [pytest.param(PREFILL, id="prefill"),
+                                    pytest.param(DECODE, id="decode"),
+                                    pytest.param(MIXED, id="mixed")])
+def test_paged_matches_dense(shapes: list[tuple[int, int]], block_size: int, heads: int,
+                             kv_heads: int) -> None:
+    run_step(shapes, heads, kv_heads, block_size, seed=block_size * 31 + heads * 7 + kv_heads)
+
+
+@pytest.mark.parametrize("shapes", [[(1, 1)], [(200, 200)], [(200, 1)], [(9, 9), (9, 9), (9, 9)],
+                                    [(30, 4), (12, 4)]])
+def test_unpadded_grid(shapes: list[tuple[int, int]]) -> None:
+    # Every sequence brings the same number of new tokens, so the query grid has no padding
+    # rows (a batch of one, equal-length prefills, equal-length chunks after cached context).
+    run_step(shapes, heads=8, kv_heads=2, block_size=16, seed=5)
+
+
+def test_scale_is_honoured() -> None:
+    # A scale far from 1/sqrt(D) would expose an implementation that ignores the argument.
+    run_step(MIXED, heads=8, kv_heads=2, block_size=16, seed=9, scale=0.9)
+
+
+def test_slot_mapping_hand_worked() -> None:
+    # block_size 4. Sequence A: table [5, 2], prefill of 6 tokens -> positions 0..5 ->
+    # slots 5*4+0..3 = 20..23, then 2*4+0..1 = 8, 9. Sequence B: table [7, 0, 3], 10 tokens
+    # cached, 1 new token at position 9 -> block table[9 // 4] = 3, offset 1 -> slot 13.
+    meta = AttentionMetadata.build([6, 1], [6, 10], [[5, 2], [7, 0, 3]], block_size=4, group=1,
+                                   device=torch.device("cpu"))
+    assert meta.slot_mapping.tolist() == [20, 21, 22, 23, 8, 9, 13]
+    assert meta.positions.tolist() == [0, 1, 2, 3, 4, 5, 9]
+    # Grid rows: max_query_len 6, so A's tokens take rows 0..5 and B's token row 6.
+    assert meta.max_query_len == 6
+    assert meta.query_index.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert meta.block_tables.tolist() == [[5, 2, 0], [7, 0, 3]]
+
+
+def test_permuted_table_changes_result() -> None:
+    # Reading through a swapped table must change the output: proves paged_attention follows the
+    # table rather than assuming an order. A prefill is used because its causal mask makes the
+    # result depend on key order (a single query that sees every key would not).
+    heads, kv_heads, bs = 4, 2, 4
+    group = heads // kv_heads
+    seqs, k_cache, v_cache = make_case([(8, 8)], heads, kv_heads, bs, seed=3)
+    s = seqs[0]
+    meta = AttentionMetadata.build([8], [8], [s.table], bs, group, torch.device("cpu"))
+    write_kv(k_cache, v_cache, s.k, s.v, meta.slot_mapping)
+    right = paged_attention(s.q, k_cache, v_cache, meta, 0.5)
+    swapped = AttentionMetadata.build([8], [8], [s.table[::-1]], bs, group, torch.device("cpu"))
+    wrong = paged_attention(s.q, k_cache, v_cache, swapped, 0.5)
+    torch.testing.assert_close(right, dense_reference(s, heads, kv_heads, 0.5), atol=ATOL, rtol=RTOL)
+    assert not torch.allclose(right, wrong, atol=1e-3)

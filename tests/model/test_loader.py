@@ -1,0 +1,67 @@
+"""Loaders: HF directory round trip, GGUF conversion cache, clear errors for bad paths."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.config import ModelConfig
+from kvserve.model.loader import convert_gguf, default_model_path, hf_state_dict, load_model
+
+CPU = torch.device("cpu")
+
+
+def logits(model: torch.nn.Module, cfg: ModelConfig, ids: list[int]) -> torch.Tensor:
+    n = len(ids)
+    blocks = -(-n // 16)
+    pool = [(torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim),
+             torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], 16,
+                                   cfg.num_heads // cfg.num_kv_heads, CPU)
+    with torch.inference_mode():
+        return model(torch.tensor(ids), meta, pool, torch.arange(n))
+
+
+@pytest.mark.parametrize("tied,bias", [(True, False), (False, True)])
+def test_hf_directory_round_trip(tmp_path: Path, tied: bool, bias: bool) -> None:
+    cfg = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=1, head_dim=8, max_position=64, tie_word_embeddings=tied, qkv_bias=bias)
+    original = load_model(cfg, torch.float32, CPU, seed=3)
+    state = hf_state_dict(original.model)
+    assert "model.layers.0.self_attn.k_proj.weight" in state and ("lm_head.weight" in state) != tied
+    save_file(state, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    loaded = load_model(tmp_path, torch.float32, CPU)
+    assert loaded.config == cfg
+    ids = [3, 14, 15, 92, 65, 35]
+    assert torch.equal(logits(loaded.model, cfg, ids), logits(original.model, cfg, ids))
+    if tied:
+        assert loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_missing_and_wrong_paths_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_model(tmp_path / "nope.gguf", torch.float32, CPU)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="neither a .gguf"):
+        load_model(tmp_path / "weights.bin", torch.float32, CPU)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path, torch.float32, CPU)
+    with pytest.raises(ValueError, match="unknown preset"):
+        load_model("random:nope", torch.float32, CPU)
+
+
+@pytest.mark.model
+def test_gguf_conversion_is_cached() -> None:
+    first = convert_gguf(default_model_path())  # the shared cache, converted once per machine
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert convert_gguf(default_model_path()) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    cfg = json.loads((first / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rope_theta"]) == (9, 3, 100000.0)
+    assert cfg["tie_word_embeddings"] is True
+    assert (first / "tokenizer.json").exists()

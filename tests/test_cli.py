@@ -1,0 +1,45 @@
+"""The command line as a user runs it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def kvserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True,
+                          input=stdin, timeout=300)
+
+
+def test_help_explains_commands() -> None:
+    out = kvserve("--help")
+    assert out.returncode == 0
+    for command in ("generate", "chat", "bench"):
+        assert command in out.stdout
+    gen = kvserve("generate", "--help")
+    assert "--kv-cache-memory" in gen.stdout and "--temperature" in gen.stdout
+
+
+def test_invalid_sampling_parameter_is_a_clear_error() -> None:
+    out = kvserve("generate", "hi", "--model", "random:tiny", "--top-p", "1.5")
+    assert out.returncode != 0 and "top_p" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_unknown_model_file_is_a_clear_error() -> None:
+    out = kvserve("generate", "hi", "--model", "/no/such/model.gguf")
+    assert out.returncode != 0 and "no such file" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.model
+def test_generate_answers_with_the_bundled_model() -> None:
+    out = kvserve("generate", "What is the capital of France?", "--max-tokens", "24")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+@pytest.mark.model
+def test_chat_streams_replies_until_eof() -> None:
+    out = kvserve("chat", "--max-tokens", "16", stdin="Hello!\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("> ") == 2 and len(out.stdout.splitlines()) >= 3

@@ -1,0 +1,112 @@
+"""Validation of EngineConfig and SamplingParams, and parse_bytes.
+
+Every rejection must be a ValueError whose message names the offending field, so a user who
+passes a bad value learns which one from the message alone.
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvserve.config import EngineConfig, parse_bytes
+from kvserve.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dtype", "float64"),
+    ("dtype", "int8"),
+    ("device", "gpu"),
+    ("device", "tpu:0"),
+    # Starts with "cuda" but is no device string torch accepts (torch.device raises later).
+    ("device", "cuda:x"),
+    ("device", "cudafoo"),
+    ("cache_mode", "paged-ish"),
+    ("cache_mode", "none"),
+    ("block_size", 0),
+    ("block_size", -16),
+    ("block_size", 16.0),
+    ("max_num_seqs", 0),
+    ("max_num_seqs", "32"),
+    ("max_num_batched_tokens", 0),
+    ("max_model_len", 0),
+    ("max_model_len", -1),
+    ("max_model_len", 2048.5),
+    ("kv_cache_memory", 1.5),
+    ("kv_cache_memory", 0.0),
+    ("kv_cache_memory", -0.5),
+    # An int is a number just like a float (kv_budget_bytes multiplies it by free memory), so
+    # 2 means 200% of free memory and 0 means an empty cache; both must be rejected.
+    ("kv_cache_memory", 2),
+    ("kv_cache_memory", 0),
+    ("kv_cache_memory", "lots"),
+    ("kv_cache_memory", "2XB"),
+    ("kv_cache_memory", ""),
+    ("kv_cache_memory", "-1GiB"),
+    # Matches the number pattern [0-9.]+ but is not a number: float() fails inside parse_bytes.
+    ("kv_cache_memory", "1.2.3GiB"),
+    ("kv_cache_memory", ".GiB"),
+])
+def test_engine_config_rejects(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_engine_config_accepts_good_values() -> None:
+    # The counterpart of the rejections: boundary values that must pass.
+    for kwargs in [{}, {"dtype": "fp32", "device": "cpu"}, {"device": "cuda:1"},
+                   {"cache_mode": "contiguous"}, {"cache_mode": "no-cache"},
+                   {"block_size": 1, "max_num_seqs": 1, "max_model_len": 1, "max_num_batched_tokens": 1},
+                   {"kv_cache_memory": 1.0}, {"kv_cache_memory": 0.01}, {"kv_cache_memory": "512MiB"}]:
+        EngineConfig(**kwargs)
+
+
+def test_kv_budget_bytes_from_string() -> None:
+    assert EngineConfig(kv_cache_memory="3GiB").kv_budget_bytes() == 3 * 2**30
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("2GiB", 2 * 2**30),
+    ("512MiB", 512 * 2**20),
+    ("1.5GB", 1_500_000_000),
+    ("64KiB", 64 * 1024),
+    ("10kb", 10_000),
+    ("2 gib", 2 * 2**30),   # units are case-insensitive and may follow a space
+    ("4096", 4096),         # bare number: bytes
+    ("100B", 100),
+    ("0.5MiB", 2**19),
+])
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["2TiB", "GiB", "two GiB", "1.2.3GiB", "."])
+def test_parse_bytes_rejects_with_field_name(text: str) -> None:
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 0),
+    ("max_tokens", -3),
+    ("max_tokens", 2.0),
+    ("temperature", -0.1),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_p", -0.2),
+    ("top_k", -1),
+])
+def test_sampling_params_rejects(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_rejects_empty_stop() -> None:
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=["ok", ""])
+
+
+def test_sampling_params_boundaries_and_normalisation() -> None:
+    p = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, stop="END")
+    assert p.greedy
+    assert p.stop == ["END"]  # a single stop string becomes a list
+    assert not SamplingParams(temperature=1e-6).greedy
+    SamplingParams(top_p=1e-9, top_k=1)
