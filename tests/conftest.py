@@ -38,9 +38,11 @@ def tiny_llm() -> Iterator[Callable[..., LLM]]:
 
 
 @pytest.fixture(scope="session")
-def smol() -> LLM:
+def smol() -> Iterator[LLM]:
     """The bundled SmolLM2-135M-Instruct in fp32, for exact comparison with HF transformers."""
-    return LLM(dtype="float32", device="cpu", kv_cache_memory="512MiB", max_model_len=2048)
+    llm = LLM(dtype="float32", device="cpu", kv_cache_memory="512MiB", max_model_len=2048)
+    yield llm
+    assert_all_blocks_free(llm)
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
     sc.add_argument("--prompt-len", type=int, default=32)
     sc.add_argument("--num-tokens", type=int, default=512)
+    sc.add_argument("--skip-hf", action="store_true", help="leave out HF transformers' cached decoding")
     sc.add_argument("--out", default="bench_out")
     add_engine_args(sc)
     sc.set_defaults(func=run)
@@ -83,18 +84,33 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
     from kvserve.bench.scaling import plot, time_per_token
 
     args.max_model_len = args.max_model_len or args.prompt_len + args.num_tokens
+    prompt = list(range(100, 100 + args.prompt_len))
     series = {}
-    for mode, label in (("paged", "cached (paged KV)"), ("no-cache", "no-cache (recompute)")):
+    for mode, label in (("paged", "kvserve cached (paged KV)"), ("no-cache", "kvserve no-cache (recompute)")):
         llm = llm_from_args(args, mode)
-        prompt = list(range(100, 100 + args.prompt_len))
+        time_per_token(llm, prompt, 8, "warm-up")
         series[label] = time_per_token(llm, prompt, args.num_tokens, label)
+    if not args.skip_hf:
+        from kvserve.bench.hf_baseline import hf_step_times, load_hf_model
+        from kvserve.model.loader import default_model_path
+
+        model, _ = load_hf_model(str(args.model or default_model_path()), getattr(torch, args.dtype))
+        hf_step_times(model, prompt, 8, 0)  # warm-up, as kvserve's first run warms its kernels
+        series["HF transformers (DynamicCache)"] = hf_step_times(model, prompt, args.num_tokens, 0)
     path = out / "scaling.png"
     plot(args.prompt_len, series, path)
-    lines = []
+    lines = [f"single sequence, prompt {args.prompt_len} tokens, {args.num_tokens} generated, "
+             f"dtype {args.dtype}, torch threads {torch.get_num_threads()}", ""]
+    decode_ms = {}
     for label, times in series.items():
         q = len(times) // 4
-        lines.append(f"{label}: total {sum(times):.2f} s; mean ms/token first quarter "
-                     f"{1e3 * sum(times[1:q]) / (q - 1):.1f}, last quarter {1e3 * sum(times[-q:]) / q:.1f}")
-    text = "\n".join(lines + [f"plot: {path}"])
+        decode_ms[label] = 1e3 * sum(times[1:]) / (len(times) - 1)
+        lines.append(f"- {label}: total {sum(times):.2f} s; decode ms/token mean {decode_ms[label]:.1f}, "
+                     f"first quarter {1e3 * sum(times[1:q]) / (q - 1):.1f}, "
+                     f"last quarter {1e3 * sum(times[-q:]) / q:.1f}")
+    if not args.skip_hf:
+        cached, hf = decode_ms["kvserve cached (paged KV)"], decode_ms["HF transformers (DynamicCache)"]
+        lines.append(f"- single-stream decode speed, kvserve / HF: {hf / cached:.2f}x")
+    text = "\n".join(lines + ["", f"plot: {path}"])
     print(text)
     (out / "scaling.md").write_text(text + "\n")

@@ -81,17 +81,8 @@ def run_hf_static_batches(
             # Static batching: the whole batch decodes until its longest request is
             # done; min_new_tokens stops EOS from ending it early, matching the
             # engine's ignore_eos benchmark mode.
-            steps = max(r.max_tokens for r in batch)
-            clock = _StepClock()
-            model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=steps,
-                min_new_tokens=steps,
-                do_sample=False,
-                pad_token_id=pad_token_id,
-                stopping_criteria=StoppingCriteriaList([clock]),
-            )
+            stamps = _timed_generate(model, input_ids, attention_mask,
+                                     max(r.max_tokens for r in batch), pad_token_id)
             # A request's useful work ends at its own max_tokens; later steps are
             # padding waste that static batching forces on it.
             timings.extend(
@@ -99,9 +90,29 @@ def run_hf_static_batches(
                     prompt_len=len(r.prompt_token_ids),
                     output_len=r.max_tokens,
                     arrival=t0,
-                    first_token=clock.stamps[0],
-                    finish=clock.stamps[r.max_tokens - 1],
+                    first_token=stamps[0],
+                    finish=stamps[r.max_tokens - 1],
                 )
                 for r in batch
             )
     return timings, time.perf_counter() - t0
+
+
+def _timed_generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    steps: int, pad_token_id: int) -> list[float]:
+    """Greedy `generate` for exactly `steps` tokens; returns when each token was ready."""
+    clock = _StepClock()
+    model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps,
+                   min_new_tokens=steps, do_sample=False, pad_token_id=pad_token_id,
+                   stopping_criteria=StoppingCriteriaList([clock]))
+    return clock.stamps
+
+
+def hf_step_times(model: PreTrainedModel, prompt_ids: list[int], num_tokens: int,
+                  pad_token_id: int) -> list[float]:
+    """Seconds each generated token took for one sequence alone (the first includes prefill)."""
+    ids = torch.tensor([prompt_ids], device=model.device)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        stamps = _timed_generate(model, ids, torch.ones_like(ids), num_tokens, pad_token_id)
+    return [b - a for a, b in zip([start, *stamps], stamps)]

@@ -27,10 +27,9 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
-        for p in prompts:  # check every prompt before queueing any
-            if not self.engine.encode(p)[1]:
-                raise ValueError("prompt: empty prompt")
-        return [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        # Validate every request before queueing any: a bad one rejects the call, not half of it.
+        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, params)]
+        return [self.engine.add_sequence(seq) for seq in seqs]
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -71,7 +71,11 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Validates everything before touching engine state, so a bad request never disturbs others."""
+        return self.add_sequence(self.make_sequence(prompt, params, request_id))
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None) -> Sequence:
+        """Validates a request without touching engine state, so a bad one never disturbs others."""
         params = params or SamplingParams()
         text, ids = self.encode(prompt)
         if not ids:
@@ -86,13 +90,15 @@ class LLMEngine:
             raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"the whole KV cache ({capacity} tokens); raise kv_cache_memory")
         request_id = request_id or str(next(self._ids))
-        if request_id in self._seqs:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        seq = Sequence(request_id, ids, params, seed, prompt=text)
-        self._seqs[request_id] = seq
+        return Sequence(request_id, ids, params, seed, prompt=text)
+
+    def add_sequence(self, seq: Sequence) -> str:
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request_id: {seq.request_id!r} is already in use")
+        self._seqs[seq.request_id] = seq
         self.scheduler.add(seq)
-        return request_id
+        return seq.request_id
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +55,7 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, devic
         model = default_model_path()
     text = str(model)
     if text.startswith("random:"):
-        preset = text.split(":", 1)[1]
-        if preset not in PRESETS:
-            raise ValueError(f"model: unknown preset {preset!r}; known: {sorted(PRESETS)}")
-        return _random_model(PRESETS[preset], text, dtype, device, seed)
+        return _random_model(preset_config(text), text, dtype, device, seed)
     path = Path(text).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model: no such file or directory: {path}")
@@ -67,6 +64,19 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, devic
             raise ValueError(f"model: {path} is neither a .gguf file nor a model directory")
         path = convert_gguf(path)
     return _load_hf_dir(path, dtype, device)
+
+
+def preset_config(spec: str) -> ModelConfig:
+    """`random:<preset>` or `random:<preset>:<layers>`: a preset's shape, optionally with fewer
+    layers (a 7B shape with 2 layers runs on a laptop and keeps per-layer costs real)."""
+    _, preset, *layers = spec.split(":")
+    if preset not in PRESETS:
+        raise ValueError(f"model: unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    if not layers:
+        return PRESETS[preset]
+    if len(layers) > 1 or not layers[0].isdigit() or int(layers[0]) < 1:
+        raise ValueError(f"model: {spec!r}: expected random:<preset>:<number of layers>")
+    return replace(PRESETS[preset], num_layers=int(layers[0]))
 
 
 def _random_model(cfg: ModelConfig, name: str, dtype: torch.dtype, device: torch.device,

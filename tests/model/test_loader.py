@@ -65,3 +65,12 @@ def test_gguf_conversion_is_cached() -> None:
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rope_theta"]) == (9, 3, 100000.0)
     assert cfg["tie_word_embeddings"] is True
     assert (first / "tokenizer.json").exists()
+
+
+def test_random_presets_with_fewer_layers() -> None:
+    loaded = load_model("random:llama-3-8b:1", torch.bfloat16, CPU)
+    cfg = loaded.config
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (1, 32, 8, 128)
+    assert len(loaded.model.model.layers) == 1 and loaded.tokenizer is None
+    with pytest.raises(ValueError, match="number of layers"):
+        load_model("random:llama-2-7b:x", torch.float32, CPU)
