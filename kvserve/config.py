@@ -44,6 +44,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # default: max(max_model_len, 2048)
     max_model_len: int | None = None           # default: the model's context length
     cache_mode: str = "paged"                  # "paged" | "contiguous" | "no-cache"
+    enable_prefix_caching: bool = True         # reuse K/V of shared prompt prefixes (paged mode)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -16,8 +16,9 @@ TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_la
 
 def assert_all_blocks_free(llm: LLM) -> None:
     usage = llm.engine.kv_usage()
-    assert usage.used == 0 and usage.free == usage.total, usage
-    assert not llm.engine.block_manager.tables
+    assert usage.used == 0 and usage.free + usage.cached == usage.total, usage
+    bm = llm.engine.block_manager
+    assert not bm.tables and all(b.ref_count == 0 for b in bm.blocks)
 
 
 @pytest.fixture

@@ -1,17 +1,25 @@
-"""Gives each sequence a block table and hands out pool blocks as sequences grow."""
+"""Gives each sequence a block table; shares blocks by reference count and caches full blocks.
+
+Free blocks wait in one queue, in eviction order. A block that held nothing worth keeping goes
+to the front, to be reused first; a full block whose last user finished keeps its contents and
+its prefix hash and goes to the back, so cached blocks are evicted least recently used first.
+"""
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class BlockUsage:
     total: int
-    used: int
-    free: int
-    tokens: int           # slots holding a token
-    allocated_slots: int  # slots in allocated blocks
+    used: int               # blocks with at least one owner
+    free: int               # unowned blocks holding nothing reusable
+    cached: int             # unowned full blocks kept for prefix reuse (evictable)
+    tokens: int             # slots holding a token, in used blocks
+    allocated_slots: int    # slots in used blocks
+    unshared_blocks: int    # blocks the block tables would need without sharing
 
     @property
     def waste(self) -> float:
@@ -19,40 +27,176 @@ class BlockUsage:
         return 1 - self.tokens / self.allocated_slots if self.allocated_slots else 0.0
 
 
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None        # set once the block is full and registered in the cache
+    token_ids: tuple[int, ...] = ()  # compared on every hit, so a hash collision cannot alias
+
+
+def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """A full block is named by its tokens and everything before them (its parent's hash)."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(",".join(map(str, token_ids)).encode())
+    return digest.digest()
+
+
+@dataclass
+class PrefixStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cache: dict[bytes, int] = {}
         self.tables: dict[str, list[int]] = {}
         self.num_tokens: dict[str, int] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # each sequence's registered full-block hashes
+        # Copy-on-write copies (src, dst) the model runner must apply before the next forward.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_stats = PrefixStats()
         self.peak_used = 0
+
+    @property
+    def free_blocks(self) -> list[int]:
+        """Unowned blocks (cached ones included), in the order they would be reused."""
+        return list(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
         have = len(self.tables.get(seq_id, ()))
-        return self.blocks_for(num_tokens) - have <= len(self.free_blocks)
+        return self.blocks_for(num_tokens) - have <= len(self._free)
+
+    # -- taking and returning blocks ------------------------------------------------------------
+    def _take_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict: its contents are about to be overwritten
+            del self.cache[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _share(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.hash is None:
+                self._free.move_to_end(block_id, last=False)
+
+    def _note_peak(self) -> None:
+        self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
+
+    def allocate_prompt(self, seq_id: str, token_ids: list[int], reserve_tokens: int = 0) -> int | None:
+        """Give a new sequence its blocks, reusing its longest cached prefix. Returns how many
+        tokens are already in the pool, or None (changing nothing) if blocks are short."""
+        hits: list[int] = []
+        hashes: list[bytes] = []
+        if self.enable_prefix_caching:
+            parent = None
+            # The last prompt token is always computed: its logits give the first output token.
+            for i in range((len(token_ids) - 1) // self.block_size):
+                chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+                parent = block_hash(parent, chunk)
+                block_id = self.cache.get(parent)
+                if block_id is None or self.blocks[block_id].token_ids != chunk:
+                    break
+                hits.append(block_id)
+                hashes.append(parent)
+        need = self.blocks_for(max(len(token_ids), reserve_tokens)) - len(hits)
+        reusable = sum(self.blocks[b].ref_count == 0 for b in hits)
+        if need > len(self._free) - reusable:
+            return None
+        for block_id in hits:
+            self._share(block_id)
+        self.tables[seq_id] = hits + [self._take_free() for _ in range(need)]
+        self.num_tokens[seq_id] = len(token_ids)
+        self._hashes[seq_id] = hashes
+        cached = len(hits) * self.block_size
+        self.prefix_stats.prompt_tokens += len(token_ids)
+        self.prefix_stats.cached_tokens += cached
+        self._note_peak()
+        return cached
 
     def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int = 0) -> bool:
-        """Grow `seq_id`'s table to hold `max(num_tokens, reserve_tokens)` slots and record that it
-        holds `num_tokens` tokens. Allocates nothing and returns False if blocks are short."""
+        """Grow `seq_id`'s table to hold `max(num_tokens, reserve_tokens)` slots, record that it
+        holds `num_tokens` tokens, and make the block the newest token lands in its own (copy on
+        write). Allocates nothing and returns False if blocks are short."""
         table = self.tables.get(seq_id, [])
         need = self.blocks_for(max(num_tokens, reserve_tokens)) - len(table)
-        if need > len(self.free_blocks):
+        last = (num_tokens - 1) // self.block_size
+        shared_last = 0 <= last < len(table) and self.blocks[table[last]].ref_count > 1
+        if need + shared_last > len(self._free):
             return False
         self.tables[seq_id] = table
-        table.extend(self.free_blocks.popleft() for _ in range(need))
+        table.extend(self._take_free() for _ in range(need))
+        if shared_last:
+            copy = self._take_free()
+            self.pending_copies.append((table[last], copy))
+            self._release(table[last])
+            table[last] = copy
         self.num_tokens[seq_id] = num_tokens
-        self.peak_used = max(self.peak_used, self.num_blocks - len(self.free_blocks))
+        self._hashes.setdefault(seq_id, [])
+        self._note_peak()
         return True
 
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent; writes are copied on demand."""
+        for block_id in self.tables[parent_id]:
+            self._share(block_id)
+        self.tables[child_id] = list(self.tables[parent_id])
+        self.num_tokens[child_id] = self.num_tokens[parent_id]
+        self._hashes[child_id] = list(self._hashes[parent_id])
+
+    def register_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Put the sequence's newly filled blocks (their K/V written) into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._hashes[seq_id]
+        table = self.tables[seq_id]
+        for i in range(len(hashes), num_computed // self.block_size):
+            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(hashes[-1] if hashes else None, chunk)
+            hashes.append(h)
+            block = self.blocks[table[i]]
+            if block.hash is None and h not in self.cache:
+                block.hash, block.token_ids = h, chunk
+                self.cache[h] = block.block_id
+
     def free(self, seq_id: str) -> None:
-        self.free_blocks.extend(self.tables.pop(seq_id, ()))
+        # Deepest block first: among blocks freed together, the deeper is evicted first.
+        for block_id in reversed(self.tables.pop(seq_id, [])):
+            self._release(block_id)
         self.num_tokens.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
 
     def usage(self) -> BlockUsage:
-        used = self.num_blocks - len(self.free_blocks)
-        return BlockUsage(total=self.num_blocks, used=used, free=len(self.free_blocks),
-                          tokens=sum(self.num_tokens.values()),
-                          allocated_slots=sum(len(t) for t in self.tables.values()) * self.block_size)
+        filled: dict[int, int] = {}
+        for seq_id, table in self.tables.items():
+            n = self.num_tokens[seq_id]
+            for i, block_id in enumerate(table):
+                filled[block_id] = max(filled.get(block_id, 0), min(self.block_size, max(0, n - i * self.block_size)))
+        cached = sum(self.blocks[b].hash is not None for b in self._free)
+        return BlockUsage(total=self.num_blocks, used=self.num_blocks - len(self._free),
+                          free=len(self._free) - cached, cached=cached, tokens=sum(filled.values()),
+                          allocated_slots=len(filled) * self.block_size,
+                          unshared_blocks=sum(len(t) for t in self.tables.values()))

@@ -22,6 +22,17 @@ class KVPool:
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block `src`'s K/V into block `dst`, in every layer."""
+        if not pairs:
+            return
+        device = self.layers[0][0].device
+        src = torch.tensor([s for s, _ in pairs], device=device)
+        dst = torch.tensor([d for _, d in pairs], device=device)
+        for k, v in self.layers:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.layers)

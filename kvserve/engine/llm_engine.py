@@ -44,7 +44,9 @@ class LLMEngine:
             raise ValueError(f"EngineConfig.kv_cache_memory: {budget} bytes is smaller than one KV block "
                              f"({block_bytes} bytes = {config.block_size} tokens)")
         contiguous = config.cache_mode == "contiguous"
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        # The baselines stand for engines without sharing: no prefix cache for them.
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching and config.cache_mode == "paged")
         if contiguous and self.block_manager.blocks_for(self.max_model_len) > num_blocks:
             raise ValueError(f"EngineConfig.kv_cache_memory: contiguous mode preallocates max_model_len "
                              f"({self.max_model_len}) tokens per sequence, more than the "
@@ -122,6 +124,7 @@ class LLMEngine:
         for seq, token in zip(batch.seqs, tokens):
             seq.output_token_ids.append(token)
             seq.num_computed_tokens = seq.num_tokens - 1
+            self.block_manager.register_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             seq.first_token_time = seq.first_token_time or now
             delta = self._detokenize(seq)
             self._check_stop(seq, token)
@@ -166,5 +169,6 @@ class LLMEngine:
         usage = self.kv_usage()
         return {"kv_blocks_total": usage.total, "kv_blocks_used": usage.used,
                 "kv_blocks_peak": self.block_manager.peak_used, "kv_waste": usage.waste,
-                "kv_pool_bytes": self.pool.nbytes, "num_preemptions": self.scheduler.num_preemptions,
+                "kv_blocks_cached": usage.cached, "kv_pool_bytes": self.pool.nbytes,
+                "prefix_cache_hit_rate": self.block_manager.prefix_stats.hit_rate, "num_preemptions": self.scheduler.num_preemptions,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)}

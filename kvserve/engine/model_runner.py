@@ -23,6 +23,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> list[int]:
+        self.pool.copy_blocks(self.block_manager.pending_copies)
+        self.block_manager.pending_copies.clear()
         query_lens = [s.num_new_tokens for s in seqs]
         input_ids = [t for s in seqs for t in s.token_ids[s.num_computed_tokens:]]
         meta = AttentionMetadata.build(

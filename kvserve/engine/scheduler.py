@@ -54,11 +54,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_tokens > budget or not self.block_manager.allocate(
-                    seq.request_id, seq.num_tokens, self.reserve_tokens):
+            if seq.num_tokens > budget:
                 break
-            budget -= seq.num_tokens
-            seq.num_computed_tokens = 0
+            cached = self.block_manager.allocate_prompt(seq.request_id, seq.token_ids, self.reserve_tokens)
+            if cached is None:
+                break
+            budget -= seq.num_tokens - cached
+            seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             admitted.append(seq)

@@ -106,4 +106,19 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                               num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                               rope_theta=500000.0, max_position=8192, tie_word_embeddings=False),
+    # GPT-3 has no config.json; shapes from Brown et al. 2020, table 2.1 (d_head 128, MHA).
+    "gpt3-175b": ModelConfig(vocab_size=50257, hidden_size=12288, intermediate_size=49152,
+                             num_layers=96, num_heads=96, num_kv_heads=96, head_dim=128,
+                             max_position=2048, tie_word_embeddings=False),
+    "llama-2-70b": ModelConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                               num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                               max_position=4096, tie_word_embeddings=False),
+    # v0.2's config: rope_theta 1e6 and a 32k context with no sliding window.
+    "mistral-7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                              rope_theta=1000000.0, max_position=32768, tie_word_embeddings=False),
+    # Multi-query attention: 71 query heads share one K/V head; head_dim = 4544 / 71.
+    "falcon-7b": ModelConfig(vocab_size=65024, hidden_size=4544, intermediate_size=18176,
+                             num_layers=32, num_heads=71, num_kv_heads=1, head_dim=64,
+                             max_position=2048, tie_word_embeddings=False),
 }

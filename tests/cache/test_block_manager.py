@@ -124,7 +124,8 @@ def test_random_operations_keep_invariants() -> None:
 
 def test_usage_waste_hand_worked() -> None:
     bm = BlockManager(num_blocks=10, block_size=4)
-    assert bm.usage() == BlockUsage(total=10, used=0, free=10, tokens=0, allocated_slots=0)
+    assert bm.usage() == BlockUsage(total=10, used=0, free=10, cached=0, tokens=0, allocated_slots=0,
+                                    unshared_blocks=0)
     assert bm.usage().waste == 0.0
     bm.allocate("a", 5)   # 2 blocks = 8 slots, 5 tokens
     bm.allocate("b", 3)   # 1 block  = 4 slots, 3 tokens

@@ -1,0 +1,386 @@
+"""KV-cache memory planning: bytes per token, batch totals, what fits a budget, paging's savings.
+
+Everything here is arithmetic on a model's shape; no weights are loaded. Every layer keeps one
+K and one V vector of `num_kv_heads x head_dim` elements per token, so a batch's cache is
+
+    2 x batch x layers x kv_heads x head_dim x seq_len x bytes_per_element
+
+`kvserve memory` prints these figures; the functions below are its Python interface.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+from kvserve.bench.workload import _lognormal_lengths
+from kvserve.config import parse_bytes
+from kvserve.model.config import PRESETS, ModelConfig
+
+# Storage per K or V element. Fractions keep int4's half byte (and its per-group overhead)
+# exact, so byte-sized formats give exact integer totals. Later quantization work extends
+# this table and `bytes_per_element` with its own formats.
+KV_DTYPE_BYTES: dict[str, Fraction] = {
+    "fp32": Fraction(4), "fp16": Fraction(2), "bf16": Fraction(2),
+    "fp8": Fraction(1), "fp8_e4m3": Fraction(1), "fp8_e5m2": Fraction(1),
+    "int8": Fraction(1), "int4": Fraction(1, 2),
+}
+# Each int4 group stores an fp16 scale and an fp16 zero point beside its packed values.
+_INT4_GROUP_OVERHEAD_BYTES = 2 * 2
+
+
+def bytes_per_element(dtype: str, group_size: int | None = None) -> Fraction:
+    """Bytes one K or V element takes; for int4, `group_size` adds each group's scale and zero."""
+    if dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(KV_DTYPE_BYTES)}")
+    if group_size is None:
+        return KV_DTYPE_BYTES[dtype]
+    if dtype != "int4":
+        raise ValueError(f"a group size applies to int4 only, not {dtype}")
+    if group_size < 1:
+        raise ValueError(f"the group size must be positive, got {group_size}")
+    return KV_DTYPE_BYTES[dtype] + Fraction(_INT4_GROUP_OVERHEAD_BYTES, group_size)
+
+
+# ---- model shapes ----------------------------------------------------------------------------
+
+def model_shape(source: str | Path) -> ModelConfig:
+    """A model's shape from a preset name, a config.json (or its directory) or a .gguf file."""
+    if isinstance(source, str) and source in PRESETS:
+        return PRESETS[source]
+    path = Path(source)
+    if path.suffix == ".gguf":
+        return gguf_shape(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{source}: not a preset ({', '.join(PRESETS)}), a config.json, "
+                                "a directory holding one, or a .gguf file")
+    try:
+        return ModelConfig.from_json(path)
+    except KeyError as err:
+        raise ValueError(f"{path}: not a Llama-style config.json (it has no {err})") from None
+
+
+def gguf_shape(path: Path) -> ModelConfig:
+    """A GGUF model's shape from its metadata alone; the tensors are never read."""
+    # Imported here so that preset and config.json plans load neither gguf nor the model code.
+    import gguf
+
+    from kvserve.model.loader import _gguf_field
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    reader = gguf.GGUFReader(path)
+    arch = _gguf_field(reader, "general.architecture")
+
+    def field(key: str, default: int | None = None) -> int:
+        value = _gguf_field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{path}: the GGUF metadata has no {arch}.{key}")
+        return int(value)
+
+    heads = field("attention.head_count")
+    hidden = field("embedding_length")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    # Fields the KV cache does not depend on (RoPE base, norm epsilon, ...) keep their defaults.
+    return ModelConfig(
+        vocab_size=len(tokens.data) if tokens is not None else field("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=field("feed_forward_length"),
+        num_layers=field("block_count"),
+        num_heads=heads,
+        num_kv_heads=field("attention.head_count_kv", heads),
+        # key_length is the stored K width; files that omit it give the rotary width, or neither.
+        head_dim=field("attention.key_length", field("rope.dimension_count", hidden // heads)),
+        max_position=field("context_length", 2048),
+    )
+
+
+def explicit_shape(layers: int, kv_heads: int, head_dim: int, heads: int | None = None,
+                   max_position: int = 2048) -> ModelConfig:
+    """A shape from the numbers the KV cache depends on; `heads` defaults to `kv_heads` (MHA)."""
+    heads = heads or kv_heads
+    hidden = heads * head_dim
+    # The vocabulary and MLP widths never enter KV arithmetic; they only have to pass validation.
+    return ModelConfig(vocab_size=1, hidden_size=hidden, intermediate_size=4 * hidden,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                       max_position=max_position)
+
+
+def attention_kind(cfg: ModelConfig) -> str:
+    if cfg.num_kv_heads == cfg.num_heads:
+        return "MHA"
+    return "MQA" if cfg.num_kv_heads == 1 else "GQA"
+
+
+# ---- sizes -----------------------------------------------------------------------------------
+
+def kv_bytes(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, group_size: int | None = None) -> int:
+    """2 x batch x layers x kv_heads x head_dim x seq_len x bytes per element.
+
+    Exact for byte-sized formats; a fractional total (int4 groups that split unevenly) is
+    rounded up, since memory comes in whole bytes.
+    """
+    elements = 2 * batch * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * seq_len
+    return math.ceil(elements * bytes_per_element(dtype, group_size))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str, group_size: int | None = None) -> int:
+    return kv_bytes(cfg, dtype, 1, 1, group_size)
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+@dataclass(frozen=True)
+class Fit:
+    paged: int  # sequences when memory is handed out block by block as tokens arrive
+    contiguous: int  # sequences when each one reserves max_len tokens up front
+    num_blocks: int  # blocks of block_size tokens the budget holds
+    block_bytes: int
+
+
+def sequences_that_fit(cfg: ModelConfig, dtype: str, budget_bytes: int, seq_len: int, block_size: int,
+                       max_len: int | None = None, group_size: int | None = None) -> Fit:
+    """How many `seq_len`-token sequences a budget holds, paged and contiguous.
+
+    Paged, a sequence takes ceil(seq_len / block_size) blocks; contiguous, it reserves
+    `max_len` tokens (default: the model's context), as an engine that cannot grow a
+    sequence's cache must.
+    """
+    max_len = cfg.max_position if max_len is None else max_len
+    if seq_len < 1 or block_size < 1:
+        raise ValueError(f"seq_len ({seq_len}) and block_size ({block_size}) must be positive")
+    if seq_len > max_len:
+        raise ValueError(f"seq_len {seq_len} exceeds max_len {max_len}, so a contiguous "
+                         "reservation could not hold it; raise max_len")
+    block_bytes = kv_bytes(cfg, dtype, 1, block_size, group_size)
+    num_blocks = budget_bytes // block_bytes
+    return Fit(paged=num_blocks // _blocks(seq_len, block_size),
+               contiguous=budget_bytes // kv_bytes(cfg, dtype, 1, max_len, group_size),
+               num_blocks=num_blocks, block_bytes=block_bytes)
+
+
+def paging_waste(lengths: list[int], max_len: int, block_size: int) -> tuple[float, float]:
+    """(contiguous, paged) fraction of allocated token slots that hold no token.
+
+    Contiguous allocation reserves `max_len` slots per sequence; paging allocates whole blocks,
+    so only the last block of each sequence can be partly empty.
+    """
+    if not lengths:
+        raise ValueError("paging_waste needs at least one length")
+    if min(lengths) < 1 or max(lengths) > max_len:
+        raise ValueError(f"lengths must lie in [1, {max_len}], got {min(lengths)}..{max(lengths)}")
+    used = sum(lengths)
+    paged = sum(_blocks(n, block_size) for n in lengths) * block_size
+    return 1 - used / (len(lengths) * max_len), 1 - used / paged
+
+
+def lognormal_lengths(num_seqs: int, median: int, sigma: float, max_len: int, seed: int = 0) -> list[int]:
+    """Sequence lengths in [1, max_len] with the long tail real requests show; seeded, so repeatable."""
+    return _lognormal_lengths(np.random.default_rng(seed), median, sigma, num_seqs, 1, max_len).tolist()
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    name: str  # "MHA", "GQA" or "MQA"
+    kv_heads: int
+    bytes_per_token: int
+
+
+def _gqa_kv_heads(cfg: ModelConfig) -> int | None:
+    if 1 < cfg.num_kv_heads < cfg.num_heads:
+        return cfg.num_kv_heads
+    # MHA and MQA models have no grouping of their own: show 8 KV heads, the usual choice
+    # (Llama-2-70B, Llama-3, Mistral), or the largest smaller count that divides the heads
+    # evenly. None when no count does (71 heads, say): there is no GQA form to show.
+    return next((g for g in range(min(8, cfg.num_heads - 1), 1, -1) if cfg.num_heads % g == 0), None)
+
+
+def compare_attention_kinds(cfg: ModelConfig, dtype: str = "fp16",
+                            group_size: int | None = None) -> list[AttentionKind]:
+    """The same model with MHA (a KV head per query head), GQA and MQA (one KV head)."""
+    counts = [("MHA", cfg.num_heads), ("GQA", _gqa_kv_heads(cfg)), ("MQA", 1)]
+    return [AttentionKind(name, kv, kv_bytes_per_token(replace(cfg, num_kv_heads=kv), dtype, group_size))
+            for name, kv in counts if kv is not None]
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+def format_bytes(n: int) -> str:
+    """`309,237,645,312 bytes (288.00 GiB)`: exact for checking, binary units for reading."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n:,} bytes ({n / scale:.2f} {unit})"
+    return f"{n:,} bytes"
+
+
+def format_plan(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, block_size: int, *,
+                name: str = "model", group_size: int | None = None, budget_bytes: int | None = None,
+                max_len: int | None = None, lengths: list[int] | None = None,
+                compare: bool = False) -> str:
+    """The human-readable plan `kvserve memory` prints."""
+    max_len = cfg.max_position if max_len is None else max_len
+    element = bytes_per_element(dtype, group_size)
+    grouping = f" in groups of {group_size}" if group_size else ""
+    lines = [
+        f"Model: {name}: {cfg.num_layers} layers, {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads "
+        f"({attention_kind(cfg)}), head_dim {cfg.head_dim}",
+        f"KV dtype: {dtype}{grouping}, {float(element):g} bytes per element",
+        f"KV per token: {format_bytes(kv_bytes_per_token(cfg, dtype, group_size))}",
+        f"KV cache: {format_bytes(kv_bytes(cfg, dtype, batch, seq_len, group_size))}",
+        f"  = 2 x {batch:,} batch x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x "
+        f"{cfg.head_dim} head_dim x {seq_len:,} tokens x {float(element):g} bytes",
+    ]
+    if budget_bytes is not None:
+        fit = sequences_that_fit(cfg, dtype, budget_bytes, seq_len, block_size, max_len, group_size)
+        lines += [
+            f"Sequences of {seq_len:,} tokens that fit {format_bytes(budget_bytes)}:",
+            f"  paged:      {fit.paged:,} ({fit.num_blocks:,} blocks of {block_size} tokens, "
+            f"{_blocks(seq_len, block_size):,} blocks each)",
+            f"  contiguous: {fit.contiguous:,} (each reserving {max_len:,} tokens)",
+        ]
+    if lengths is not None:
+        contiguous, paged = paging_waste(lengths, max_len, block_size)
+        lines += [
+            f"Waste over {len(lengths):,} sequences (median length {statistics.median(lengths):g}, "
+            f"longest {max(lengths):,}), as a share of allocated token slots:",
+            f"  contiguous: {contiguous:6.1%} (each reserving {max_len:,} tokens)",
+            f"  paged:      {paged:6.1%} (blocks of {block_size} tokens)",
+        ]
+    if compare:
+        kinds = compare_attention_kinds(cfg, dtype, group_size)
+        mha = kinds[0].bytes_per_token
+        lines += [f"Attention kinds, {dtype}, batch {batch:,} x {seq_len:,} tokens:",
+                  f"  kind  KV heads   bytes/token    bytes for the batch  MHA/this"]
+        for kind in kinds:
+            total = kv_bytes(replace(cfg, num_kv_heads=kind.kv_heads), dtype, batch, seq_len, group_size)
+            own = "  <- this model" if kind.kv_heads == cfg.num_kv_heads else ""
+            lines.append(f"  {kind.name}   {kind.kv_heads:>8}  {kind.bytes_per_token:>12,}  {total:>21,}"
+                         f"  {mha / kind.bytes_per_token:>8g}{own}")
+        if len(kinds) < 3:
+            lines.append(f"  (no GQA: no KV head count from 2 to 8 divides {cfg.num_heads} heads evenly)")
+    return "\n".join(lines)
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+_EXAMPLES = """examples:
+  kvserve memory --preset gpt3-175b --batch 32 --seq-len 2048 --dtype fp16
+  kvserve memory --preset llama-2-70b --budget 80GiB --seq-len 1000 --compare-attention
+  kvserve memory --config path/to/model --lengths-median 300 --max-len 4096
+  kvserve memory --layers 32 --kv-heads 8 --heads 32 --head-dim 128 --dtype int4 --group-size 64
+"""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a size; use e.g. 80GiB, 512MiB or 1000000") from None
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Registers `kvserve memory` on the top-level command's subparsers."""
+    p = sub.add_parser(
+        "memory", help="plan KV-cache memory: bytes per token and in total, budget fit, paging waste",
+        description="Works out a model's KV-cache size from its shape alone (no weights are loaded): "
+                    "bytes per token and for a batch, how many sequences fit a memory budget with "
+                    "paged and with contiguous allocation, and how much of each allocation a spread "
+                    "of sequence lengths leaves empty.",
+        epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = p.add_argument_group("model (give exactly one of --preset, --config, --gguf, --layers)")
+    source = model.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in model shape")
+    source.add_argument("--config", help="a Hugging Face config.json, or the model directory holding it")
+    source.add_argument("--gguf", help="a .gguf file (only its metadata is read)")
+    source.add_argument("--layers", type=_positive_int, help="explicit shape: layers (with --kv-heads, --head-dim)")
+    model.add_argument("--kv-heads", type=_positive_int, help="explicit shape: K/V heads per layer")
+    model.add_argument("--head-dim", type=_positive_int, help="explicit shape: elements per head")
+    model.add_argument("--heads", type=_positive_int,
+                       help="explicit shape: query heads, for --compare-attention (default: --kv-heads)")
+
+    cache = p.add_argument_group("cache")
+    cache.add_argument("--dtype", default="fp16", choices=list(KV_DTYPE_BYTES),
+                       help="KV element format (default fp16)")
+    cache.add_argument("--group-size", type=_positive_int, default=None,
+                       help="int4 only: elements per quantization group, each adding an fp16 scale and zero")
+    cache.add_argument("--batch", type=_positive_int, default=1, help="sequences in the batch (default 1)")
+    cache.add_argument("--seq-len", type=_positive_int, default=2048, help="tokens per sequence (default 2048)")
+    cache.add_argument("--block-size", type=_positive_int, default=16, help="tokens per paged block (default 16)")
+    cache.add_argument("--max-len", type=_positive_int, default=None,
+                       help="tokens a contiguous cache reserves per sequence (default: the model's context; "
+                            "--seq-len for an explicit shape)")
+
+    plan = p.add_argument_group("planning")
+    plan.add_argument("--budget", type=_byte_size, default=None,
+                      help="KV memory to fill, e.g. 80GiB: prints how many --seq-len sequences fit")
+    plan.add_argument("--compare-attention", action="store_true",
+                      help="show the same model with MHA, GQA and MQA side by side")
+    plan.add_argument("--lengths-median", type=_positive_int, default=None,
+                      help="estimate contiguous vs paged waste over lognormal lengths with this median")
+    plan.add_argument("--lengths-sigma", type=float, default=0.8,
+                      help="lognormal spread of those lengths (default 0.8)")
+    plan.add_argument("--num-seqs", type=_positive_int, default=1000,
+                      help="lengths to draw for the waste estimate (default 1000)")
+    plan.add_argument("--seed", type=int, default=0, help="seed for the drawn lengths (default 0)")
+    p.set_defaults(func=run)
+
+
+def _shape_from_args(args: argparse.Namespace) -> tuple[str, ModelConfig]:
+    explicit = (args.kv_heads, args.head_dim, args.heads)
+    if args.layers is None:
+        if any(v is not None for v in explicit):
+            raise ValueError("--kv-heads, --head-dim and --heads describe an explicit shape; add --layers")
+        if args.preset:
+            return args.preset, model_shape(args.preset)
+        if args.config:
+            return args.config, model_shape(args.config)
+        return args.gguf, gguf_shape(Path(args.gguf))
+    if args.kv_heads is None or args.head_dim is None:
+        raise ValueError("--layers needs --kv-heads and --head-dim too")
+    cfg = explicit_shape(args.layers, args.kv_heads, args.head_dim, args.heads,
+                         max_position=args.max_len or args.seq_len)
+    return "explicit shape", cfg
+
+
+def run(args: argparse.Namespace) -> None:
+    name, cfg = _shape_from_args(args)
+    max_len = args.max_len or cfg.max_position
+    lengths = None
+    if args.lengths_median is not None:
+        lengths = lognormal_lengths(args.num_seqs, args.lengths_median, args.lengths_sigma, max_len, args.seed)
+    print(format_plan(cfg, args.dtype, args.batch, args.seq_len, args.block_size, name=name,
+                      group_size=args.group_size, budget_bytes=args.budget, max_len=max_len,
+                      lengths=lengths, compare=args.compare_attention))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m kvserve.diagnostics.memory_planner ARGS` runs `kvserve memory ARGS`."""
+    parser = argparse.ArgumentParser(prog="kvserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["memory", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"kvserve memory: error: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The KV-cache planner against hand-worked figures and against the engine's own pool."""
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.cache.kv_pool import KVPool
+from kvserve.diagnostics.memory_planner import (
+    bytes_per_element,
+    compare_attention_kinds,
+    explicit_shape,
+    format_plan,
+    kv_bytes,
+    kv_bytes_per_token,
+    lognormal_lengths,
+    main,
+    model_shape,
+    paging_waste,
+    sequences_that_fit,
+)
+from kvserve.model.config import PRESETS
+
+GiB = 2**30
+
+# fp16 bytes per token = 2 (K and V) x layers x kv_heads x head_dim x 2 bytes.
+HAND_WORKED_FP16_PER_TOKEN = {
+    "gpt3-175b": 4_718_592,  # 2 x 96 x 96 x 128 x 2 (MHA)
+    "llama-2-7b": 524_288,  # 2 x 32 x 32 x 128 x 2 (MHA)
+    "llama-2-70b": 327_680,  # 2 x 80 x 8 x 128 x 2 (GQA 8)
+    "llama-3-8b": 131_072,  # 2 x 32 x 8 x 128 x 2 (GQA 8)
+    "mistral-7b": 131_072,  # 2 x 32 x 8 x 128 x 2 (GQA 8)
+    "falcon-7b": 8_192,  # 2 x 32 x 1 x 64 x 2 (MQA)
+    "smollm2-135m": 23_040,  # 2 x 30 x 3 x 64 x 2 (GQA 3)
+    "tiny": 256,  # 2 x 2 x 2 x 16 x 2
+}
+
+
+def test_hand_worked_values_cover_every_preset() -> None:
+    assert set(HAND_WORKED_FP16_PER_TOKEN) == set(PRESETS)
+
+
+@pytest.mark.parametrize("preset", sorted(HAND_WORKED_FP16_PER_TOKEN))
+def test_bytes_per_token_for_each_preset(preset: str) -> None:
+    cfg = model_shape(preset)
+    expected = HAND_WORKED_FP16_PER_TOKEN[preset]
+    assert kv_bytes_per_token(cfg, "fp16") == expected
+    assert kv_bytes_per_token(cfg, "bf16") == expected
+    assert kv_bytes_per_token(cfg, "fp32") == 2 * expected
+    assert kv_bytes_per_token(cfg, "fp8_e4m3") == kv_bytes_per_token(cfg, "int8") == expected // 2
+    assert kv_bytes_per_token(cfg, "int4") == expected // 4
+    # The engine's own 2-byte figure on ModelConfig must agree with the planner's.
+    assert cfg.kv_bytes_per_token == expected
+
+
+def test_gpt3_batch_total_is_exact() -> None:
+    cfg = model_shape("gpt3-175b")
+    # 2 x 32 x 96 x 96 x 128 x 2048 x 2 = 309,237,645,312 = 288 x 2^30
+    assert kv_bytes(cfg, "fp16", 32, 2048) == 309_237_645_312 == 288 * GiB
+    # One 2048-token sequence: 4,718,592 x 2048 = 9 GiB.
+    assert kv_bytes(cfg, "fp16", 1, 2048) == 9 * GiB
+
+
+def test_acceptance_command_prints_exact_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--preset", "gpt3-175b", "--batch", "32", "--seq-len", "2048", "--dtype", "fp16"])
+    out = capsys.readouterr().out
+    assert "KV cache: 309,237,645,312 bytes (288.00 GiB)" in out
+    assert "KV per token: 4,718,592 bytes (4.50 MiB)" in out
+
+
+def test_int4_groups_add_scale_and_zero() -> None:
+    assert bytes_per_element("int4") == Fraction(1, 2)
+    # Each group of 128 carries an fp16 scale and an fp16 zero: 4 bytes over 128 elements.
+    assert bytes_per_element("int4", 128) == Fraction(1, 2) + Fraction(4, 128)
+    # Llama-2-7B: 2 x 32 x 32 x 128 x (0.5 + 4/128) = 131,072 + 8,192.
+    assert kv_bytes_per_token(model_shape("llama-2-7b"), "int4", 128) == 139_264
+    with pytest.raises(ValueError, match="int4 only"):
+        bytes_per_element("int8", 128)
+    with pytest.raises(ValueError, match="unknown KV dtype"):
+        bytes_per_element("fp12")
+
+
+def test_sequences_that_fit_hand_worked() -> None:
+    cfg = model_shape("llama-2-7b")
+    fit = sequences_that_fit(cfg, "fp16", 80 * GiB, seq_len=1000, block_size=16)
+    # A block is 16 tokens x 512 KiB = 8 MiB, so 80 GiB holds 10,240 blocks. A 1000-token
+    # sequence takes ceil(1000 / 16) = 63 blocks: 10,240 // 63 = 162 sequences.
+    assert fit.block_bytes == 8 * 2**20
+    assert fit.num_blocks == 10_240
+    assert fit.paged == 162
+    # Contiguous reserves the model's 4096-token context: 4096 x 512 KiB = 2 GiB each -> 40.
+    assert fit.contiguous == 40
+    assert sequences_that_fit(cfg, "fp16", 80 * GiB, 1000, 16, max_len=1000).contiguous == 80 * GiB // (1000 * 524_288)
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        sequences_that_fit(cfg, "fp16", 80 * GiB, 5000, 16)
+
+
+def test_paging_waste_hand_worked() -> None:
+    lengths = [1, 16, 17, 100]  # 134 tokens in all
+    contiguous, paged = paging_waste(lengths, max_len=128, block_size=16)
+    # Contiguous: 4 x 128 = 512 slots, 378 empty.
+    assert contiguous == pytest.approx(378 / 512)
+    # Paged: 16 + 16 + 32 + 112 = 176 slots, 42 empty.
+    assert paged == pytest.approx(42 / 176)
+    with pytest.raises(ValueError, match=r"\[1, 128\]"):
+        paging_waste([129], max_len=128, block_size=16)
+
+
+def test_lognormal_lengths_are_seeded_and_bounded() -> None:
+    lengths = lognormal_lengths(500, median=300, sigma=0.8, max_len=2048, seed=1)
+    assert lengths == lognormal_lengths(500, median=300, sigma=0.8, max_len=2048, seed=1)
+    assert 1 <= min(lengths) and max(lengths) <= 2048
+    contiguous, paged = paging_waste(lengths, 2048, 16)
+    assert paged < contiguous
+
+
+def test_attention_kinds_side_by_side() -> None:
+    kinds = {k.name: k for k in compare_attention_kinds(model_shape("llama-3-8b"))}
+    assert {n: k.kv_heads for n, k in kinds.items()} == {"MHA": 32, "GQA": 8, "MQA": 1}
+    # MHA: 2 x 32 x 32 x 128 x 2 = 524,288; GQA is 4x smaller, MQA 32x.
+    assert kinds["MHA"].bytes_per_token == 524_288
+    assert kinds["MHA"].bytes_per_token == 4 * kinds["GQA"].bytes_per_token == 32 * kinds["MQA"].bytes_per_token
+    # GPT-3 is MHA: its GQA form gets 8 KV heads, 12x smaller; MQA is 96x smaller.
+    gpt3 = {k.name: k.bytes_per_token for k in compare_attention_kinds(model_shape("gpt3-175b"))}
+    assert gpt3 == {"MHA": 4_718_592, "GQA": 4_718_592 // 12, "MQA": 4_718_592 // 96}
+    # Falcon-7B's 71 heads have no grouping from 2 to 8, so only MHA and MQA are shown.
+    falcon = {k.name: k.bytes_per_token for k in compare_attention_kinds(model_shape("falcon-7b"))}
+    assert falcon == {"MHA": 2 * 32 * 71 * 64 * 2, "MQA": 8_192}
+
+
+def test_config_json_file_and_directory(tmp_path: Path) -> None:
+    expected = PRESETS["llama-3-8b"]
+    (tmp_path / "config.json").write_text(json.dumps(expected.to_hf_dict()))
+    assert model_shape(tmp_path / "config.json") == expected
+    assert model_shape(str(tmp_path)) == expected
+    with pytest.raises(FileNotFoundError, match="not a preset"):
+        model_shape(tmp_path / "missing")
+    (tmp_path / "config.json").write_text(json.dumps({"n_layer": 32}))
+    with pytest.raises(ValueError, match="not a Llama-style"):
+        model_shape(tmp_path)
+
+
+def test_gguf_metadata_gives_the_shape() -> None:
+    from kvserve.model.loader import default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the bundled SmolLM2 GGUF is not installed")
+    cfg = model_shape(path)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert kv_bytes_per_token(cfg, "fp16") == 23_040
+
+
+def test_explicit_shape_through_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kv_bytes_per_token(explicit_shape(layers=80, kv_heads=8, head_dim=128, heads=64), "fp16") == 327_680
+    main(["--layers", "80", "--kv-heads", "8", "--heads", "64", "--head-dim", "128", "--seq-len", "4096",
+          "--budget", "80GiB", "--compare-attention", "--lengths-median", "500"])
+    out = capsys.readouterr().out
+    assert "KV per token: 327,680 bytes (320.00 KiB)" in out
+    # 80 GiB / (16 x 327,680) = 16,384 blocks; 4096 tokens take 256 blocks -> 64 sequences.
+    assert "paged:      64 (16,384 blocks of 16 tokens, 256 blocks each)" in out
+    assert "GQA" in out and "<- this model" in out and "Waste over 1,000 sequences" in out
+
+
+def test_format_plan_is_human_readable() -> None:
+    text = format_plan(model_shape("gpt3-175b"), "fp16", 1, 2048, 16, name="gpt3-175b")
+    assert "KV cache: 9,663,676,416 bytes (9.00 GiB)" in text
+
+
+@pytest.mark.parametrize(("dtype", "torch_dtype"),
+                         [("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_planner_matches_the_engines_pool(dtype: str, torch_dtype: torch.dtype) -> None:
+    cfg = PRESETS["tiny"]
+    num_blocks, block_size = 3, 16
+    pool = KVPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, torch_dtype,
+                  torch.device("cpu"))
+    assert pool.nbytes == kv_bytes_per_token(cfg, dtype) * num_blocks * block_size
+    assert KVPool.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                  torch_dtype) == kv_bytes(cfg, dtype, 1, block_size)
