@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvserve.bench.cli import add_parser as add_bench
     add_bench(sub)
+    from kvserve.diagnostics.memory_planner import add_parser as add_memory
+    add_memory(sub)
     return parser
 
 

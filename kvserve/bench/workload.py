@@ -38,7 +38,7 @@ def load_wikitext_ids(
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _lognormal_lengths(
+def lognormal_lengths(
     rng: np.random.Generator, median: int, sigma: float, n: int, low: int, high: int
 ) -> np.ndarray:
     # A lognormal's median is exp(mu), so mu = log(median) pins the median
@@ -63,8 +63,8 @@ def make_workload(
     rng = np.random.default_rng(seed)
     # A prompt can never be longer than the text it is sliced from.
     prompt_cap = min(max_prompt_len, len(token_ids))
-    prompt_lens = _lognormal_lengths(rng, prompt_len_median, sigma, num_requests, min_len, prompt_cap)
-    output_lens = _lognormal_lengths(rng, output_len_median, sigma, num_requests, min_len, max_output_len)
+    prompt_lens = lognormal_lengths(rng, prompt_len_median, sigma, num_requests, min_len, prompt_cap)
+    output_lens = lognormal_lengths(rng, output_len_median, sigma, num_requests, min_len, max_output_len)
     # Offsets are drawn per request so each slice fits inside the id list.
     offsets = rng.integers(0, len(token_ids) - prompt_lens + 1)
     return [

@@ -59,6 +59,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
                              else cfg.eos_token_id)
+        self.tokens_computed = 0  # tokens run through the model, prefill and decode
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
@@ -118,6 +119,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        self.tokens_computed += sum(s.num_new_tokens for s in batch.seqs)
         tokens = self.runner.run(batch.seqs)
         now = time.perf_counter()
         outputs = []

@@ -129,3 +129,28 @@ def test_bad_engine_config_errors(tiny_llm: Callable[..., LLM]) -> None:
         LLM(model="/nonexistent/model.gguf")
     with pytest.raises(ValueError, match="contiguous"):
         tiny_llm(cache_mode="contiguous", kv_cache_memory="64KiB")
+
+
+def test_prefix_caching_same_outputs_fewer_tokens_computed(tiny_llm: Callable[..., LLM]) -> None:
+    system = list(range(20, 70))  # a 50-token shared "system prompt": 3 full blocks
+    prompts = [system + [i, i + 1, i + 2] for i in range(1, 8)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    runs = {}
+    for enabled in (True, False):
+        llm = tiny_llm(enable_prefix_caching=enabled, max_num_seqs=2)
+        runs[enabled] = (token_ids(llm, prompts, params), llm.engine.tokens_computed,
+                         llm.engine.block_manager.prefix_stats.hit_rate)
+    assert runs[True][0] == runs[False][0]
+    # The first two requests are prefilled together, before anything is cached; the other five
+    # each reuse the system prompt's 3 full blocks (48 tokens).
+    assert runs[True][2] == pytest.approx(5 * 48 / (7 * 53))
+    assert runs[True][1] == runs[False][1] - 5 * 48
+    assert runs[False][2] == 0
+
+
+def test_preempted_sequence_resumes_from_its_cached_blocks(tiny_llm: Callable[..., LLM]) -> None:
+    reference = token_ids(tiny_llm())
+    small = tiny_llm(kv_cache_memory="64KiB")
+    assert token_ids(small) == reference
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.block_manager.prefix_stats.cached_tokens > 0
