@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.workload import lognormal_lengths
+from kvserve.bench import workload
 from kvserve.config import parse_bytes
 from kvserve.model.config import PRESETS, ModelConfig
 
@@ -186,7 +186,7 @@ def paging_waste(lengths: list[int], max_len: int, block_size: int) -> tuple[flo
 
 def lognormal_lengths(num_seqs: int, median: int, sigma: float, max_len: int, seed: int = 0) -> list[int]:
     """Sequence lengths in [1, max_len] with the long tail real requests show; seeded, so repeatable."""
-    return lognormal_lengths(np.random.default_rng(seed), median, sigma, num_seqs, 1, max_len).tolist()
+    return workload.lognormal_lengths(np.random.default_rng(seed), median, sigma, num_seqs, 1, max_len).tolist()
 
 
 @dataclass(frozen=True)
