@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
+    n: int = 1                  # samples per prompt; they share the prompt's KV blocks
     temperature: float = 1.0    # 0 means greedy
     top_k: int = 0              # 0 disables
     top_p: float = 1.0
-    seed: int | None = None     # same seed, same output, whatever else is in the batch
+    seed: int | None = None     # same seed, same output, whatever else is in the batch;
+                                # sample i of n uses seed + i
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -20,6 +22,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be a positive integer, got {self.n!r}")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

@@ -20,7 +20,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def _add_all(self, prompts: Prompt | Seq[Prompt],
-                 params: SamplingParams | Seq[SamplingParams] | None) -> list[str]:
+                 params: SamplingParams | Seq[SamplingParams] | None) -> dict[str, int]:
+        """Queues the prompts; returns each request id with its number of samples, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
@@ -29,32 +30,35 @@ class LLM:
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
         # Validate every request before queueing any: a bad one rejects the call, not half of it.
         seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, params)]
-        return [self.engine.add_sequence(seq) for seq in seqs]
+        return {self.engine.add_sequence(seq): seq.params.n for seq in seqs}
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        ids = self._add_all(prompts, params)
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+        """One output per prompt, in order; a prompt with n > 1 samples gives n, by sample index."""
+        requests = self._add_all(prompts, params)
+        done: dict[tuple[str, int], RequestOutput] = {}
+        with tqdm(total=sum(requests.values()), desc="generating", unit="seq", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
-                        done[out.request_id] = out
+                        done[out.request_id, out.index] = out
                         bar.update(1)
-        return [done[i] for i in ids]
+        return [done[rid, i] for rid, n in requests.items() for i in range(n)]
 
     def stream(self, prompts: Prompt | Seq[Prompt],
                params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[RequestOutput]:
-        """Yields each request's output as it grows; `delta_text` holds the new text."""
-        ids = set(self._add_all(prompts, params))
+        """Yields each sample's output as it grows; `delta_text` holds the new text."""
+        pending = self._add_all(prompts, params)  # samples still running per request
         try:
-            while ids:
+            while pending:
                 for out in self.engine.step():
-                    if out.request_id in ids:
+                    if out.request_id in pending:
                         if out.finished:
-                            ids.discard(out.request_id)
+                            pending[out.request_id] -= 1
+                            if not pending[out.request_id]:
+                                del pending[out.request_id]
                         yield out
         finally:
-            for request_id in ids:  # the consumer stopped early
+            for request_id in pending:  # the consumer stopped early
                 self.engine.abort(request_id)

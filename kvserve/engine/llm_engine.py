@@ -60,7 +60,7 @@ class LLMEngine:
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
                              else cfg.eos_token_id)
         self.tokens_computed = 0  # tokens run through the model, prefill and decode
-        self._seqs: dict[str, Sequence] = {}
+        self._requests: dict[str, list[Sequence]] = {}  # unfinished requests: their samples
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
 
@@ -93,22 +93,25 @@ class LLMEngine:
             raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"the whole KV cache ({capacity} tokens); raise kv_cache_memory")
         request_id = request_id or str(next(self._ids))
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        return Sequence(request_id, ids, params, seed, prompt=text)
+        return Sequence(request_id, ids, params, seed, prompt=text, num_forks=params.n - 1)
 
     def add_sequence(self, seq: Sequence) -> str:
-        if seq.request_id in self._seqs:
+        if seq.request_id in self._requests:
             raise ValueError(f"request_id: {seq.request_id!r} is already in use")
-        self._seqs[seq.request_id] = seq
+        self._requests[seq.request_id] = [seq]
         self.scheduler.add(seq)
         return seq.request_id
 
     def abort(self, request_id: str) -> None:
-        seq = self._seqs.pop(request_id, None)
-        if seq is not None:
-            seq.finish_reason = "abort"
-            seq.finish_time = time.perf_counter()
-            self.scheduler.finish(seq)
+        """Ends every sample of the request and returns their blocks."""
+        for seq in self._requests.pop(request_id, []):
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                seq.finish_time = time.perf_counter()
+                self.scheduler.finish(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -120,22 +123,44 @@ class LLMEngine:
         if not batch.seqs:
             return []
         self.tokens_computed += sum(s.num_new_tokens for s in batch.seqs)
-        tokens = self.runner.run(batch.seqs)
+        logits = self.runner.forward(batch.seqs)
+        seqs, rows = self._fork_samples(batch.seqs)
+        tokens = self.runner.sample(seqs, logits[rows])
         now = time.perf_counter()
         outputs = []
-        for seq, token in zip(batch.seqs, tokens):
+        for seq, token in zip(seqs, tokens):
             seq.output_token_ids.append(token)
             seq.num_computed_tokens = seq.num_tokens - 1
-            self.block_manager.register_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             seq.first_token_time = seq.first_token_time or now
             delta = self._detokenize(seq)
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
                 seq.finish_time = now
                 self.scheduler.finish(seq)
-                del self._seqs[seq.request_id]
+                if all(s.finished for s in self._requests[seq.request_id]):
+                    del self._requests[seq.request_id]
             outputs.append(RequestOutput.of(seq, delta))
         return outputs
+
+    def _fork_samples(self, batch: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """After its prefill, a request with n samples forks n - 1 sequences that share its blocks
+        and draw their first token from the same logits row. Sample i is seeded with seed + i, so
+        it equals a separate request with that seed."""
+        seqs, rows = list(batch), list(range(len(batch)))
+        for row, parent in enumerate(batch):
+            for index in range(1, parent.num_forks + 1):
+                child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params,
+                                 parent.seed + index, prompt=parent.prompt, index=index,
+                                 num_computed_tokens=parent.num_computed_tokens,
+                                 arrival_time=parent.arrival_time)
+                self.block_manager.fork(parent.seq_id, child.seq_id)
+                self.scheduler.add_running(child)
+                self._requests[parent.request_id].append(child)
+                seqs.append(child)
+                rows.append(row)
+            parent.num_forks = 0
+        return seqs, rows
 
     def _detokenize(self, seq: Sequence) -> str:
         """Emits only whole characters: a byte-level token may end mid-UTF-8 sequence."""

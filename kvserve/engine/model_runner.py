@@ -22,7 +22,8 @@ class ModelRunner:
         self.group = cfg.num_heads // cfg.num_kv_heads
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> list[int]:
+    def forward(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Runs each sequence's new tokens; returns next-token logits [len(seqs), vocab]."""
         self.pool.copy_blocks(self.block_manager.pending_copies)
         self.block_manager.pending_copies.clear()
         query_lens = [s.num_new_tokens for s in seqs]
@@ -30,12 +31,14 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens, [s.num_tokens for s in seqs],
             # Only the blocks holding context: a contiguous reservation's unused tail is not read.
-            [self.block_manager.tables[s.request_id][:self.block_manager.blocks_for(s.num_tokens)]
+            [self.block_manager.tables[s.seq_id][:self.block_manager.blocks_for(s.num_tokens)]
              for s in seqs],
             self.pool.block_size, self.group, self.device)
         logit_index = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        logits = self.model(torch.tensor(input_ids, device=self.device), meta, self.pool.layers,
-                            logit_index)
-        tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                        [len(s.output_token_ids) for s in seqs])
-        return tokens.tolist()
+        return self.model(torch.tensor(input_ids, device=self.device), meta, self.pool.layers,
+                          logit_index)
+
+    @staticmethod
+    def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        return sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                      [len(s.output_token_ids) for s in seqs]).tolist()

@@ -52,11 +52,12 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
         budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting:
             seq = self.waiting[0]
-            if seq.num_tokens > budget:
+            # A request with n samples forks into n running sequences after its prefill.
+            if len(self.running) + 1 + seq.num_forks > self.max_num_seqs or seq.num_tokens > budget:
                 break
-            cached = self.block_manager.allocate_prompt(seq.request_id, seq.token_ids, self.reserve_tokens)
+            cached = self.block_manager.allocate_prompt(seq.seq_id, seq.token_ids, self.reserve_tokens)
             if cached is None:
                 break
             budget -= seq.num_tokens - cached
@@ -73,7 +74,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if self.block_manager.allocate(seq.request_id, seq.num_tokens, self.reserve_tokens):
+            if self.block_manager.allocate(seq.seq_id, seq.num_tokens, self.reserve_tokens):
                 i += 1
                 continue
             victim = self.running.pop()
@@ -81,8 +82,13 @@ class Scheduler:
             preempted.append(victim)
         return preempted
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sample forked from a running sequence; its blocks are already shared."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq.request_id)
+        self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -91,7 +97,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence wherever it is (running, waiting, or already gone)."""
-        self.block_manager.free(seq.request_id)
+        self.block_manager.free(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -21,6 +21,8 @@ class Sequence:
     params: SamplingParams
     seed: int
     prompt: str | None = None
+    index: int = 0        # which of the request's n samples this is
+    num_forks: int = 0    # samples still to fork from this one once its prompt is prefilled
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0   # tokens whose K/V are in the pool
@@ -33,6 +35,11 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    @property
+    def seq_id(self) -> str:
+        """Unique per sample; the block manager's key."""
+        return self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
 
     @property
     def token_ids(self) -> list[int]:
@@ -55,6 +62,7 @@ class Sequence:
 @dataclass
 class RequestOutput:
     request_id: str
+    index: int
     prompt: str | None
     prompt_token_ids: list[int]
     text: str
@@ -69,6 +77,6 @@ class RequestOutput:
 
     @classmethod
     def of(cls, seq: Sequence, delta_text: str) -> "RequestOutput":
-        return cls(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.text,
+        return cls(seq.request_id, seq.index, seq.prompt, seq.prompt_token_ids, seq.text,
                    list(seq.output_token_ids), delta_text, seq.finished, seq.finish_reason,
                    seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions)

@@ -154,3 +154,29 @@ def test_preempted_sequence_resumes_from_its_cached_blocks(tiny_llm: Callable[..
     assert token_ids(small) == reference
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.block_manager.prefix_stats.cached_tokens > 0
+
+
+def test_n_samples_equal_separate_seeded_requests_with_fewer_blocks(tiny_llm: Callable[..., LLM]) -> None:
+    prompt = list(range(1, 41))  # 2 full blocks + 8 tokens in a shared partial block
+    base = dict(max_tokens=20, temperature=1.0, top_k=50, ignore_eos=True)
+    shared = tiny_llm()
+    outs = shared.generate([prompt], SamplingParams(n=4, seed=7, **base), use_tqdm=False)
+    assert [o.index for o in outs] == [0, 1, 2, 3]
+    separate = tiny_llm(enable_prefix_caching=False)
+    expected = separate.generate([prompt] * 4, [SamplingParams(seed=7 + i, **base) for i in range(4)],
+                                 use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # the samples really differ
+    # Without sharing: 4 x ceil(60 / 16) = 16 blocks. Shared: 2 prompt blocks + 4 x 2 own blocks.
+    assert separate.engine.block_manager.peak_used == 16
+    assert shared.engine.block_manager.peak_used == 10
+
+
+def test_sharing_saving_is_reported_while_samples_run(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm()
+    llm.engine.add_request(list(range(1, 41)), SamplingParams(n=3, max_tokens=5, temperature=0))
+    llm.engine.step()  # prefill, then fork
+    usage = llm.engine.kv_usage()
+    assert (usage.used, usage.unshared_blocks) == (3, 9)
+    llm.engine.abort("0")
+    assert llm.engine.kv_usage().used == 0
