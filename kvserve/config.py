@@ -11,6 +11,7 @@ import torch
 from kvserve.model.config import ModelConfig
 
 CACHE_MODES = ("paged", "contiguous", "no-cache")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -45,6 +46,10 @@ class EngineConfig:
     max_model_len: int | None = None           # default: the model's context length
     cache_mode: str = "paged"                  # "paged" | "contiguous" | "no-cache"
     enable_prefix_caching: bool = True         # reuse K/V of shared prompt prefixes (paged mode)
+    preemption_mode: str = "recompute"         # "recompute" | "swap" | "auto" (cheaper of the two)
+    host_swap_memory: str = "1GiB"             # host tier for swapped blocks
+    disk_swap_memory: str = "0"                # memory-mapped file tier, used when the host tier is full
+    swap_dir: str | None = None                # where the file tier lives (default: the temp dir)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -66,6 +71,14 @@ class EngineConfig:
                              f"got {self.kv_cache_memory}")
         if isinstance(self.kv_cache_memory, str):
             parse_bytes(self.kv_cache_memory)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"EngineConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        for name in ("host_swap_memory", "disk_swap_memory"):
+            try:
+                parse_bytes(getattr(self, name))
+            except ValueError:
+                raise ValueError(f"EngineConfig.{name}: cannot parse {getattr(self, name)!r}") from None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -10,7 +10,8 @@ import torch
 
 from kvserve.cache.block_manager import BlockManager, BlockUsage
 from kvserve.cache.kv_pool import KVPool
-from kvserve.config import EngineConfig
+from kvserve.cache.swap_space import SwapSpace
+from kvserve.config import EngineConfig, parse_bytes
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import RequestOutput, Sequence
@@ -53,16 +54,36 @@ class LLMEngine:
                              f"{num_blocks * config.block_size} slots the budget holds")
         self.pool = KVPool(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
                            cfg.head_dim, config.torch_dtype, self.device)
+        self.swap = None
+        if config.preemption_mode != "recompute" and config.cache_mode == "paged":
+            self.swap = SwapSpace(self.pool, parse_bytes(config.host_swap_memory) // block_bytes,
+                                  parse_bytes(config.disk_swap_memory) // block_bytes, config.swap_dir)
+        self._num_params = sum(p.numel() for p in self.model.parameters())
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    reserve_tokens=self.max_model_len if contiguous else 0,
-                                   recompute_all=config.cache_mode == "no-cache")
-        self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device)
+                                   recompute_all=config.cache_mode == "no-cache",
+                                   swap=self.swap, prefer_swap=self._prefer_swap)
+        self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device, self.swap)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
                              else cfg.eos_token_id)
         self.tokens_computed = 0  # tokens run through the model, prefill and decode
         self._requests: dict[str, list[Sequence]] = {}  # unfinished requests: their samples
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
+
+    # Rough device speeds for the "auto" preemption choice: recomputing a sequence costs about
+    # 2 * params FLOPs per token, swapping costs its KV bytes twice (out and back) over the link.
+    _FLOPS = {"cpu": 2e11, "cuda": 1e14}
+    _COPY_BYTES_PER_S = {"cpu": 2e10, "cuda": 2e10}
+
+    def _prefer_swap(self, num_tokens: int) -> bool:
+        if self.config.preemption_mode != "auto":
+            return self.config.preemption_mode == "swap"
+        kind = self.device.type
+        recompute_s = num_tokens * 2 * self._num_params / self._FLOPS.get(kind, 2e11)
+        block_bytes = self.pool.nbytes // self.block_manager.num_blocks
+        swap_s = 2 * self.block_manager.blocks_for(num_tokens) * block_bytes / self._COPY_BYTES_PER_S.get(kind, 2e10)
+        return swap_s < recompute_s
 
     # -- requests ---------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -198,4 +219,7 @@ class LLMEngine:
                 "kv_blocks_peak": self.block_manager.peak_used, "kv_waste": usage.waste,
                 "kv_blocks_cached": usage.cached, "kv_pool_bytes": self.pool.nbytes,
                 "prefix_cache_hit_rate": self.block_manager.prefix_stats.hit_rate, "num_preemptions": self.scheduler.num_preemptions,
-                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)}
+                "preemptions_by_mode": dict(self.scheduler.preemptions),
+                "swap_tiers": [] if self.swap is None else [vars(u) for u in self.swap.usage()],
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "swapped": len(self.scheduler.swapped)}

@@ -5,6 +5,7 @@ import torch
 
 from kvserve.cache.block_manager import BlockManager
 from kvserve.cache.kv_pool import KVPool
+from kvserve.cache.swap_space import SwapSpace
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
 from kvserve.model.attention import AttentionMetadata
@@ -14,8 +15,9 @@ from kvserve.model.llama import LlamaForCausalLM
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, block_manager: BlockManager,
-                 device: torch.device) -> None:
+                 device: torch.device, swap: SwapSpace | None = None) -> None:
         self.model, self.pool, self.block_manager, self.device = model, pool, block_manager, device
+        self.swap = swap
         if can_pack(device, pool.layers[0][0].dtype):
             pack_linears(model)
         cfg = model.config
@@ -24,6 +26,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence]) -> torch.Tensor:
         """Runs each sequence's new tokens; returns next-token logits [len(seqs), vocab]."""
+        # Block moves decided by the scheduler: swaps first, then copy-on-write.
+        if self.swap is not None:
+            self.swap.apply(self.pool)
         self.pool.copy_blocks(self.block_manager.pending_copies)
         self.block_manager.pending_copies.clear()
         query_lens = [s.num_new_tokens for s in seqs]

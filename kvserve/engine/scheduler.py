@@ -1,10 +1,12 @@
 """Continuous batching: which sequences run in the next step, and who is preempted."""
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.swap_space import SwapSpace
 from kvserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -20,29 +22,41 @@ class Scheduler:
 
     `reserve_tokens` makes every admitted sequence take blocks for that many tokens up front
     (the contiguous baseline); `recompute_all` reruns every token each step (the no-cache baseline).
+    With a `swap` space, `prefer_swap(num_tokens)` decides per preemption whether a sequence's
+    blocks are copied out (and later back) instead of recomputed.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 reserve_tokens: int = 0, recompute_all: bool = False) -> None:
+                 reserve_tokens: int = 0, recompute_all: bool = False, swap: SwapSpace | None = None,
+                 prefer_swap: Callable[[int], bool] = lambda num_tokens: False) -> None:
         self.block_manager = block_manager
+        self.swap = swap
+        self.prefer_swap = prefer_swap
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.reserve_tokens = reserve_tokens
         self.recompute_all = recompute_all
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.swapped: deque[Sequence] = deque()
+        self.preemptions: Counter[str] = Counter()  # by mode: "recompute", "swap"
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
-        admitted = self._admit()
+        # Swapped sequences hold finished work: they come back before new ones are admitted.
+        admitted = [] if self.swapped else self._admit()
         if admitted:
             return SchedulerOutput(admitted, True, [])
+        self._swap_in()
         preempted = self._make_room_for_decode()
         if self.recompute_all:
             for seq in self.running:
@@ -82,17 +96,37 @@ class Scheduler:
             preempted.append(victim)
         return preempted
 
+    def _swap_in(self) -> None:
+        """Bring swapped sequences back while blocks allow, leaving every running sequence room to
+        take one more block this step, so none of them is preempted right after."""
+        bm = self.block_manager
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if bm.blocks_for(seq.num_tokens) + len(self.running) + 1 > len(bm.free_blocks):
+                break
+            assert bm.allocate(seq.seq_id, seq.num_tokens)
+            self.swap.swap_in(seq.seq_id, bm.tables[seq.seq_id])
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(self.swapped.popleft())
+
     def add_running(self, seq: Sequence) -> None:
         """A sample forked from a running sequence; its blocks are already shared."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
     def preempt(self, seq: Sequence) -> None:
+        seq.num_preemptions += 1
+        table = self.block_manager.tables[seq.seq_id]
+        if self.swap is not None and self.prefer_swap(seq.num_tokens) and self.swap.swap_out(seq.seq_id, table):
+            self.block_manager.free(seq.seq_id)
+            seq.status = SequenceStatus.SWAPPED
+            self.preemptions["swap"] += 1
+            self.swapped.append(seq)
+            return
         self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
+        self.preemptions["recompute"] += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -102,4 +136,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.swap.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED

@@ -11,6 +11,7 @@ from kvserve.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 
