@@ -45,10 +45,11 @@ class Model:
     pool: Pool = field(default_factory=dict)
 
 
-def with_copies(pool: Pool, copies: list[tuple[int, int]]) -> Pool:
+def with_copies(pool: Pool, copies: list[tuple[int, int]], block_size: int) -> Pool:
     """The pool as it is after `KVPool.copy_blocks(copies)`: `k[dst] = k[src]` gathers every src
-    first, then scatters, so all sources are read before any destination is written."""
-    gathered = [(dst, list(pool.get(src, []))) for src, dst in copies]
+    first, then scatters, so all sources are read before any destination is written. A source
+    nobody wrote yet (say, a reserved block) copies as empty slots."""
+    gathered = [(dst, list(pool.get(src, [None] * block_size))) for src, dst in copies]
     out = {b: list(slots) for b, slots in pool.items()}
     for dst, slots in gathered:
         out[dst] = slots
@@ -57,7 +58,7 @@ def with_copies(pool: Pool, copies: list[tuple[int, int]]) -> Pool:
 
 def apply_copies(bm: BlockManager, model: Model) -> None:
     """What ModelRunner.forward does first: apply the pending copies, then clear them."""
-    model.pool = with_copies(model.pool, bm.pending_copies)
+    model.pool = with_copies(model.pool, bm.pending_copies, bm.block_size)
     bm.pending_copies.clear()
 
 
@@ -105,10 +106,11 @@ def check_invariants(bm: BlockManager, model: Model) -> None:
     usage = bm.usage()
     assert usage.free + usage.used + usage.cached == usage.total == bm.num_blocks
     assert usage.used == len(refs)
+    assert bm.peak_used >= usage.used
     assert usage.cached == sum(bm.blocks[b].hash is not None for b in free)
     assert set(bm.tables) == set(bm.num_tokens) == set(model.seqs)
     # The contents once the pending copies land (the next forward applies them before reading).
-    view = with_copies(model.pool, bm.pending_copies)
+    view = with_copies(model.pool, bm.pending_copies, bm.block_size)
     for key, block_id in bm.cache.items():
         block = bm.blocks[block_id]
         assert block.hash == key, f"cache entry for block {block_id} has a different hash"
@@ -160,7 +162,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         ids = sorted(self.model.seqs)
         return ids[index % len(ids)] if ids else None
 
-    @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 8),
+    @rule(prefix=st.sampled_from(PREFIXES), cut=st.one_of(st.just(8), st.integers(0, 8)),
           suffix=st.lists(ALPHABET, max_size=5), readmit=st.integers(0, 3))
     def admit(self, prefix: list[int], cut: int, suffix: list[int], readmit: int) -> None:
         """Scheduler._admit then the prefill forward: allocate_prompt, write the uncached tail."""
@@ -262,3 +264,74 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=400, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+# -- eviction order -------------------------------------------------------------------------------
+
+@st.composite
+def lru_scenarios(draw: st.DrawFn) -> tuple[int, list[tuple[int, int]], list[int], int | None, int]:
+    """block_size; per sequence (full blocks, tail tokens 1..bs-1); free order; optionally one
+    freed sequence admitted again (a cache hit) and freed last; untouched blocks in the pool."""
+    bs = draw(st.sampled_from([2, 4]))
+    shapes = draw(st.lists(st.tuples(st.integers(1, 3), st.integers(1, bs - 1)), min_size=1, max_size=4))
+    order = draw(st.permutations(range(len(shapes))))
+    touch = draw(st.none() | st.integers(0, len(shapes) - 1))
+    spare = draw(st.integers(1, 3))  # >= 1 so the re-admission's tail block is never a cached one
+    return bs, shapes, list(order), touch, spare
+
+
+@settings(max_examples=150, deadline=None)
+@given(lru_scenarios())
+def test_eviction_is_lru_deeper_first_and_never_full_blocks_go_first(
+        scenario: tuple[int, list[tuple[int, int]], list[int], int | None, int]) -> None:
+    bs, shapes, order, touch, spare = scenario
+    num_blocks = sum(full + 1 for full, _ in shapes) + spare
+    bm = BlockManager(num_blocks, bs)
+    # Distinct tokens per sequence, so no two sequences share a block.
+    prompts = [[1000 * (i + 1) + t for t in range(full * bs + tail)] for i, (full, tail) in enumerate(shapes)]
+    for i, prompt in enumerate(prompts):
+        assert bm.allocate_prompt(f"s{i}", prompt) == 0
+        bm.register_full_blocks(f"s{i}", prompt, len(prompt))  # as after the prefill step
+    full_blocks = {i: bm.tables[f"s{i}"][:shapes[i][0]] for i in range(len(shapes))}
+    never_full = set(range(num_blocks)) - {b for blocks in full_blocks.values() for b in blocks}
+    for i in order:
+        bm.free(f"s{i}")
+    if touch is not None:
+        # A hit makes the sequence's blocks the most recently used once freed again.
+        assert bm.allocate_prompt("again", prompts[touch]) == shapes[touch][0] * bs
+        assert bm.tables["again"][:shapes[touch][0]] == full_blocks[touch]
+        bm.free("again")
+        order = [i for i in order if i != touch] + [touch]
+    assert bm.usage().cached == sum(full for full, _ in shapes)
+    # Least recently freed first; within one sequence the deepest block first, so a prefix is
+    # never evicted while a block that continues it stays cached (it could no longer be hit).
+    expected_cached = [b for i in order for b in reversed(full_blocks[i])]
+    # Taking every block for an unrelated sequence shows the order they are reused in.
+    assert bm.allocate("taker", num_blocks * bs)
+    taken = bm.tables["taker"]
+    assert set(taken[:len(never_full)]) == never_full, "a cached block was evicted before a never-full one"
+    assert taken[len(never_full):] == expected_cached
+    assert not bm.cache, "every evicted block must leave the cache"
+    assert all(b.hash is None and b.token_ids == () for b in bm.blocks)
+
+
+@settings(max_examples=100, deadline=None)
+@given(bs=st.sampled_from([1, 2, 4]), full=st.integers(1, 3), extra=st.integers(0, 3),
+       evict=st.integers(0, 6))
+def test_partial_eviction_keeps_the_remaining_prefix_hittable(bs: int, full: int, extra: int,
+                                                              evict: int) -> None:
+    """After k blocks are evicted from a freed sequence's cached chain (deepest first), a new
+    prompt with the same tokens still hits exactly the surviving prefix of the chain."""
+    num_blocks = full + 1 + extra
+    bm = BlockManager(num_blocks, bs)
+    prompt = list(range(full * bs + 1))  # `full` full blocks and a one-token tail
+    assert bm.allocate_prompt("a", prompt) == 0
+    bm.register_full_blocks("a", prompt, len(prompt))
+    bm.free("a")
+    evict = min(evict, full)
+    # Use up every never-full block, then `evict` cached ones.
+    assert bm.allocate("taker", (num_blocks - full + evict) * bs)
+    assert bm.usage().cached == full - evict
+    bm.free("taker")
+    cached = bm.allocate_prompt("b", prompt)
+    assert cached == (full - evict) * bs
