@@ -31,6 +31,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(tp)
     tp.set_defaults(func=run, max_model_len=2048)
 
+    mem = kinds.add_parser("memory", help="prefix caching, n-sample sharing, swap vs recompute")
+    mem.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
+    mem.add_argument("--out", default="bench_out")
+    add_engine_args(mem)
+    mem.set_defaults(func=run, max_model_len=2048, max_num_seqs=8)
+
     sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
     sc.add_argument("--prompt-len", type=int, default=32)
     sc.add_argument("--num-tokens", type=int, default=512)
@@ -43,21 +49,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (run_throughput if args.bench == "throughput" else run_scaling)(args, out)
+    {"throughput": run_throughput, "scaling": run_scaling, "memory": run_memory}[args.bench](args, out)
 
 
 def run_throughput(args: argparse.Namespace, out: Path) -> None:
-    from kvserve.bench.throughput import run_kvserve
+    from kvserve.bench.throughput import greedy_params, run_kvserve
     from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH, load_wikitext_ids, make_workload
 
     llm = llm_from_args(args, "paged")
     ids = load_wikitext_ids(llm.tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
     requests = make_workload(ids, args.num_requests, args.seed, args.prompt_len_median,
                              args.output_len_median, args.sigma, args.max_prompt_len, args.max_output_len)
-    summaries = [run_kvserve(llm, requests, "kvserve-paged")]
+    prompts, params = [r.prompt_token_ids for r in requests], greedy_params(requests)
+    summaries = [run_kvserve(llm, prompts, params, "kvserve-paged")]
     if not args.skip_contiguous:
         del llm
-        summaries.append(run_kvserve(llm_from_args(args, "contiguous"), requests, "kvserve-contiguous"))
+        summaries.append(run_kvserve(llm_from_args(args, "contiguous"), prompts, params,
+                                     "kvserve-contiguous"))
     if not args.skip_hf:
         from kvserve.bench.hf_baseline import load_hf_model, run_hf_static_batches
         from kvserve.bench.metrics import summarize
@@ -114,3 +122,29 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
     text = "\n".join(lines + ["", f"plot: {path}"])
     print(text)
     (out / "scaling.md").write_text(text + "\n")
+
+
+def run_memory(args: argparse.Namespace, out: Path) -> None:
+    from functools import partial
+
+    from kvserve import LLM
+    from kvserve.bench import memory
+    from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH, load_wikitext_ids
+
+    make_llm = partial(LLM, model=args.model, dtype=args.dtype, device=args.device,
+                       block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                       max_model_len=args.max_model_len)
+    ids = load_wikitext_ids(make_llm(kv_cache_memory="16MiB").tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
+    sections = []
+    for title, experiment in (("(a) shared system prompt", memory.shared_system_prompt),
+                              ("(b) parallel samples", memory.parallel_samples),
+                              ("(c) preemption under memory pressure", memory.preemption_modes)):
+        on, off = experiment(make_llm, ids)
+        r = ratio(on, off)
+        sections += [f"### {title}", "", format_table([on, off]), "",
+                     f"{on.name} / {off.name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items())
+                     + f", peak KV {on.extra['peak_kv_mib'] / off.extra['peak_kv_mib']:.2f}x", ""]
+    text = "\n".join([f"dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, block size "
+                      f"{args.block_size}, torch threads {torch.get_num_threads()}", ""] + sections)
+    print(text)
+    (out / "memory.md").write_text(text + "\n")

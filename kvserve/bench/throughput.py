@@ -1,4 +1,4 @@
-"""Offline throughput: kvserve (paged, contiguous) against HF transformers on one workload."""
+"""Offline runs of kvserve with per-request timings: the engine side of every benchmark."""
 from __future__ import annotations
 
 import time
@@ -11,31 +11,42 @@ from kvserve.bench.workload import WorkloadRequest
 from kvserve.sampling_params import SamplingParams
 
 
-def run_kvserve(llm: Any, requests: list[WorkloadRequest], name: str,
+def greedy_params(requests: list[WorkloadRequest]) -> list[SamplingParams]:
+    """ignore_eos makes each request produce exactly its max_tokens, as in the HF baseline."""
+    return [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
+
+
+def run_kvserve(llm: Any, prompts: list[list[int]], params: list[SamplingParams], name: str,
                 progress: bool = True) -> BenchSummary:
-    """All requests arrive at once; ignore_eos makes each produce exactly its max_tokens."""
+    """All requests arrive at once; one timing per sample (a request with n > 1 gives n)."""
     engine = llm.engine
-    block_bytes = engine.pool.nbytes // engine.block_manager.num_blocks
-    engine.block_manager.peak_used = 0
+    bm = engine.block_manager
+    block_bytes = engine.pool.nbytes // bm.num_blocks
+    bm.peak_used = 0
+    computed_before = engine.tokens_computed
     t0 = time.perf_counter()
-    ids = [engine.add_request(r.prompt_token_ids,
-                              SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
-           for r in requests]
-    done: dict[str, Any] = {}
-    waste_sum, waste_steps = 0.0, 0
-    with tqdm(total=len(ids), desc=name, unit="req", disable=not progress) as bar:
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done: dict[tuple[str, int], Any] = {}
+    waste_sum, waste_steps, peak_unshared = 0.0, 0, 0
+    with tqdm(total=sum(sp.n for sp in params), desc=name, unit="seq", disable=not progress) as bar:
         while engine.has_unfinished():
             usage = engine.kv_usage()
             if usage.allocated_slots:
                 waste_sum, waste_steps = waste_sum + usage.waste, waste_steps + 1
+            peak_unshared = max(peak_unshared, usage.unshared_blocks)
             for out in engine.step():
                 if out.finished:
-                    done[out.request_id] = out
+                    done[out.request_id, out.index] = out
                     bar.update(1)
     wall = time.perf_counter() - t0
     timings = [RequestTiming(len(o.prompt_token_ids), len(o.token_ids), t0, o.first_token_time,
-                             o.finish_time) for o in (done[i] for i in ids)]
-    extra = {"peak_kv_mib": engine.block_manager.peak_used * block_bytes / 2**20,
+                             o.finish_time)
+               for rid, sp in zip(ids, params) for o in (done[rid, i] for i in range(sp.n))]
+    extra = {"peak_kv_mib": bm.peak_used * block_bytes / 2**20,
+             "peak_kv_unshared_mib": peak_unshared * block_bytes / 2**20,
              "kv_waste_pct": 100 * waste_sum / max(waste_steps, 1),
-             "preemptions": float(engine.scheduler.num_preemptions)}
+             "prefix_hit_pct": 100 * bm.prefix_stats.hit_rate,
+             "tokens_computed": float(engine.tokens_computed - computed_before),
+             "preempt_recompute": float(engine.scheduler.preemptions["recompute"]),
+             "preempt_swap": float(engine.scheduler.preemptions["swap"])}
     return summarize(name, timings, wall, extra)

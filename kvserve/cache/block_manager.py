@@ -80,13 +80,19 @@ class BlockManager:
         return self.blocks_for(num_tokens) - have <= len(self._free)
 
     # -- taking and returning blocks ------------------------------------------------------------
-    def _take_free(self) -> int:
-        block_id, _ = self._free.popitem(last=False)
+    def _forget(self, block_id: int) -> None:
+        """Drop an unowned block from the prefix cache; it is then reused before cached ones."""
         block = self.blocks[block_id]
-        if block.hash is not None:  # evict: its contents are about to be overwritten
-            del self.cache[block.hash]
-            block.hash, block.token_ids = None, ()
-        block.ref_count = 1
+        del self.cache[block.hash]
+        block.hash, block.token_ids = None, ()
+        self._free.move_to_end(block_id, last=False)
+
+    def _take_free(self) -> int:
+        block_id = next(iter(self._free))
+        if self.blocks[block_id].hash is not None:  # evict: its contents are about to be overwritten
+            self._forget(block_id)
+        del self._free[block_id]
+        self.blocks[block_id].ref_count = 1
         return block_id
 
     def _share(self, block_id: int) -> None:
@@ -178,7 +184,15 @@ class BlockManager:
             h = block_hash(hashes[-1] if hashes else None, chunk)
             hashes.append(h)
             block = self.blocks[table[i]]
-            if block.hash is None and h not in self.cache:
+            if block.hash is not None:
+                continue
+            twin = self.cache.get(h)
+            if twin is not None and self.blocks[twin].ref_count == 0:
+                # Two sequences computed the same block; keep the live copy cached, so the entry
+                # survives the unowned twin's eviction. The twin becomes a plain free block.
+                self._forget(twin)
+                twin = None
+            if twin is None:
                 block.hash, block.token_ids = h, chunk
                 self.cache[h] = block.block_id
 

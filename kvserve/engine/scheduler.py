@@ -66,15 +66,17 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
         budget = self.max_num_batched_tokens
+        # A request with n samples forks into n running sequences after its prefill.
+        slots = self.max_num_seqs - sum(1 + s.num_forks for s in self.running)
         while self.waiting:
             seq = self.waiting[0]
-            # A request with n samples forks into n running sequences after its prefill.
-            if len(self.running) + 1 + seq.num_forks > self.max_num_seqs or seq.num_tokens > budget:
+            if 1 + seq.num_forks > slots or seq.num_tokens > budget:
                 break
             cached = self.block_manager.allocate_prompt(seq.seq_id, seq.token_ids, self.reserve_tokens)
             if cached is None:
                 break
             budget -= seq.num_tokens - cached
+            slots -= 1 + seq.num_forks
             seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())

@@ -94,3 +94,20 @@ def test_disabled_prefix_caching_never_hits() -> None:
     bm = BlockManager(8, 4, enable_prefix_caching=False)
     run_prompt(bm, "a", [1, 2, 3, 4, 5])
     assert run_prompt(bm, "b", [1, 2, 3, 4, 5]) == 0 and not bm.cache
+
+
+def test_live_twin_takes_over_the_cache_entry() -> None:
+    # Two identical prompts prefilled in the same step both compute block [1, 2]; only one can
+    # be cached. When the cached one is unowned and the other still live, the live one takes over,
+    # so evicting the unowned copy does not lose the prefix.
+    bm = BlockManager(5, 2)
+    prompt = [1, 2, 3]
+    bm.allocate_prompt("a", prompt)
+    bm.allocate_prompt("b", prompt)
+    bm.register_full_blocks("a", prompt, 3)
+    bm.free("a")
+    bm.register_full_blocks("b", prompt, 3)
+    assert bm.cache[block_hash(None, (1, 2))] == bm.tables["b"][0]
+    bm.allocate("x", 6)  # takes three blocks: every unowned one
+    bm.free("x")
+    assert run_prompt(bm, "c", prompt) == 2

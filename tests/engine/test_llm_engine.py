@@ -180,3 +180,15 @@ def test_sharing_saving_is_reported_while_samples_run(tiny_llm: Callable[..., LL
     assert (usage.used, usage.unshared_blocks) == (3, 9)
     llm.engine.abort("0")
     assert llm.engine.kv_usage().used == 0
+
+
+def test_forked_samples_count_against_max_num_seqs(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm(max_num_seqs=4)
+    engine = llm.engine
+    for prompt in PROMPTS[:3]:
+        engine.add_request(prompt, SamplingParams(n=2, max_tokens=6, temperature=0.5, seed=1))
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == 4
