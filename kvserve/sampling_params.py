@@ -16,6 +16,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    beam_width: int = 1         # > 1: deterministic beam search, HF `num_beams` semantics
+    length_penalty: float = 1.0  # beam score = sum of log-probs / length ** length_penalty
+    early_stopping: bool = False  # beam search stops once `beam_width` hypotheses finished
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -24,6 +27,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be a positive integer, got {self.n!r}")
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or self.beam_width < 1:
+            raise ValueError(f"SamplingParams.beam_width must be a positive integer, got {self.beam_width!r}")
+        if self.beam_width > 1 and self.n > 1:
+            raise ValueError("SamplingParams.n must be 1 with beam search (beam_width > 1)")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

@@ -14,7 +14,8 @@ from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.sequence import RequestOutput, Sequence
+from kvserve.engine.beam_search import BeamGroup
+from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from kvserve.model.loader import load_model
 from kvserve.sampling_params import SamplingParams
 
@@ -116,8 +117,18 @@ class LLMEngine:
         request_id = request_id or str(next(self._ids))
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
+        if params.beam_width > 1 and params.beam_width * (len(ids) + params.max_tokens) > capacity:
+            raise ValueError(f"beam_width: {params.beam_width} beams of up to {len(ids) + params.max_tokens} "
+                             f"tokens must fit the KV cache together ({capacity} tokens)")
+        if params.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"beam_width: {params.beam_width} beams exceed max_num_seqs={self.config.max_num_seqs}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        return Sequence(request_id, ids, params, seed, prompt=text, num_forks=params.n - 1)
+        beam = None
+        if params.beam_width > 1:
+            beam = BeamGroup(params.beam_width, params.length_penalty, params.early_stopping,
+                             params.max_tokens, None if params.ignore_eos else self.eos_token_id)
+        return Sequence(request_id, ids, params, seed, prompt=text,
+                        num_forks=max(params.n, params.beam_width) - 1, beam=beam)
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self._requests:
@@ -145,10 +156,11 @@ class LLMEngine:
             return []
         self.tokens_computed += sum(s.num_new_tokens for s in batch.seqs)
         logits = self.runner.forward(batch.seqs)
-        seqs, rows = self._fork_samples(batch.seqs)
-        tokens = self.runner.sample(seqs, logits[rows])
         now = time.perf_counter()
-        outputs = []
+        outputs = self._step_beams(batch.seqs, logits, now)
+        sampled = [i for i, s in enumerate(batch.seqs) if s.beam is None]
+        seqs, rows = self._fork_samples([batch.seqs[i] for i in sampled])
+        tokens = self.runner.sample(seqs, logits[[sampled[r] for r in rows]])
         for seq, token in zip(seqs, tokens):
             seq.output_token_ids.append(token)
             seq.num_computed_tokens = seq.num_tokens - 1
@@ -163,6 +175,63 @@ class LLMEngine:
                     del self._requests[seq.request_id]
             outputs.append(RequestOutput.of(seq, delta))
         return outputs
+
+    def _step_beams(self, batch: list[Sequence], logits: torch.Tensor, now: float) -> list[RequestOutput]:
+        """Advances every beam-search request whose beams all ran in this step; survivors reuse
+        or fork their parent's blocks, dropped beams free theirs. Returns finished requests."""
+        rows = {seq.seq_id: i for i, seq in enumerate(batch)}
+        outputs = []
+        for request_id in dict.fromkeys(s.request_id for s in batch if s.beam is not None):
+            beams = self._requests[request_id]
+            group = beams[0].beam
+            if any(b.seq_id not in rows for b in beams):
+                # A beam was preempted: the others wait for it, recomputing their last token.
+                for b in beams:
+                    b.num_computed_tokens = min(b.num_computed_tokens, b.num_tokens - 1)
+                continue
+            logprobs = torch.log_softmax(logits[[rows[b.seq_id] for b in beams]], dim=-1)
+            survivors = group.step(logprobs, [b.output_token_ids for b in beams])
+            kept: dict[int, Sequence] = {}
+            new_beams: list[tuple[Sequence, int]] = []
+            for parent_index, token in survivors:
+                parent = beams[parent_index]
+                if parent_index in kept:
+                    child = Sequence(request_id, parent.prompt_token_ids, parent.params, parent.seed,
+                                     prompt=parent.prompt, index=group.next_index(), beam=group,
+                                     output_token_ids=list(parent.output_token_ids),
+                                     arrival_time=parent.arrival_time,
+                                     first_token_time=parent.first_token_time)
+                    self.block_manager.fork(parent.seq_id, child.seq_id)
+                    self.scheduler.add_running(child)
+                else:
+                    child = kept[parent_index] = parent
+                new_beams.append((child, token))
+            for i, b in enumerate(beams):
+                b.num_forks = 0
+                if i not in kept:
+                    self.scheduler.finish(b)
+            for child, token in new_beams:
+                child.output_token_ids.append(token)
+                child.num_computed_tokens = child.num_tokens - 1
+                child.first_token_time = child.first_token_time or now
+                self.block_manager.register_full_blocks(child.seq_id, child.token_ids, child.num_computed_tokens)
+            self._requests[request_id] = [c for c, _ in new_beams]
+            if group.done:
+                outputs.append(self._finish_beams(request_id, beams[0], now))
+        return outputs
+
+    def _finish_beams(self, request_id: str, first: Sequence, now: float) -> RequestOutput:
+        for b in self._requests.pop(request_id):
+            self.scheduler.finish(b)
+        best = first.beam.best()
+        result = Sequence(request_id, first.prompt_token_ids, first.params, first.seed, prompt=first.prompt,
+                          output_token_ids=best.token_ids, status=SequenceStatus.FINISHED,
+                          arrival_time=first.arrival_time, first_token_time=first.first_token_time,
+                          finish_time=now,
+                          finish_reason="stop" if best.token_ids[-1] == first.beam.eos_token_id else "length")
+        if self.tokenizer is not None:
+            result.text = self.tokenizer.decode(best.token_ids, skip_special_tokens=True)
+        return RequestOutput.of(result, result.text)
 
     def _fork_samples(self, batch: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """After its prefill, a request with n samples forks n - 1 sequences that share its blocks

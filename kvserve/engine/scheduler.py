@@ -1,6 +1,7 @@
 """Continuous batching: which sequences run in the next step, and who is preempted."""
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,19 +70,33 @@ class Scheduler:
         # A request with n samples forks into n running sequences after its prefill.
         slots = self.max_num_seqs - sum(1 + s.num_forks for s in self.running)
         while self.waiting:
-            seq = self.waiting[0]
-            if 1 + seq.num_forks > slots or seq.num_tokens > budget:
+            # The beams of one request run together (a beam step needs all of them), so a group
+            # that was preempted comes back all at once or not at all.
+            group = self._group_at_head()
+            if sum(1 + s.num_forks for s in group) > slots or sum(s.num_tokens for s in group) > budget:
                 break
-            cached = self.block_manager.allocate_prompt(seq.seq_id, seq.token_ids, self.reserve_tokens)
-            if cached is None:
+            cached = [self.block_manager.allocate_prompt(s.seq_id, s.token_ids, self.reserve_tokens)
+                      for s in group]
+            if None in cached:
+                for seq, got in zip(group, cached):
+                    if got is not None:
+                        self.block_manager.free(seq.seq_id)
                 break
-            budget -= seq.num_tokens - cached
-            slots -= 1 + seq.num_forks
-            seq.num_computed_tokens = cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(self.waiting.popleft())
-            admitted.append(seq)
+            for seq, hit in zip(group, cached):
+                budget -= seq.num_tokens - hit
+                slots -= 1 + seq.num_forks
+                seq.num_computed_tokens = hit
+                seq.status = SequenceStatus.RUNNING
+                self.waiting.popleft()
+                self.running.append(seq)
+                admitted.append(seq)
         return admitted
+
+    def _group_at_head(self) -> list[Sequence]:
+        head = self.waiting[0]
+        if head.beam is None:
+            return [head]
+        return list(itertools.takewhile(lambda s: s.beam is head.beam, self.waiting))
 
     def _make_room_for_decode(self) -> list[Sequence]:
         """Every running sequence needs a slot for its next token; when blocks run out, the most
@@ -93,9 +108,13 @@ class Scheduler:
             if self.block_manager.allocate(seq.seq_id, seq.num_tokens, self.reserve_tokens):
                 i += 1
                 continue
-            victim = self.running.pop()
-            self.preempt(victim)
-            preempted.append(victim)
+            victim = self.running[-1]
+            group = [s for s in self.running if s.beam is victim.beam] if victim.beam else [victim]
+            for member in group:
+                self.running.remove(member)
+                self.preempt(member)
+                preempted.append(member)
+            i = 0  # members may have sat before i; allocating again is a no-op for the others
         return preempted
 
     def _swap_in(self) -> None:
@@ -119,7 +138,9 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         seq.num_preemptions += 1
         table = self.block_manager.tables[seq.seq_id]
-        if self.swap is not None and self.prefer_swap(seq.num_tokens) and self.swap.swap_out(seq.seq_id, table):
+        # Beams stay on the recompute path: they must come back together (see `_admit`).
+        if (self.swap is not None and seq.beam is None and self.prefer_swap(seq.num_tokens)
+                and self.swap.swap_out(seq.seq_id, table)):
             self.block_manager.free(seq.seq_id)
             seq.status = SequenceStatus.SWAPPED
             self.preemptions["swap"] += 1

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.engine.beam_search import BeamGroup
 from kvserve.sampling_params import SamplingParams
 
 
@@ -23,7 +24,8 @@ class Sequence:
     seed: int
     prompt: str | None = None
     index: int = 0        # which of the request's n samples this is
-    num_forks: int = 0    # samples still to fork from this one once its prompt is prefilled
+    num_forks: int = 0    # sequences still to fork from this one once its prompt is prefilled
+    beam: BeamGroup | None = None  # shared by the beams of a beam-search request
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0   # tokens whose K/V are in the pool
