@@ -144,6 +144,11 @@ def run_memory(args: argparse.Namespace, out: Path) -> None:
         sections += [f"### {title}", "", format_table([on, off]), "",
                      f"{on.name} / {off.name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items())
                      + f", peak KV {on.extra['peak_kv_mib'] / off.extra['peak_kv_mib']:.2f}x", ""]
+    beams = memory.beam_search(make_llm, ids)
+    sections += ["### (b') beam search", "", format_table([beams]), "",
+                 f"peak KV with sharing {beams.extra['peak_kv_mib']:.2f} MiB, the same block tables "
+                 f"unshared {beams.extra['peak_kv_unshared_mib']:.2f} MiB: "
+                 f"{beams.extra['peak_kv_unshared_mib'] / beams.extra['peak_kv_mib']:.2f}x saved", ""]
     text = "\n".join([f"dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, block size "
                       f"{args.block_size}, torch threads {torch.get_num_threads()}", ""] + sections)
     print(text)

@@ -43,6 +43,14 @@ def parallel_samples(make_llm: MakeLLM, ids: list[int], num_prompts: int = 8, n:
     return [shared, separate]
 
 
+def beam_search(make_llm: MakeLLM, ids: list[int], num_prompts: int = 4, width: int = 4,
+                prompt_len: int = 256, max_tokens: int = 48) -> BenchSummary:
+    """(b') Beam search: blocks in use vs what the beams' block tables would need unshared."""
+    prompts = _slices(ids, num_prompts, prompt_len)
+    params = [SamplingParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True)] * num_prompts
+    return run_kvserve(make_llm(), prompts, params, f"beam-width={width}")
+
+
 def preemption_modes(make_llm: MakeLLM, ids: list[int], kv_cache_memory: str = "48MiB",
                      num_requests: int = 32, prompt_len: int = 256,
                      max_tokens: int = 192) -> list[BenchSummary]:
