@@ -50,6 +50,8 @@ class EngineConfig:
     host_swap_memory: str = "1GiB"             # host tier for swapped blocks
     disk_swap_memory: str = "0"                # memory-mapped file tier, used when the host tier is full
     swap_dir: str | None = None                # where the file tier lives (default: the temp dir)
+    offload_memory: str = "0"                  # host memory for cold blocks of sequences longer
+                                               # than the device pool (brought in for attention)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -74,7 +76,7 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"EngineConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")
-        for name in ("host_swap_memory", "disk_swap_memory"):
+        for name in ("host_swap_memory", "disk_swap_memory", "offload_memory"):
             try:
                 parse_bytes(getattr(self, name))
             except ValueError:

@@ -20,6 +20,7 @@ class BlockUsage:
     tokens: int             # slots holding a token, in used blocks
     allocated_slots: int    # slots in used blocks
     unshared_blocks: int    # blocks the block tables would need without sharing
+    offloaded: int = 0      # host blocks holding cold blocks of long sequences
 
     @property
     def waste(self) -> float:
@@ -53,7 +54,8 @@ class PrefixStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -65,6 +67,10 @@ class BlockManager:
         # Copy-on-write copies (src, dst) the model runner must apply before the next forward.
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_stats = PrefixStats()
+        # Host blocks for offloading: ids num_blocks .. num_blocks + num_host_blocks - 1.
+        self.num_host_blocks = num_host_blocks
+        self._host_free = list(range(num_blocks + num_host_blocks - 1, num_blocks - 1, -1))
+        self.pending_offloads: list[tuple[int, int]] = []  # (device block, host block) to copy
         self.peak_used = 0
 
     @property
@@ -150,7 +156,8 @@ class BlockManager:
         table = self.tables.get(seq_id, [])
         need = self.blocks_for(max(num_tokens, reserve_tokens)) - len(table)
         last = (num_tokens - 1) // self.block_size
-        shared_last = 0 <= last < len(table) and self.blocks[table[last]].ref_count > 1
+        shared_last = (0 <= last < len(table) and table[last] < self.num_blocks
+                       and self.blocks[table[last]].ref_count > 1)
         if need + shared_last > len(self._free):
             return False
         self.tables[seq_id] = table
@@ -165,8 +172,22 @@ class BlockManager:
         self._note_peak()
         return True
 
+    def offload_coldest(self, seq_id: str) -> bool:
+        """Move the sequence's oldest device block that only it owns to a host block, freeing the
+        device block. Its last block stays: the next token may be written there."""
+        table = self.tables[seq_id]
+        for i, block_id in enumerate(table[:-1]):
+            if block_id < self.num_blocks and self.blocks[block_id].ref_count == 1 and self._host_free:
+                host = self._host_free.pop()
+                self.pending_offloads.append((block_id, host))
+                table[i] = host
+                self._release(block_id)
+                return True
+        return False
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent; writes are copied on demand."""
+        assert all(b < self.num_blocks for b in self.tables[parent_id]), "offloaded sequences do not fork"
         for block_id in self.tables[parent_id]:
             self._share(block_id)
         self.tables[child_id] = list(self.tables[parent_id])
@@ -183,6 +204,8 @@ class BlockManager:
             chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = block_hash(hashes[-1] if hashes else None, chunk)
             hashes.append(h)
+            if table[i] >= self.num_blocks:  # offloaded: registered before it left the device
+                continue
             block = self.blocks[table[i]]
             if block.hash is not None:
                 continue
@@ -199,7 +222,10 @@ class BlockManager:
     def free(self, seq_id: str) -> None:
         # Deepest block first: among blocks freed together, the deeper is evicted first.
         for block_id in reversed(self.tables.pop(seq_id, [])):
-            self._release(block_id)
+            if block_id >= self.num_blocks:
+                self._host_free.append(block_id)
+            else:
+                self._release(block_id)
         self.num_tokens.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
 
@@ -208,9 +234,12 @@ class BlockManager:
         for seq_id, table in self.tables.items():
             n = self.num_tokens[seq_id]
             for i, block_id in enumerate(table):
+                if block_id >= self.num_blocks:
+                    continue
                 filled[block_id] = max(filled.get(block_id, 0), min(self.block_size, max(0, n - i * self.block_size)))
         cached = sum(self.blocks[b].hash is not None for b in self._free)
         return BlockUsage(total=self.num_blocks, used=self.num_blocks - len(self._free),
                           free=len(self._free) - cached, cached=cached, tokens=sum(filled.values()),
                           allocated_slots=len(filled) * self.block_size,
-                          unshared_blocks=sum(len(t) for t in self.tables.values()))
+                          unshared_blocks=sum(len(t) for t in self.tables.values()),
+                          offloaded=sum(b >= self.num_blocks for t in self.tables.values() for b in t))

@@ -46,15 +46,17 @@ class LLMEngine:
             raise ValueError(f"EngineConfig.kv_cache_memory: {budget} bytes is smaller than one KV block "
                              f"({block_bytes} bytes = {config.block_size} tokens)")
         contiguous = config.cache_mode == "contiguous"
+        num_host_blocks = parse_bytes(config.offload_memory) // block_bytes if config.cache_mode == "paged" else 0
         # The baselines stand for engines without sharing: no prefix cache for them.
         self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching and config.cache_mode == "paged")
+                                          config.enable_prefix_caching and config.cache_mode == "paged",
+                                          num_host_blocks)
         if contiguous and self.block_manager.blocks_for(self.max_model_len) > num_blocks:
             raise ValueError(f"EngineConfig.kv_cache_memory: contiguous mode preallocates max_model_len "
                              f"({self.max_model_len}) tokens per sequence, more than the "
                              f"{num_blocks * config.block_size} slots the budget holds")
         self.pool = KVPool(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
-                           cfg.head_dim, config.torch_dtype, self.device)
+                           cfg.head_dim, config.torch_dtype, self.device, num_host_blocks)
         self.swap = None
         if config.preemption_mode != "recompute" and config.cache_mode == "paged":
             self.swap = SwapSpace(self.pool, parse_bytes(config.host_swap_memory) // block_bytes,
@@ -110,7 +112,11 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"the context length max_model_len={self.max_model_len}")
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        device_capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if len(ids) > device_capacity:
+            raise ValueError(f"prompt: {len(ids)} tokens exceed the device KV pool ({device_capacity} "
+                             f"tokens); raise kv_cache_memory")
+        capacity = device_capacity + self.block_manager.num_host_blocks * self.block_manager.block_size
         if len(ids) + params.max_tokens > capacity:
             raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"the whole KV cache ({capacity} tokens); raise kv_cache_memory")

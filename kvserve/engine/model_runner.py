@@ -26,11 +26,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence]) -> torch.Tensor:
         """Runs each sequence's new tokens; returns next-token logits [len(seqs), vocab]."""
-        # Block moves decided by the scheduler: swaps first, then copy-on-write.
+        # Block moves decided by the scheduler: swaps, offloads, then copy-on-write.
         if self.swap is not None:
             self.swap.apply(self.pool)
-        self.pool.copy_blocks(self.block_manager.pending_copies)
-        self.block_manager.pending_copies.clear()
+        bm = self.block_manager
+        self.pool.offload_blocks(bm.pending_offloads)
+        bm.pending_offloads.clear()
+        self.pool.copy_blocks(bm.pending_copies)
+        bm.pending_copies.clear()
         query_lens = [s.num_new_tokens for s in seqs]
         input_ids = [t for s in seqs for t in s.token_ids[s.num_computed_tokens:]]
         meta = AttentionMetadata.build(
@@ -39,6 +42,8 @@ class ModelRunner:
             [self.block_manager.tables[s.seq_id][:self.block_manager.blocks_for(s.num_tokens)]
              for s in seqs],
             self.pool.block_size, self.group, self.device)
+        if any(b >= bm.num_blocks for s in seqs for b in bm.tables[s.seq_id]):
+            meta.host_layers = self.pool.host_layers
         logit_index = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         return self.model(torch.tensor(input_ids, device=self.device), meta, self.pool.layers,
                           logit_index)

@@ -109,6 +109,9 @@ class Scheduler:
                 i += 1
                 continue
             victim = self.running[-1]
+            # Alone and still short: a long sequence moves its cold blocks to the host tier.
+            if victim is seq and seq.beam is None and self.block_manager.offload_coldest(seq.seq_id):
+                continue
             group = [s for s in self.running if s.beam is victim.beam] if victim.beam else [victim]
             for member in group:
                 self.running.remove(member)

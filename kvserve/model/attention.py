@@ -23,6 +23,9 @@ class AttentionMetadata:
     positions: torch.Tensor      # [T] position of each new token in its sequence (for RoPE)
     mask: torch.Tensor           # [B, 1, max_query_len * group, max_blocks * block_size] bool
     max_query_len: int
+    # Set when a block table holds offloaded blocks (ids >= the device pool's size): per layer
+    # the host K/V those ids index into.
+    host_layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -68,8 +71,20 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
 
+def gather_blocks(cache: torch.Tensor, host: torch.Tensor | None, tables: torch.Tensor) -> torch.Tensor:
+    """[B, max_blocks, block_size, kv_heads, head_dim] for the block tables; offloaded blocks are
+    brought in from the host copy."""
+    if host is None:
+        return cache[tables]
+    num_device = cache.shape[0]
+    on_host = tables >= num_device
+    from_device = cache[tables.clamp(max=num_device - 1)]
+    from_host = host[(tables - num_device).clamp(min=0).cpu()].to(cache.device)
+    return torch.where(on_host[:, :, None, None, None], from_host, from_device)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, layer: int = 0) -> torch.Tensor:
     """q: [T, heads, head_dim] for the step's new tokens; returns [T, heads, head_dim]."""
     total, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -87,8 +102,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = grid.reshape(batch, kv_heads, max_q * group, dim)
 
     # [B, max_blocks, block_size, kvh, D] -> [B, kvh, keys, D]
-    k = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-    v = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+    host_k, host_v = meta.host_layers[layer] if meta.host_layers else (None, None)
+    k = gather_blocks(k_cache, host_k, meta.block_tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
+    v = gather_blocks(v_cache, host_v, meta.block_tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
     out = F.scaled_dot_product_attention(grid, k, v, attn_mask=meta.mask, scale=scale)
 
     out = out.view(batch, kv_heads, max_q, group, dim).permute(0, 2, 1, 3, 4)

@@ -46,8 +46,9 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
@@ -63,7 +64,7 @@ class Attention(nn.Module):
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.layer)
         return self.o_proj(out.flatten(1))
 
 
@@ -79,10 +80,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -100,7 +101,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)
 
