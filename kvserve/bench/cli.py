@@ -138,7 +138,8 @@ def run_memory(args: argparse.Namespace, out: Path) -> None:
     sections = []
     for title, experiment in (("(a) shared system prompt", memory.shared_system_prompt),
                               ("(b) parallel samples", memory.parallel_samples),
-                              ("(c) preemption under memory pressure", memory.preemption_modes)):
+                              ("(c) preemption under memory pressure", memory.preemption_modes),
+                              ("(d) a sequence 4x the device KV pool", memory.long_sequence_offload)):
         on, off = experiment(make_llm, ids)
         r = ratio(on, off)
         sections += [f"### {title}", "", format_table([on, off]), "",

@@ -51,6 +51,17 @@ def beam_search(make_llm: MakeLLM, ids: list[int], num_prompts: int = 4, width: 
     return run_kvserve(make_llm(), prompts, params, f"beam-width={width}")
 
 
+def long_sequence_offload(make_llm: MakeLLM, ids: list[int], prompt_len: int = 32,
+                          max_tokens: int = 480) -> list[BenchSummary]:
+    """(d) One sequence 4x the device pool (cold blocks on the host) vs a pool that holds it."""
+    prompt = ids[:prompt_len]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)]
+    # bf16 SmolLM2: 23,040 bytes per token; 2.8 MiB holds 8 blocks = 128 tokens of the 512.
+    return [run_kvserve(make_llm(kv_cache_memory=budget, offload_memory="64MiB", enable_prefix_caching=False),
+                        [prompt], params, name)
+            for budget, name in (("2.8MiB", "offload-4x"), ("64MiB", "fits-on-device"))]
+
+
 def preemption_modes(make_llm: MakeLLM, ids: list[int], kv_cache_memory: str = "48MiB",
                      num_requests: int = 32, prompt_len: int = 256,
                      max_tokens: int = 192) -> list[BenchSummary]:

@@ -108,9 +108,12 @@ class Scheduler:
             if self.block_manager.allocate(seq.seq_id, seq.num_tokens, self.reserve_tokens):
                 i += 1
                 continue
-            victim = self.running[-1]
-            # Alone and still short: a long sequence moves its cold blocks to the host tier.
-            if victim is seq and seq.beam is None and self.block_manager.offload_coldest(seq.seq_id):
+            # The most recent sequence that could be admitted again; one that has outgrown the
+            # device pool never could, so it is not preempted but offloads its cold blocks.
+            bm = self.block_manager
+            victim = next((s for s in reversed(self.running)
+                           if bm.blocks_for(s.num_tokens) <= bm.num_blocks), seq)
+            if victim is seq and seq.beam is None and bm.offload_coldest(seq.seq_id):
                 continue
             group = [s for s in self.running if s.beam is victim.beam] if victim.beam else [victim]
             for member in group:
@@ -142,7 +145,8 @@ class Scheduler:
         seq.num_preemptions += 1
         table = self.block_manager.tables[seq.seq_id]
         # Beams stay on the recompute path: they must come back together (see `_admit`).
-        if (self.swap is not None and seq.beam is None and self.prefer_swap(seq.num_tokens)
+        on_device = all(b < self.block_manager.num_blocks for b in table)
+        if (self.swap is not None and seq.beam is None and on_device and self.prefer_swap(seq.num_tokens)
                 and self.swap.swap_out(seq.seq_id, table)):
             self.block_manager.free(seq.seq_id)
             seq.status = SequenceStatus.SWAPPED

@@ -6,6 +6,12 @@ only where the engine's forward would write (prefill after `allocate_prompt`, on
 `allocate`), always after the pending copy-on-write copies are applied, as the model runner does.
 Reading every sequence's block table slot by slot through that simulated pool must give back the
 sequence's own tokens: this is what shows that prefix-cache hits and copy-on-write are correct.
+
+Preemption by swap runs the real `SwapSpace` over a real (tiny) `KVPool`: every write and every
+copy is mirrored into the pool's K tensor (the token id as a float), and the machine keeps a shadow
+of the tiers' slots, updated in the order the swaps were recorded. After every step the real pool
+and tiers must hold what the shadows hold, so a swapped-out sequence read back through its new
+block table after swap-out / apply / swap-in / apply gives back its tokens, from host or disk.
 """
 from __future__ import annotations
 
@@ -15,10 +21,17 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+import torch
 
 from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.kv_pool import KVPool
+from kvserve.cache.swap_space import SwapSpace
 
 Pool = dict[int, list[int | None]]
+TierPool = dict[tuple[int, int], list[int | None]]  # (tier index, slot) -> token ids
+# A swap recorded but not applied yet, in record order:
+#   ("out", device block, tier, slot) or ("in", tier, slot, device block)
+SwapOp = tuple[str, int, int, int]
 
 # A few fixed prefixes over a tiny alphabet, so that shared prefixes (and so cache hits,
 # shared blocks and copy-on-write) are frequent, plus suffixes from the same alphabet.
@@ -43,6 +56,13 @@ class ShadowSeq:
 class Model:
     seqs: dict[str, ShadowSeq] = field(default_factory=dict)
     pool: Pool = field(default_factory=dict)
+    # The real pool and swap space the shadows above and below are mirrored into.
+    kv: KVPool | None = None
+    swap: SwapSpace | None = None
+    swapped: dict[str, ShadowSeq] = field(default_factory=dict)  # preempted by swap
+    tiers: TierPool = field(default_factory=dict)
+    pending_swaps: list[SwapOp] = field(default_factory=list)
+    swapped_in: set[str] = field(default_factory=set)  # swapped in since the last apply
 
 
 def with_copies(pool: Pool, copies: list[tuple[int, int]], block_size: int) -> Pool:
@@ -56,9 +76,32 @@ def with_copies(pool: Pool, copies: list[tuple[int, int]], block_size: int) -> P
     return out
 
 
+def with_swaps(pool: Pool, tiers: TierPool, ops: list[SwapOp], block_size: int) -> tuple[Pool, TierPool]:
+    """The pool and tiers as they should be once the recorded swaps land, in record order: a
+    swap-out reads its block as it is then, a swap-in writes its block."""
+    pool = {b: list(slots) for b, slots in pool.items()}
+    tiers = {k: list(slots) for k, slots in tiers.items()}
+    for op in ops:
+        if op[0] == "out":
+            _, block, tier, slot = op
+            tiers[(tier, slot)] = list(pool.get(block, [None] * block_size))
+        else:
+            _, tier, slot, block = op
+            pool[block] = list(tiers.get((tier, slot), [None] * block_size))
+    return pool, tiers
+
+
 def apply_copies(bm: BlockManager, model: Model) -> None:
-    """What ModelRunner.forward does first: apply the pending copies, then clear them."""
+    """What ModelRunner.forward does first: apply the recorded swaps, then the pending
+    copy-on-write copies, then clear them (the shadows and the real pool alike)."""
+    if model.swap is not None:
+        model.pool, model.tiers = with_swaps(model.pool, model.tiers, model.pending_swaps, bm.block_size)
+        model.swap.apply(model.kv)
+    model.pending_swaps.clear()
+    model.swapped_in.clear()
     model.pool = with_copies(model.pool, bm.pending_copies, bm.block_size)
+    if model.kv is not None:
+        model.kv.copy_blocks(bm.pending_copies)
     bm.pending_copies.clear()
 
 
@@ -79,6 +122,8 @@ def write(bm: BlockManager, model: Model, seq_id: str, start: int, end: int) -> 
         assert block.hash is None, f"{seq_id} writes position {pos} into cached block {block_id}"
         slots = model.pool.setdefault(block_id, [None] * bs)
         slots[pos % bs] = seq.tokens[pos]
+        if model.kv is not None:
+            model.kv.layers[0][0][block_id, pos % bs, 0, 0] = float(seq.tokens[pos])
     seq.written = max(seq.written, end)
 
 
@@ -109,8 +154,10 @@ def check_invariants(bm: BlockManager, model: Model) -> None:
     assert bm.peak_used >= usage.used
     assert usage.cached == sum(bm.blocks[b].hash is not None for b in free)
     assert set(bm.tables) == set(bm.num_tokens) == set(model.seqs)
-    # The contents once the pending copies land (the next forward applies them before reading).
-    view = with_copies(model.pool, bm.pending_copies, bm.block_size)
+    # The contents once the pending swaps and copies land (the next forward applies them, in
+    # that order, before reading).
+    swapped_pool, tiers_view = with_swaps(model.pool, model.tiers, model.pending_swaps, bm.block_size)
+    view = with_copies(swapped_pool, bm.pending_copies, bm.block_size)
     for key, block_id in bm.cache.items():
         block = bm.blocks[block_id]
         assert block.hash == key, f"cache entry for block {block_id} has a different hash"
@@ -127,6 +174,51 @@ def check_invariants(bm: BlockManager, model: Model) -> None:
         assert read(bm, view, seq_id, seq.written) == seq.tokens[:seq.written], (
             f"{seq_id} reads {read(bm, view, seq_id, seq.written)}, "
             f"its tokens are {seq.tokens[:seq.written]}")
+    if model.kv is not None:
+        # The real pool holds what the shadow says (where the shadow knows a token).
+        k = model.kv.layers[0][0][:, :, 0, 0].tolist()
+        for block_id, slots in model.pool.items():
+            for i, token in enumerate(slots):
+                assert token is None or k[block_id][i] == token, (
+                    f"pool block {block_id} slot {i} holds {k[block_id][i]}, the shadow {token}")
+    if model.swap is not None:
+        check_swap_invariants(bm, model, tiers_view)
+
+
+def check_swap_invariants(bm: BlockManager, model: Model, tiers_view: TierPool) -> None:
+    """Slot accounting per tier, swapped sequences' contents in the tiers, and the real pool and
+    tiers holding what the shadows hold."""
+    swap, bs = model.swap, bm.block_size
+    assert swap is not None and model.kv is not None
+    assert set(swap.swapped) == set(model.swapped)
+    for seq_id in model.swapped:
+        assert seq_id not in bm.tables and seq_id not in bm.num_tokens, f"swapped {seq_id} has a block table"
+        assert seq_id not in model.seqs
+    held = [ts for slots in swap.swapped.values() for ts in slots]
+    pending_in = [(t, s) for t, s, _ in swap._in]
+    assert len(set(held + pending_in)) == len(held) + len(pending_in), "a tier slot is held twice"
+    usage = {u.name: u for u in swap.usage()}
+    for index, tier in enumerate(swap.tiers):
+        assert len(tier.free) == len(set(tier.free)), f"{tier.name}: a slot is free twice"
+        in_use = {s for t, s in held + pending_in if t == index}
+        assert not in_use & set(tier.free), f"{tier.name}: slots {in_use & set(tier.free)} free and held"
+        u = usage[tier.name]
+        assert u.free + u.used == u.total == tier.num_slots
+        assert u.free == len(tier.free) and u.used == len(in_use), (
+            f"{tier.name}: {u.used} slots used, {len(in_use)} held or pending swap-in")
+        assert set(tier.free) | in_use == set(range(tier.num_slots))
+    # What a swapped sequence left in the tiers (once its swap-out lands) is its tokens.
+    for seq_id, seq in model.swapped.items():
+        slots = swap.swapped[seq_id]
+        assert len(slots) >= bm.blocks_for(seq.written)
+        got = [tiers_view.get(slots[pos // bs], [None] * bs)[pos % bs] for pos in range(seq.written)]
+        assert got == seq.tokens[:seq.written], f"swapped {seq_id} holds {got}, its tokens are {seq.tokens}"
+    # The real tiers hold what the shadow says (where the shadow knows a token).
+    data = [tier.data[:, 0, 0, :, 0, 0].tolist() for tier in swap.tiers]
+    for (tier, slot), slots in model.tiers.items():
+        for i, token in enumerate(slots):
+            assert token is None or data[tier][slot][i] == token, (
+                f"{swap.tiers[tier].name} slot {slot}[{i}] holds {data[tier][slot][i]}, the shadow {token}")
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -149,14 +241,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.freed_tokens: list[list[int]] = []  # preempted sequences come back with all their tokens
 
     @initialize(num_blocks=st.integers(4, 16), block_size=st.sampled_from([1, 2, 4]),
-                reserve=st.sampled_from([0, 0, 0, 6]))
-    def setup(self, num_blocks: int, block_size: int, reserve: int) -> None:
+                reserve=st.sampled_from([0, 0, 0, 6]), host_blocks=st.integers(0, 4),
+                disk_blocks=st.integers(0, 6))
+    def setup(self, num_blocks: int, block_size: int, reserve: int, host_blocks: int,
+              disk_blocks: int) -> None:
         self.bm = BlockManager(num_blocks, block_size)
         self.reserve = reserve
+        self.model.kv = KVPool(num_layers=1, num_blocks=num_blocks, block_size=block_size,
+                               num_kv_heads=1, head_dim=1, dtype=torch.float32,
+                               device=torch.device("cpu"))
+        # The engine only swaps in paged mode, where nothing is reserved (LLMEngine.__init__).
+        if reserve == 0:
+            self.model.swap = SwapSpace(self.model.kv, host_blocks, disk_blocks)
 
     def _new_id(self) -> str:
         self.next_id += 1
         return f"s{self.next_id}"
+
+    def _forward_after_swap_in(self) -> None:
+        """Scheduler._swap_in leaves every running sequence room for its next block, so the step
+        that swaps a sequence in preempts nobody, and its forward applies the swap-ins before any
+        sequence is forked, finished or preempted. SwapSpace relies on this: `apply` runs all
+        swap-outs before all swap-ins (and tier by tier), not in record order, so a block swapped
+        in and then swapped out, or freed and swapped into again, before an apply would be read
+        or written out of order."""
+        if self.model.swapped_in:
+            event("forward after a swap-in")
+            apply_copies(self.bm, self.model)
 
     def _pick(self, index: int) -> str | None:
         ids = sorted(self.model.seqs)
@@ -221,6 +332,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 63))
     def fork(self, index: int) -> None:
         """LLMEngine._fork_samples: the child shares all of the parent's blocks."""
+        self._forward_after_swap_in()
         parent = self._pick(index)
         if parent is None:
             return
@@ -232,6 +344,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 63))
     def free(self, index: int) -> None:
         """Finish, abort or preempt: the blocks go back; a preempted sequence may be readmitted."""
+        self._forward_after_swap_in()
         seq_id = self._pick(index)
         if seq_id is None:
             return
@@ -241,9 +354,73 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert seq_id not in self.bm.tables and seq_id not in self.bm.num_tokens
         self.freed_tokens.append(seq.tokens)
 
+    @rule(index=st.integers(0, 63))
+    def swap_out(self, index: int) -> None:
+        """Scheduler.preempt by swap: swap_out(seq_id, table), then free its device blocks."""
+        self._forward_after_swap_in()
+        swap = self.model.swap
+        seq_id = self._pick(index)
+        if swap is None or seq_id is None:
+            return
+        table = list(self.bm.tables[seq_id])
+        before = (dict(swap.swapped), [list(t.free) for t in swap.tiers], list(swap._out))
+        if not swap.swap_out(seq_id, self.bm.tables[seq_id]):
+            # Tiers full: nothing changes and the sequence stays running.
+            assert len(table) > swap.free_slots
+            assert before == (dict(swap.swapped), [list(t.free) for t in swap.tiers], list(swap._out))
+            assert self.bm.tables[seq_id] == table
+            event("swap out: tiers full")
+            return
+        slots = swap.swapped[seq_id]
+        assert len(slots) == len(table)
+        for (tier, slot), block in zip(slots, table):
+            self.model.pending_swaps.append(("out", block, tier, slot))
+        for name in sorted({swap.tiers[tier].name for tier, _ in slots}):
+            event(f"swap out: to {name}")
+        self.bm.free(seq_id)
+        self.model.swapped[seq_id] = self.model.seqs.pop(seq_id)
+
+    @rule(index=st.integers(0, 63))
+    def swap_in(self, index: int) -> None:
+        """Scheduler._swap_in: allocate the sequence's blocks (all or nothing), then swap_in."""
+        swap = self.model.swap
+        if swap is None or not self.model.swapped:
+            return
+        ids = sorted(self.model.swapped)
+        seq_id = ids[index % len(ids)]
+        seq = self.model.swapped[seq_id]
+        before = (dict(self.bm.tables), self.bm.free_blocks, list(self.bm.pending_copies))
+        if not self.bm.allocate(seq_id, len(seq.tokens)):
+            assert before == (dict(self.bm.tables), self.bm.free_blocks, list(self.bm.pending_copies))
+            event("swap in: no room")
+            return
+        slots = swap.swapped[seq_id]
+        table = self.bm.tables[seq_id]
+        assert all(self.bm.blocks[b].ref_count == 1 for b in table), "swapped in into a shared block"
+        swap.swap_in(seq_id, table)
+        for (tier, slot), block in zip(slots, table):
+            self.model.pending_swaps.append(("in", tier, slot, block))
+        event("swap in")
+        self.model.seqs[seq_id] = self.model.swapped.pop(seq_id)
+        self.model.swapped_in.add(seq_id)
+
+    @rule(index=st.integers(0, 63))
+    def discard(self, index: int) -> None:
+        """Scheduler.finish of a swapped sequence (an abort): its slots are free again."""
+        swap = self.model.swap
+        if swap is None or not self.model.swapped:
+            return
+        ids = sorted(self.model.swapped)
+        seq_id = ids[index % len(ids)]
+        self.bm.free(seq_id)  # finish frees first: a no-op, it has no table
+        swap.discard(seq_id)
+        del self.model.swapped[seq_id]
+        event("discard")
+
     @rule()
     def run_copies(self) -> None:
-        """A forward with nothing new for these sequences still applies the pending copies."""
+        """A forward with nothing new for these sequences still applies the pending swaps, then
+        the pending copies."""
         apply_copies(self.bm, self.model)
 
     @invariant()
@@ -251,13 +428,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
         check_invariants(self.bm, self.model)
 
     def teardown(self) -> None:
+        swap = self.model.swap
+        for seq_id in list(self.model.swapped):
+            swap.discard(seq_id)
+            del self.model.swapped[seq_id]
         for seq_id in list(self.model.seqs):
             self.bm.free(seq_id)
             del self.model.seqs[seq_id]
+        apply_copies(self.bm, self.model)
         check_invariants(self.bm, self.model)
         assert not self.bm.tables and not self.bm.num_tokens
         assert all(b.ref_count == 0 for b in self.bm.blocks)
         assert len(self.bm.free_blocks) == self.bm.num_blocks
+        if swap is not None:
+            assert not swap.swapped and not swap._in and not swap._out
+            for u in swap.usage():
+                assert u.used == 0 and u.free == u.total, f"{u.name} tier not entirely free: {u}"
+            if swap._file is not None:
+                swap._file.close()
 
 
 BlockManagerMachine.TestCase.settings = settings(

@@ -55,3 +55,14 @@ def test_real_model_long_generation_with_offload(smol: LLM) -> None:
     assert small.engine.block_manager.num_blocks == 4
     tokens, most_offloaded = run_tracking_offload(small, prompt, params)
     assert tokens == reference and most_offloaded > 0
+
+
+def test_long_sequence_beside_others_is_offloaded_not_preempted(tiny_llm: Callable[..., LLM]) -> None:
+    short = [list(range(30, 40)), list(range(50, 60))]
+    long_prompt = list(range(3, 23))
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * 2 + [
+        SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)]
+    reference = [o.token_ids for o in tiny_llm().generate(short + [long_prompt], params, use_tqdm=False)]
+    small = tiny_llm(kv_cache_memory="64KiB", offload_memory="1MiB", enable_prefix_caching=False)
+    outs = small.generate(short + [long_prompt], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
