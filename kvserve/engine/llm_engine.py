@@ -12,9 +12,9 @@ from kvserve.cache.block_manager import BlockManager, BlockUsage
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
+from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from kvserve.model.loader import load_model
 from kvserve.sampling_params import SamplingParams

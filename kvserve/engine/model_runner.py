@@ -42,7 +42,7 @@ class ModelRunner:
             [self.block_manager.tables[s.seq_id][:self.block_manager.blocks_for(s.num_tokens)]
              for s in seqs],
             self.pool.block_size, self.group, self.device)
-        if any(b >= bm.num_blocks for s in seqs for b in bm.tables[s.seq_id]):
+        if bm.num_host_blocks and any(b >= bm.num_blocks for s in seqs for b in bm.tables[s.seq_id]):
             meta.host_layers = self.pool.host_layers
         logit_index = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         return self.model(torch.tensor(input_ids, device=self.device), meta, self.pool.layers,
