@@ -168,10 +168,7 @@ class LLMEngine:
         seqs, rows = self._fork_samples([batch.seqs[i] for i in sampled])
         tokens = self.runner.sample(seqs, logits[[sampled[r] for r in rows]])
         for seq, token in zip(seqs, tokens):
-            seq.output_token_ids.append(token)
-            seq.num_computed_tokens = seq.num_tokens - 1
-            self.block_manager.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            seq.first_token_time = seq.first_token_time or now
+            self._append_token(seq, token, now)
             delta = self._detokenize(seq)
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
@@ -181,6 +178,13 @@ class LLMEngine:
                     del self._requests[seq.request_id]
             outputs.append(RequestOutput.of(seq, delta))
         return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        """The step computed every token but the new one; blocks it filled join the prefix cache."""
+        seq.output_token_ids.append(token)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.first_token_time = seq.first_token_time or now
+        self.block_manager.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _step_beams(self, batch: list[Sequence], logits: torch.Tensor, now: float) -> list[RequestOutput]:
         """Advances every beam-search request whose beams all ran in this step; survivors reuse
@@ -202,13 +206,7 @@ class LLMEngine:
             for parent_index, token in survivors:
                 parent = beams[parent_index]
                 if parent_index in kept:
-                    child = Sequence(request_id, parent.prompt_token_ids, parent.params, parent.seed,
-                                     prompt=parent.prompt, index=group.next_index(), beam=group,
-                                     output_token_ids=list(parent.output_token_ids),
-                                     arrival_time=parent.arrival_time,
-                                     first_token_time=parent.first_token_time)
-                    self.block_manager.fork(parent.seq_id, child.seq_id)
-                    self.scheduler.add_running(child)
+                    child = self._fork(parent, group.next_index(), parent.seed)
                 else:
                     child = kept[parent_index] = parent
                 new_beams.append((child, token))
@@ -217,10 +215,7 @@ class LLMEngine:
                 if i not in kept:
                     self.scheduler.finish(b)
             for child, token in new_beams:
-                child.output_token_ids.append(token)
-                child.num_computed_tokens = child.num_tokens - 1
-                child.first_token_time = child.first_token_time or now
-                self.block_manager.register_full_blocks(child.seq_id, child.token_ids, child.num_computed_tokens)
+                self._append_token(child, token, now)
             self._requests[request_id] = [c for c, _ in new_beams]
             if group.done:
                 outputs.append(self._finish_beams(request_id, beams[0], now))
@@ -239,6 +234,17 @@ class LLMEngine:
             result.text = self.tokenizer.decode(best.token_ids, skip_special_tokens=True)
         return RequestOutput.of(result, result.text)
 
+    def _fork(self, parent: Sequence, index: int, seed: int) -> Sequence:
+        """A running copy of `parent` (same tokens and progress) sharing all of its blocks."""
+        child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params, seed,
+                         prompt=parent.prompt, index=index, beam=parent.beam,
+                         output_token_ids=list(parent.output_token_ids),
+                         num_computed_tokens=parent.num_computed_tokens,
+                         arrival_time=parent.arrival_time, first_token_time=parent.first_token_time)
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self.scheduler.add_running(child)
+        return child
+
     def _fork_samples(self, batch: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """After its prefill, a request with n samples forks n - 1 sequences that share its blocks
         and draw their first token from the same logits row. Sample i is seeded with seed + i, so
@@ -246,12 +252,7 @@ class LLMEngine:
         seqs, rows = list(batch), list(range(len(batch)))
         for row, parent in enumerate(batch):
             for index in range(1, parent.num_forks + 1):
-                child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params,
-                                 parent.seed + index, prompt=parent.prompt, index=index,
-                                 num_computed_tokens=parent.num_computed_tokens,
-                                 arrival_time=parent.arrival_time)
-                self.block_manager.fork(parent.seq_id, child.seq_id)
-                self.scheduler.add_running(child)
+                child = self._fork(parent, index, parent.seed + index)
                 self._requests[parent.request_id].append(child)
                 seqs.append(child)
                 rows.append(row)

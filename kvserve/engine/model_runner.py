@@ -39,8 +39,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens, [s.num_tokens for s in seqs],
             # Only the blocks holding context: a contiguous reservation's unused tail is not read.
-            [self.block_manager.tables[s.seq_id][:self.block_manager.blocks_for(s.num_tokens)]
-             for s in seqs],
+            [bm.tables[s.seq_id][:bm.blocks_for(s.num_tokens)] for s in seqs],
             self.pool.block_size, self.group, self.device)
         if bm.num_host_blocks and any(b >= bm.num_blocks for s in seqs for b in bm.tables[s.seq_id]):
             meta.host_layers = self.pool.host_layers

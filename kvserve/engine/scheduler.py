@@ -100,7 +100,8 @@ class Scheduler:
 
     def _make_room_for_decode(self) -> list[Sequence]:
         """Every running sequence needs a slot for its next token; when blocks run out, the most
-        recently admitted sequence gives its blocks back and waits to be recomputed."""
+        recently admitted sequence (with its fellow beams) is preempted by recompute or swap, and
+        a sequence too long to be readmitted offloads cold blocks instead."""
         preempted: list[Sequence] = []
         i = 0
         while i < len(self.running):
@@ -131,7 +132,8 @@ class Scheduler:
             seq = self.swapped[0]
             if bm.blocks_for(seq.num_tokens) + len(self.running) + 1 > len(bm.free_blocks):
                 break
-            assert bm.allocate(seq.seq_id, seq.num_tokens)
+            allocated = bm.allocate(seq.seq_id, seq.num_tokens)  # cannot fail: checked above
+            assert allocated
             self.swap.swap_in(seq.seq_id, bm.tables[seq.seq_id])
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.swapped.popleft())
@@ -146,14 +148,14 @@ class Scheduler:
         table = self.block_manager.tables[seq.seq_id]
         # Beams stay on the recompute path: they must come back together (see `_admit`).
         on_device = all(b < self.block_manager.num_blocks for b in table)
-        if (self.swap is not None and seq.beam is None and on_device and self.prefer_swap(seq.num_tokens)
-                and self.swap.swap_out(seq.seq_id, table)):
-            self.block_manager.free(seq.seq_id)
+        swapped = (self.swap is not None and seq.beam is None and on_device
+                   and self.prefer_swap(seq.num_tokens) and self.swap.swap_out(seq.seq_id, table))
+        self.block_manager.free(seq.seq_id)
+        if swapped:
             seq.status = SequenceStatus.SWAPPED
             self.preemptions["swap"] += 1
             self.swapped.append(seq)
             return
-        self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self.preemptions["recompute"] += 1
