@@ -20,6 +20,18 @@ def flat_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 0.01
 
 
+def top_k_probs(row: list[float], top_k: int) -> tuple[list[int], list[float]]:
+    """Indices in descending logit order (the k largest, or all for k = 0) and their softmax
+    probabilities renormalised over those, in float64."""
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    if top_k > 0:
+        order = order[:top_k]
+    m = max(row[i] for i in order)
+    weights = [math.exp(row[i] - m) for i in order]
+    total = sum(weights)
+    return order, [w / total for w in weights]
+
+
 def brute_force_keep(row: list[float], top_k: int, top_p: float) -> set[int]:
     """Indices kept by top-k then top-p, worked with a Python loop in float64.
 
@@ -27,37 +39,27 @@ def brute_force_keep(row: list[float], top_k: int, top_p: float) -> set[int]:
     smallest prefix, in descending order, whose mass reaches p: a token stays while the mass of
     the tokens before it is still below p.
     """
-    order = sorted(range(len(row)), key=lambda i: -row[i])
-    if top_k > 0:
-        order = order[:top_k]
-    m = max(row[i] for i in order)
-    weights = [math.exp(row[i] - m) for i in order]
-    total = sum(weights)
+    order, probs = top_k_probs(row, top_k)
     kept: list[int] = []
     mass = 0.0
-    for i, w in zip(order, weights):
+    for i, p in zip(order, probs):
         if mass >= top_p:
             break
         kept.append(i)
-        mass += w / total
+        mass += p
     return set(kept)
 
 
 def prefix_margin(row: list[float], top_k: int, top_p: float) -> float:
     """How close any exclusive prefix mass comes to p; a tiny margin would make the float32 and
     float64 answers legitimately differ, so the tests check it is comfortably large."""
-    order = sorted(range(len(row)), key=lambda i: -row[i])
-    if top_k > 0:
-        order = order[:top_k]
-    m = max(row[i] for i in order)
-    weights = [math.exp(row[i] - m) for i in order]
-    total = sum(weights)
+    _, probs = top_k_probs(row, top_k)
     mass, margin = 0.0, float("inf")
     if top_p >= 1:
         return margin  # p = 1 keeps everything: no boundary to be near
-    for w in weights:
+    for p in probs:
         margin = min(margin, abs(mass - top_p))
-        mass += w / total
+        mass += p
     return margin
 
 
