@@ -1,4 +1,4 @@
-"""The `kvserve` command line: generate, chat, bench."""
+"""The `kvserve` command line: generate, chat, serve, bench, memory."""
 from __future__ import annotations
 
 import argparse
@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     from kvserve.diagnostics.memory_planner import add_parser as add_memory
     add_memory(sub)
+    from kvserve.server.cli import add_parser as add_serve
+    add_serve(sub)
     return parser
 
 

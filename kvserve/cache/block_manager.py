@@ -229,6 +229,19 @@ class BlockManager:
         self.num_tokens.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
 
+    def block_states(self) -> tuple[str, list[str | None]]:
+        """Per device block, its state as one letter (F free, U in use, S shared, C cached) and
+        the sequence whose table holds it first (None when unowned): the dashboard's grid."""
+        owners: list[str | None] = [None] * self.num_blocks
+        for seq_id, table in self.tables.items():
+            for block_id in table:
+                if block_id < self.num_blocks and owners[block_id] is None:
+                    owners[block_id] = seq_id
+        states = "".join(
+            ("S" if b.ref_count > 1 else "U") if b.ref_count else ("C" if b.hash is not None else "F")
+            for b in self.blocks)
+        return states, owners
+
     def usage(self) -> BlockUsage:
         filled: dict[int, int] = {}
         for seq_id, table in self.tables.items():

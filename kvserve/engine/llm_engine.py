@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from typing import Any
@@ -18,6 +19,8 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from kvserve.model.loader import load_model
 from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -70,6 +73,7 @@ class LLMEngine:
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
                              else cfg.eos_token_id)
         self.tokens_computed = 0  # tokens run through the model, prefill and decode
+        self.tokens_generated = 0  # tokens sampled, beams and forks included
         self._requests: dict[str, list[Sequence]] = {}  # unfinished requests: their samples
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
@@ -109,8 +113,11 @@ class LLMEngine:
             raise ValueError("prompt: empty prompt")
         if any(not 0 <= t < self.model_config.vocab_size for t in ids):
             raise ValueError(f"prompt: token ids must be in [0, {self.model_config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} prompt tokens leave no room to generate within the "
+                             f"context length max_model_len={self.max_model_len}")
         if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
+            raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"the context length max_model_len={self.max_model_len}")
         device_capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if len(ids) > device_capacity:
@@ -151,6 +158,10 @@ class LLMEngine:
                 seq.finish_time = time.perf_counter()
                 self.scheduler.finish(seq)
 
+    def is_active(self, request_id: str) -> bool:
+        """Whether the request still has samples queued or running."""
+        return request_id in self._requests
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -168,9 +179,13 @@ class LLMEngine:
         seqs, rows = self._fork_samples([batch.seqs[i] for i in sampled])
         tokens = self.runner.sample(seqs, logits[[sampled[r] for r in rows]])
         for seq, token in zip(seqs, tokens):
-            self._append_token(seq, token, now)
-            delta = self._detokenize(seq)
-            self._check_stop(seq, token)
+            try:
+                self._append_token(seq, token, now)
+                delta = self._detokenize(seq)
+                self._check_stop(seq, token)
+            except Exception as err:  # a fault in one request's bookkeeping ends that request only
+                logger.exception("request %s failed", seq.request_id)
+                seq.finish_reason, seq.error, delta = "error", f"{type(err).__name__}: {err}", ""
             if seq.finish_reason is not None:
                 seq.finish_time = now
                 self.scheduler.finish(seq)
@@ -182,6 +197,7 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         """The step computed every token but the new one; blocks it filled join the prefix cache."""
         seq.output_token_ids.append(token)
+        self.tokens_generated += 1
         seq.num_computed_tokens = seq.num_tokens - 1
         seq.first_token_time = seq.first_token_time or now
         self.block_manager.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
@@ -227,7 +243,8 @@ class LLMEngine:
         best = first.beam.best()
         result = Sequence(request_id, first.prompt_token_ids, first.params, first.seed, prompt=first.prompt,
                           output_token_ids=best.token_ids, status=SequenceStatus.FINISHED,
-                          arrival_time=first.arrival_time, first_token_time=first.first_token_time,
+                          arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+                          first_token_time=first.first_token_time,
                           finish_time=now,
                           finish_reason="stop" if best.token_ids[-1] == first.beam.eos_token_id else "length")
         if self.tokenizer is not None:
@@ -240,7 +257,8 @@ class LLMEngine:
                          prompt=parent.prompt, index=index, beam=parent.beam,
                          output_token_ids=list(parent.output_token_ids),
                          num_computed_tokens=parent.num_computed_tokens,
-                         arrival_time=parent.arrival_time, first_token_time=parent.first_token_time)
+                         arrival_time=parent.arrival_time, first_scheduled_time=parent.first_scheduled_time,
+                         first_token_time=parent.first_token_time)
         self.block_manager.fork(parent.seq_id, child.seq_id)
         self.scheduler.add_running(child)
         return child

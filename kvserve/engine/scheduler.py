@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ class Scheduler:
                 budget -= seq.num_tokens - hit
                 slots -= 1 + seq.num_forks
                 seq.num_computed_tokens = hit
+                seq.first_scheduled_time = seq.first_scheduled_time or time.perf_counter()
                 seq.status = SequenceStatus.RUNNING
                 self.waiting.popleft()
                 self.running.append(seq)

@@ -30,12 +30,14 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0   # tokens whose K/V are in the pool
     num_preemptions: int = 0
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None          # what went wrong, when finish_reason is "error"
     text: str = ""
     # Incremental detokenization window: text of ids[prefix_offset:read_offset] is already emitted.
     prefix_offset: int = 0
     read_offset: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None  # queue time ends here
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -73,7 +75,9 @@ class RequestOutput:
     delta_text: str
     finished: bool
     finish_reason: str | None
+    error: str | None
     arrival_time: float
+    first_scheduled_time: float | None
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int
@@ -82,4 +86,5 @@ class RequestOutput:
     def of(cls, seq: Sequence, delta_text: str) -> "RequestOutput":
         return cls(seq.request_id, seq.index, seq.prompt, seq.prompt_token_ids, seq.text,
                    list(seq.output_token_ids), delta_text, seq.finished, seq.finish_reason,
-                   seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions)
+                   seq.error, seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
+                   seq.num_preemptions)

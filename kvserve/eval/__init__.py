@@ -1,0 +1,1 @@
+"""Evaluation helpers: quality of KV-cache formats against reference baselines."""

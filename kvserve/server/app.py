@@ -1,0 +1,202 @@
+"""The HTTP API: OpenAI completions and chat, models, health, metrics and the KV dashboard."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from kvserve.engine.sequence import RequestOutput
+from kvserve.server.async_engine import AsyncEngine, Done, Draining, QueueFull
+from kvserve.server.kv_state import kv_state
+from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, error_body,
+                                     param_of)
+
+
+def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, param, type_), status_code=status, headers=headers)
+
+
+def build_app(aengine: AsyncEngine, retry_after_s: int = 1, model_name: str | None = None) -> FastAPI:
+    engine = aengine.engine
+    tokenizer = engine.tokenizer
+    model_name = model_name or engine.model_name
+    app = FastAPI(title="kvserve", description="OpenAI-compatible server of the kvserve engine")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        if err.get("type") == "json_invalid":
+            return _error(400, f"request body is not valid JSON: {err.get('msg')}")
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        return _error(400, f"{param or 'body'}: {err.get('msg')}", param)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "kvserve", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await aengine.call(aengine.metrics.observe_gauges)
+        return Response(aengine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/kv/state")
+    async def state() -> dict[str, Any]:
+        return await aengine.call(kv_state)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def dashboard() -> str:
+        return resources.files("kvserve.server").joinpath("dashboard.html").read_text()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Response:
+        prompts = req.prompts()
+        if tokenizer is None and any(isinstance(p, str) for p in prompts):
+            return _error(400, "this model has no tokenizer; send token ids as the prompt", "prompt")
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        return await _generate(req, prompts, req.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest) -> Response:
+        if tokenizer is None or not tokenizer.chat_template:
+            return _error(400, "this model has no chat template; use /v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text)
+        max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
+                          max(engine.max_model_len - len(ids), 1))
+        return await _generate(req, [ids], max_tokens, chat=True)
+
+    async def _generate(req: _Common, prompts: list[list[int]], max_tokens: int, chat: bool) -> Response:
+        if (bad := req.unsupported()) is not None:
+            return _error(400, bad[1], bad[0])
+        try:
+            params = req.sampling_params(max_tokens)
+        except ValueError as err:
+            return _error(400, str(err), param_of(str(err)))
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            rids, sink = await aengine.submit(prompts, params, request_id)
+        except QueueFull as err:
+            return _error(429, f"server busy: {err}; retry later", None, "rate_limit_error",
+                          {"Retry-After": str(retry_after_s)})
+        except Draining as err:
+            return _error(503, str(err), None, "service_unavailable")
+        except ValueError as err:
+            param = param_of(str(err))
+            return _error(400, str(err), "messages" if chat and param == "prompt" else param)
+        reply = _Reply(request_id, model_name, chat, rids, params.n if params.beam_width == 1 else 1)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream(reply, sink, include_usage), media_type="text/event-stream")
+        try:
+            while reply.pending:
+                reply.take(await sink.get())
+        finally:
+            if reply.pending:  # the handler was cancelled
+                aengine.abort(list(reply.pending))
+        if reply.error:
+            return _error(500, reply.error, None, "internal_error")
+        return JSONResponse(reply.body())
+
+    async def _stream(reply: "_Reply", sink: Any, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            if reply.chat:
+                for index in range(reply.num_choices):
+                    yield _sse(reply.chunk(index, {"role": "assistant", "content": ""}, None))
+            while reply.pending:
+                item = await sink.get()
+                reply.take(item)
+                if isinstance(item, RequestOutput) and item.finish_reason != "error":
+                    if item.delta_text or item.finished:
+                        yield _sse(reply.chunk_of(item))
+            if reply.error:
+                yield _sse(error_body(reply.error, None, "internal_error"))
+            if include_usage:
+                yield _sse({**reply.chunk_base(), "choices": [], "usage": reply.usage()})
+            yield "data: [DONE]\n\n"
+        finally:
+            if reply.pending:  # the client went away: free its KV blocks now
+                aengine.abort(list(reply.pending))
+
+    return app
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Reply:
+    """Collects one HTTP request's outputs (one engine request per prompt, n samples each) into
+    OpenAI's response and chunk shapes."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, engine_ids: list[str], n: int) -> None:
+        self.id, self.model, self.chat, self.n = request_id, model, chat, n
+        self.created = int(time.time())
+        self.prompt_index = {rid: i for i, rid in enumerate(engine_ids)}
+        self.pending = set(engine_ids)
+        self.num_choices = len(engine_ids) * n
+        self.finals: dict[int, RequestOutput] = {}
+        self.prompt_tokens: dict[str, int] = {}
+        self.error: str | None = None
+
+    def take(self, item: Any) -> None:
+        if isinstance(item, Done):
+            self.pending.discard(item.request_id)
+        elif isinstance(item, Exception):
+            self.error = str(item)
+        else:
+            self.prompt_tokens[item.request_id] = len(item.prompt_token_ids)
+            if item.finish_reason == "error":
+                self.error = f"internal error in request {item.request_id}: {item.error}"
+            elif item.finished:
+                self.finals[self.index(item)] = item
+
+    def index(self, out: RequestOutput) -> int:
+        return self.prompt_index[out.request_id] * self.n + out.index
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(len(o.token_ids) for o in self.finals.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def chunk_base(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model}
+
+    def chunk(self, index: int, delta: dict[str, Any] | str, finish_reason: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
+        choice["delta" if self.chat else "text"] = delta
+        return {**self.chunk_base(), "choices": [choice]}
+
+    def chunk_of(self, out: RequestOutput) -> dict[str, Any]:
+        delta: dict[str, Any] | str = {"content": out.delta_text} if self.chat else out.delta_text
+        return self.chunk(self.index(out), delta, out.finish_reason if out.finished else None)
+
+    def body(self) -> dict[str, Any]:
+        choices = []
+        for index in range(self.num_choices):
+            out = self.finals.get(index)
+            text = out.text if out else ""
+            choice: dict[str, Any] = {"index": index, "logprobs": None,
+                                      "finish_reason": out.finish_reason if out else "abort"}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}

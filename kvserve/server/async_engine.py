@@ -1,0 +1,196 @@
+"""The engine's step loop on a background thread, fed by the HTTP handlers.
+
+Only this thread touches the engine. Handlers send it work (`call`, `submit`, `abort`) through an
+inbox that it drains between steps, and each request's outputs come back on an asyncio queue of
+the handler's event loop. A slow client therefore only lets its own queue grow; the batch keeps
+stepping.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.sequence import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; the client should retry later."""
+
+
+class Draining(Exception):
+    """The server is shutting down and admits nothing new."""
+
+
+@dataclass(frozen=True)
+class Done:
+    """Posted once a request has left the engine (finished, aborted or failed)."""
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int) -> None:
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self._inbox: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future | None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._draining = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- called from the event loop ------------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs `fn(engine)` on the engine thread between two steps and returns its result."""
+        future: Future = Future()
+        self._inbox.put((fn, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
+    def call_soon(self, fn: Callable[[LLMEngine], Any]) -> None:
+        self._inbox.put((fn, None))
+        self._wake.set()
+
+    async def submit(self, prompts: list[list[int]], params: SamplingParams,
+                     request_id: str) -> tuple[list[str], asyncio.Queue]:
+        """Queues one engine request per prompt, all or none. Their outputs, then one `Done` per
+        request, arrive on the returned queue. Raises ValueError, QueueFull or Draining."""
+        sink: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+
+        def add(engine: LLMEngine) -> list[str]:
+            if self._draining:
+                raise Draining("the server is shutting down")
+            if len(engine.scheduler.waiting) + len(prompts) > self.max_waiting:
+                self.metrics.rejected.labels(reason="queue_full").inc()
+                raise QueueFull(f"{len(engine.scheduler.waiting)} requests are waiting "
+                                f"(max_waiting={self.max_waiting})")
+            seqs = [engine.make_sequence(p, params, rid) for p, rid in zip(prompts, ids)]
+            for seq in seqs:
+                engine.add_sequence(seq)
+                self._sinks[seq.request_id] = (loop, sink)
+                self.metrics.prompt_tokens.inc(len(seq.prompt_token_ids))
+            return ids
+
+        try:
+            return await self.call(add), sink
+        except ValueError:
+            self.metrics.rejected.labels(reason="invalid").inc()
+            raise
+
+    def abort(self, request_ids: list[str]) -> None:
+        """For a client gone mid-request: its blocks are freed before the next step runs."""
+        def abort(engine: LLMEngine) -> None:
+            for rid in request_ids:
+                if engine.is_active(rid):
+                    engine.abort(rid)
+                    self.metrics.finished.labels(finish_reason="abort").inc()
+                    self._post_done(rid)
+        self.call_soon(abort)
+
+    def begin_drain(self) -> None:
+        """Stop admitting; running and queued requests go on."""
+        self._draining = True
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop admitting, let running requests finish for up to `timeout` seconds, abort the
+        rest, and stop the thread."""
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            idle: Future = Future()
+            self._inbox.put((lambda e: not e.has_unfinished(), idle))
+            self._wake.set()
+            if idle.result():
+                break
+            time.sleep(0.05)
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop:
+            self._run_inbox()
+            if not engine.has_unfinished():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception:
+                # The forward pass of the whole batch failed: no single request is to blame.
+                logger.exception("engine step failed; aborting the batch")
+                self._fail_running("internal error in the engine step")
+                continue
+            self._dispatch(outputs)
+        self._run_inbox()
+        for rid in list(self._sinks):
+            engine.abort(rid)
+            self.metrics.finished.labels(finish_reason="abort").inc()
+            self._post_done(rid)
+
+    def _run_inbox(self) -> None:
+        while True:
+            try:
+                fn, future = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(self.engine)
+            except Exception as err:
+                if future is None:
+                    logger.exception("engine task failed")
+                else:
+                    future.set_exception(err)
+            else:
+                if future is not None:
+                    future.set_result(result)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._post(out.request_id, out)
+            if out.finished:
+                self.metrics.observe_finished(out)
+        self.metrics.observe_step(self.engine)
+        # After every output of the step: the samples of one request may finish together.
+        for rid in {o.request_id for o in outputs if o.finished}:
+            if not self.engine.is_active(rid):
+                self._post_done(rid)
+
+    def _fail_running(self, message: str) -> None:
+        for rid in {s.request_id for s in self.engine.scheduler.running}:
+            self.engine.abort(rid)
+            self.metrics.finished.labels(finish_reason="error").inc()
+            self._post(rid, RuntimeError(message))
+            self._post_done(rid)
+
+    def _post(self, request_id: str, item: Any) -> None:
+        if (target := self._sinks.get(request_id)) is not None:
+            loop, sink = target
+            try:
+                loop.call_soon_threadsafe(sink.put_nowait, item)
+            except RuntimeError:  # that event loop has closed: nobody is listening any more
+                pass
+
+    def _post_done(self, request_id: str) -> None:
+        self._post(request_id, Done(request_id))
+        self._sinks.pop(request_id, None)

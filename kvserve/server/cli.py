@@ -1,0 +1,68 @@
+"""`kvserve serve`: the OpenAI-compatible HTTP server."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvserve.cli import add_engine_args, llm_from_args
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description="Serves /v1/completions, /v1/chat/completions, /v1/models, /health, "
+                                   "/metrics (Prometheus) and a live KV-cache dashboard at /.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-waiting", type=int, default=512,
+                   help="requests that may wait for a batch slot; past it the server answers 429 "
+                        "(default 512)")
+    p.add_argument("--retry-after", type=int, default=1,
+                   help="seconds a 429 tells the client to wait (Retry-After header; default 1)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish before aborting them "
+                        "(default 30)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients see in /v1/models and responses (default: from the file)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from kvserve.server.app import build_app
+    from kvserve.server.async_engine import AsyncEngine
+    from kvserve.server.metrics import Metrics
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    llm = llm_from_args(args)
+    aengine = AsyncEngine(llm.engine, Metrics(), args.max_waiting)
+    app = build_app(aengine, args.retry_after, args.served_model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        aengine.start()
+        print(f"kvserve: serving {llm.engine.model_name} on http://{args.host}:{args.port}", flush=True)
+        yield
+        # uvicorn has already waited for open requests (up to the timeout); abort what is left.
+        aengine.shutdown(timeout=0)
+
+    app.router.lifespan_context = lifespan
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            aengine.begin_drain()  # refuse requests on kept-alive connections too
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn re-raises the signal after its graceful shutdown, under the handler found at start:
+    # with this one, a drained server exits with status 0 instead of dying by SIGTERM.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    Server(config).run()

@@ -1,0 +1,38 @@
+"""A JSON picture of the KV pool for the dashboard: every block's state and owner."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvserve.engine.llm_engine import LLMEngine
+
+
+def kv_state(engine: LLMEngine) -> dict[str, Any]:
+    """Runs on the engine thread. Owners are indices into `sequences` (-1: none), which keeps
+    the payload small for pools of thousands of blocks."""
+    states, owners = engine.block_manager.block_states()
+    swap_owners: list[tuple[str, list[str | None]]] = []
+    if engine.swap is not None:
+        for tier in engine.swap.tiers:
+            swap_owners.append((tier.name, [None] * tier.num_slots))
+        for seq_id, places in engine.swap.swapped.items():
+            for tier, slot in places:
+                swap_owners[tier][1][slot] = seq_id
+    names = sorted({o for o in owners if o} | {o for _, tier in swap_owners for o in tier if o})
+    index = {name: i for i, name in enumerate(names)}
+    sched = engine.scheduler
+    return {
+        "time": time.time(),
+        "model": engine.model_name,
+        "block_size": engine.block_manager.block_size,
+        "num_blocks": engine.block_manager.num_blocks,
+        "states": states,
+        "owners": [index.get(o, -1) for o in owners],  # type: ignore[arg-type]
+        "swap": [{"name": name, "owners": [index.get(o, -1) for o in tier]}  # type: ignore[arg-type]
+                 for name, tier in swap_owners],
+        "sequences": names,
+        "running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(sched.swapped),
+        "tokens_generated": engine.tokens_generated,
+        "prefix_cache_hit_rate": engine.block_manager.prefix_stats.hit_rate,
+        "preemptions": dict(sched.preemptions),
+    }

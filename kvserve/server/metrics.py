@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server, in a registry of its own (no process-global state)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.sequence import RequestOutput
+
+# Seconds; from one decode step of a small model on CPU to a long request.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.kv_blocks_used = Gauge("kvserve_kv_blocks_used", "KV blocks owned by a sequence", registry=r)
+        self.kv_blocks_free = Gauge("kvserve_kv_blocks_free",
+                                    "KV blocks not owned (cached ones included)", registry=r)
+        self.kv_blocks_cached = Gauge("kvserve_kv_blocks_cached",
+                                      "free KV blocks that keep a reusable prefix", registry=r)
+        self.kv_usage = Gauge("kvserve_kv_usage_ratio", "fraction of KV blocks in use", registry=r)
+        self.prefix_hit_rate = Gauge("kvserve_prefix_cache_hit_rate",
+                                     "fraction of prompt tokens found in the prefix cache", registry=r)
+        self.requests = Gauge("kvserve_requests", "sequences by scheduler state", ["state"], registry=r)
+        self.preemptions = Counter("kvserve_preemptions", "sequences preempted", ["mode"], registry=r)
+        self.prompt_tokens = Counter("kvserve_prompt_tokens", "prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("kvserve_generation_tokens", "tokens generated", registry=r)
+        self.finished = Counter("kvserve_request_finished", "finished sequences by reason",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("kvserve_request_rejected", "requests refused before queueing",
+                                ["reason"], registry=r)
+        self.ttft = Histogram("kvserve_time_to_first_token_seconds", "arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvserve_time_per_output_token_seconds",
+                              "mean time between output tokens of a sequence", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("kvserve_e2e_request_latency_seconds", "arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("kvserve_request_queue_time_seconds", "arrival to first scheduled",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self._seen_preemptions: dict[str, int] = {}
+        self._seen_generated = 0
+
+    def observe_step(self, engine: LLMEngine) -> None:
+        """Counters that the engine keeps as running totals; cheap enough for every step."""
+        for mode, count in engine.scheduler.preemptions.items():
+            self.preemptions.labels(mode=mode).inc(count - self._seen_preemptions.get(mode, 0))
+            self._seen_preemptions[mode] = count
+        self.generation_tokens.inc(engine.tokens_generated - self._seen_generated)
+        self._seen_generated = engine.tokens_generated
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        self.finished.labels(finish_reason=out.finish_reason).inc()
+        if out.finish_time is None:
+            return
+        self.e2e.observe(out.finish_time - out.arrival_time)
+        if out.first_scheduled_time is not None:
+            self.queue_time.observe(out.first_scheduled_time - out.arrival_time)
+        if out.first_token_time is not None:
+            self.ttft.observe(out.first_token_time - out.arrival_time)
+            if len(out.token_ids) > 1:
+                self.tpot.observe((out.finish_time - out.first_token_time) / (len(out.token_ids) - 1))
+
+    def observe_gauges(self, engine: LLMEngine) -> None:
+        """The KV pool and queues; walks the block tables, so it runs per scrape, not per step."""
+        usage = engine.kv_usage()
+        self.kv_blocks_used.set(usage.used)
+        self.kv_blocks_free.set(usage.free + usage.cached)
+        self.kv_blocks_cached.set(usage.cached)
+        self.kv_usage.set(usage.used / usage.total)
+        self.prefix_hit_rate.set(engine.block_manager.prefix_stats.hit_rate)
+        sched = engine.scheduler
+        for state, seqs in (("running", sched.running), ("waiting", sched.waiting), ("swapped", sched.swapped)):
+            self.requests.labels(state=state).set(len(seqs))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,100 @@
+"""The OpenAI request bodies we accept, and how they become `SamplingParams`."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    # Clients send fields we have no use for (`user`, `metadata`...): ignored, as OpenAI does.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # not OpenAI's; vLLM's extension, -1 or 0 disables
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False  # vLLM's extension, for load tests of fixed length
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for a request asking for something the engine does not do."""
+        if self.presence_penalty or self.frequency_penalty:
+            field = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            return field, f"{field} is not supported; leave it at 0"
+        return None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, n=self.n, temperature=self.temperature,
+                              top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
+                              stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                              ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported by this engine yet"
+        if self.echo:
+            return "echo", "echo is not supported"
+        return super().unsupported()
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # None: up to the end of the context, as vLLM does.
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs or self.top_logprobs:
+            return "logprobs", "logprobs are not supported by this engine yet"
+        return super().unsupported()
+
+
+def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error",
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, which its clients parse into exceptions."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def param_of(message: str) -> str | None:
+    """The field an engine validation error names: "max_tokens: ..." or "SamplingParams.n must...". """
+    head = message.split(":", 1)[0].split(" ", 1)[0]
+    return head.removeprefix("SamplingParams.") or None

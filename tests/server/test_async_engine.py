@@ -1,0 +1,122 @@
+"""The background step loop, driven directly (no HTTP) on the tiny random model."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.sequence import RequestOutput
+from kvserve.server.async_engine import AsyncEngine, Done, Draining, QueueFull
+from kvserve.server.metrics import Metrics
+
+
+@pytest.fixture
+def aengine(tiny_llm: Callable[..., LLM]) -> Iterator[Callable[..., AsyncEngine]]:
+    made: list[AsyncEngine] = []
+
+    def make(max_waiting: int = 8, **kwargs: object) -> AsyncEngine:
+        a = AsyncEngine(tiny_llm(**kwargs).engine, Metrics(), max_waiting)
+        a.start()
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.shutdown(timeout=5)
+
+
+async def collect(sink: asyncio.Queue, requests: int) -> list[RequestOutput]:
+    outs, done = [], 0
+    while done < requests:
+        item = await sink.get()
+        if isinstance(item, Done):
+            done += 1
+        else:
+            outs.append(item)
+    return outs
+
+
+def test_outputs_equal_offline_generate(aengine: Callable[..., AsyncEngine], tiny_llm: Callable[..., LLM]) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    expected = [o.token_ids for o in tiny_llm().generate(prompts, params, use_tqdm=False)]
+    a = aengine()
+
+    async def run() -> list[list[int]]:
+        ids, sink = await a.submit(prompts, params, "r")
+        outs = await collect(sink, len(ids))
+        return [next(o.token_ids for o in outs if o.finished and o.request_id == rid) for rid in ids]
+
+    assert asyncio.run(run()) == expected
+
+
+def test_invalid_request_raises_and_others_continue(aengine: Callable[..., AsyncEngine]) -> None:
+    a = aengine()
+
+    async def run() -> RequestOutput:
+        with pytest.raises(ValueError, match="max_tokens"):
+            await a.submit([[1] * 200], SamplingParams(max_tokens=100), "bad")
+        ids, sink = await a.submit([[1, 2]], SamplingParams(max_tokens=4, ignore_eos=True), "good")
+        return [o for o in await collect(sink, 1) if o.finished][0]
+
+    assert len(asyncio.run(run()).token_ids) == 4
+
+
+def test_queue_bound_refuses_and_abort_frees_blocks(aengine: Callable[..., AsyncEngine]) -> None:
+    a = aengine(max_waiting=1, max_num_seqs=1)
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def run() -> None:
+        ids, sink = await a.submit([[1, 2, 3]], long, "running")
+        await sink.get()  # it is running (and holds blocks) once it produced a token
+        await a.submit([[1, 2, 3]], long, "waiting")
+        with pytest.raises(QueueFull):
+            await a.submit([[1, 2, 3]], long, "refused")
+        a.abort(["running", "waiting"])
+        while not isinstance(await sink.get(), Done):
+            pass
+        usage = await a.call(lambda e: e.kv_usage())
+        waiting = await a.call(lambda e: len(e.scheduler.waiting) + len(e.scheduler.running))
+        assert usage.used == 0 and waiting == 0
+
+    asyncio.run(run())
+    assert a.metrics.rejected.labels(reason="queue_full")._value.get() == 1
+
+
+def test_error_in_one_request_fails_only_that_request(aengine: Callable[..., AsyncEngine]) -> None:
+    a = aengine()
+    check_stop = a.engine._check_stop
+
+    def faulty(seq, token):  # type: ignore[no-untyped-def]
+        if seq.request_id == "faulty" and len(seq.output_token_ids) == 3:
+            raise RuntimeError("boom")
+        check_stop(seq, token)
+
+    a.engine._check_stop = faulty  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    async def run() -> dict[str, RequestOutput]:
+        _, bad = await a.submit([[1, 2]], params, "faulty")
+        _, good = await a.submit([[3, 4]], params, "fine")
+        outs = await collect(bad, 1) + await collect(good, 1)
+        return {o.request_id: o for o in outs if o.finished}
+
+    finals = asyncio.run(run())
+    assert finals["faulty"].finish_reason == "error" and "boom" in finals["faulty"].error
+    assert finals["fine"].finish_reason == "length" and len(finals["fine"].token_ids) == 8
+
+
+def test_shutdown_drains_then_refuses(aengine: Callable[..., AsyncEngine]) -> None:
+    a = aengine()
+
+    async def run() -> None:
+        ids, sink = await a.submit([[1, 2]], SamplingParams(max_tokens=6, ignore_eos=True), "r")
+        a.begin_drain()
+        with pytest.raises(Draining):
+            await a.submit([[1, 2]], SamplingParams(max_tokens=6), "late")
+        outs = await collect(sink, 1)
+        assert outs[-1].finish_reason == "length"
+
+    asyncio.run(run())
