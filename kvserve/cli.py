@@ -1,10 +1,11 @@
-"""The `kvserve` command line: generate, chat, serve, bench, memory."""
+"""The `kvserve` command line: generate, chat, serve, bench, memory, eval."""
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Any
 
+from kvserve.cache.kv_format import FORMAT_NAMES
 from kvserve.sampling_params import SamplingParams
 
 
@@ -22,6 +23,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--cache-mode", default="paged", choices=["paged", "contiguous", "no-cache"],
                    help="paged (default); contiguous and no-cache are baselines")
+    q = p.add_argument_group("KV cache format")
+    q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *FORMAT_NAMES],
+                   help="how K/V pages are stored: auto (default) keeps the model dtype; fp8_e4m3, fp8_e5m2, "
+                        "int8, int4, kivi2, kivi4, outlier and sparse compress them")
+    q.add_argument("--kv-cache-dtype-k", default=None, choices=FORMAT_NAMES, help="keys only (default: as above)")
+    q.add_argument("--kv-cache-dtype-v", default=None, choices=FORMAT_NAMES, help="values only (default: as above)")
+    q.add_argument("--kv-group-size", type=int, default=32,
+                   help="channels per scale for int4, kivi values and outlier (4..128, default 32)")
+    q.add_argument("--kv-residual", type=int, default=None,
+                   help="recent tokens kept in full precision (default: 128 with kivi, else 0)")
+    q.add_argument("--kv-outliers", type=int, default=4, help="exact entries per token-head for 'outlier' (default 4)")
+    q.add_argument("--kv-sparse-threshold", type=float, default=0.5,
+                   help="'sparse' drops entries below this times the token-head RMS (default 0.5)")
+    q.add_argument("--kv-sparse-capacity", type=float, default=0.5,
+                   help="'sparse' stores at most this fraction of head_dim per token-head (default 0.5)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -34,12 +50,16 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def llm_from_args(args: argparse.Namespace, cache_mode: str | None = None) -> Any:
+def llm_from_args(args: argparse.Namespace, cache_mode: str | None = None, **overrides: Any) -> Any:
     from kvserve import LLM
-    return LLM(model=args.model, dtype=args.dtype, device=args.device,
-               kv_cache_memory=_memory(args.kv_cache_memory), block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               cache_mode=cache_mode or args.cache_mode)
+    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device,
+                  kv_cache_memory=_memory(str(args.kv_cache_memory)), block_size=args.block_size,
+                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  cache_mode=cache_mode or args.cache_mode, kv_cache_dtype=args.kv_cache_dtype,
+                  kv_cache_dtype_k=args.kv_cache_dtype_k, kv_cache_dtype_v=args.kv_cache_dtype_v,
+                  kv_group_size=args.kv_group_size, kv_residual=args.kv_residual, kv_outliers=args.kv_outliers,
+                  kv_sparse_threshold=args.kv_sparse_threshold, kv_sparse_capacity=args.kv_sparse_capacity)
+    return LLM(**{**kwargs, **overrides})
 
 
 def _memory(text: str) -> str | float:
@@ -132,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_memory(sub)
     from kvserve.server.cli import add_parser as add_serve
     add_serve(sub)
+    from kvserve.eval.cli import add_parser as add_eval
+    add_eval(sub)
     return parser
 
 

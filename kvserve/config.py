@@ -8,12 +8,14 @@ from pathlib import Path
 
 import torch
 
+from kvserve.cache.kv_format import FORMAT_NAMES, KVFormat, make_format
 from kvserve.model.config import ModelConfig
 
 CACHE_MODES = ("paged", "contiguous", "no-cache")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+_DTYPE_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -52,6 +54,17 @@ class EngineConfig:
     swap_dir: str | None = None                # where the file tier lives (default: the temp dir)
     offload_memory: str = "0"                  # host memory for cold blocks of sequences longer
                                                # than the device pool (brought in for attention)
+    # KV cache format (kvserve.cache.kv_format): "auto" stores K/V in the model dtype as computed;
+    # a format name compresses the pages. Keys and values may differ.
+    kv_cache_dtype: str = "auto"
+    kv_cache_dtype_k: str | None = None        # default: kv_cache_dtype
+    kv_cache_dtype_v: str | None = None
+    kv_group_size: int = 32                    # channels per scale/zero-point (int4, kivi values, outlier)
+    kv_residual: int | None = None             # recent tokens kept in full precision (default: 128 with
+                                               # kivi, else 0)
+    kv_outliers: int = 4                       # exact entries per token and head ("outlier")
+    kv_sparse_threshold: float = 0.5           # "sparse" drops |x| < threshold * rms(token-head)
+    kv_sparse_capacity: float = 0.5            # "sparse" stores at most this fraction of head_dim
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -81,6 +94,50 @@ class EngineConfig:
                 parse_bytes(getattr(self, name))
             except ValueError:
                 raise ValueError(f"EngineConfig.{name}: cannot parse {getattr(self, name)!r}") from None
+        self._check_kv_format()
+
+    def _check_kv_format(self) -> None:
+        for name in ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v"):
+            value = getattr(self, name)
+            if value is not None and value != "auto" and value not in FORMAT_NAMES:
+                raise ValueError(f"EngineConfig.{name} must be 'auto' or one of {', '.join(FORMAT_NAMES)}, "
+                                 f"got {value!r}")
+        if self.kv_residual is not None and (not _is_int(self.kv_residual) or self.kv_residual < 0):
+            raise ValueError(f"EngineConfig.kv_residual must be an integer >= 0, got {self.kv_residual!r}")
+        try:
+            formats = self.kv_formats()
+        except ValueError as err:
+            raise ValueError(f"EngineConfig.{err}") from None
+        if formats is not None:
+            if self.preemption_mode != "recompute":
+                raise ValueError("EngineConfig.preemption_mode: compressed KV formats support only "
+                                 "'recompute' preemption (swap copies dense pages)")
+            if parse_bytes(self.offload_memory):
+                raise ValueError("EngineConfig.offload_memory: offload needs dense pages; use "
+                                 "kv_cache_dtype='auto' with it")
+
+    def kv_format_names(self) -> tuple[str, str]:
+        """(keys, values) format names, 'auto' resolved to the model dtype."""
+        auto = _DTYPE_FORMAT[self.torch_dtype]
+        base = auto if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        k, v = self.kv_cache_dtype_k or base, self.kv_cache_dtype_v or base
+        return (auto if k == "auto" else k), (auto if v == "auto" else v)
+
+    def kv_formats(self) -> tuple[KVFormat, KVFormat] | None:
+        """The (keys, values) formats of a compressed pool; None when pages hold the model dtype."""
+        names = self.kv_format_names()
+        auto = _DTYPE_FORMAT[self.torch_dtype]
+        if names == (auto, auto):
+            return None
+        kwargs = {"group_size": self.kv_group_size, "outliers": self.kv_outliers,
+                  "sparse_threshold": self.kv_sparse_threshold, "sparse_capacity": self.kv_sparse_capacity}
+        return make_format(names[0], "k", **kwargs), make_format(names[1], "v", **kwargs)
+
+    @property
+    def residual_tokens(self) -> int:
+        if self.kv_residual is not None:
+            return self.kv_residual
+        return 128 if any(n.startswith("kivi") for n in self.kv_format_names()) else 0
 
     @property
     def torch_dtype(self) -> torch.dtype:

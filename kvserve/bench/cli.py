@@ -37,6 +37,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(mem)
     mem.set_defaults(func=run, max_model_len=2048, max_num_seqs=8)
 
+    sv = kinds.add_parser("serve", help="concurrent streaming load on `kvserve serve` vs offline generate")
+    sv.add_argument("--num-requests", type=int, default=200)
+    sv.add_argument("--seed", type=int, default=0, help="workload seed")
+    sv.add_argument("--prompt-len-median", type=int, default=128)
+    sv.add_argument("--output-len-median", type=int, default=64)
+    sv.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
+    sv.add_argument("--out", default="bench_out")
+    add_engine_args(sv)
+    sv.set_defaults(func=run, max_model_len=2048)
+
+    kf = kinds.add_parser("kv-formats", help="concurrency and throughput per KV format at one KV budget")
+    kf.add_argument("--formats", default="auto,int8,int4,kivi2", help="kv_cache_dtype values (default auto,int8,int4,kivi2)")
+    kf.add_argument("--num-requests", type=int, default=96)
+    kf.add_argument("--prompt-len-median", type=int, default=512)
+    kf.add_argument("--output-len-median", type=int, default=128)
+    kf.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
+    kf.add_argument("--out", default="bench_out")
+    add_engine_args(kf)
+    kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="256MiB", max_num_seqs=64, kv_residual=32)
+
     sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
     sc.add_argument("--prompt-len", type=int, default=32)
     sc.add_argument("--num-tokens", type=int, default=512)
@@ -49,7 +69,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    {"throughput": run_throughput, "scaling": run_scaling, "memory": run_memory}[args.bench](args, out)
+    {"throughput": run_throughput, "scaling": run_scaling, "memory": run_memory,
+     "serve": run_serve, "kv-formats": run_kv_formats}[args.bench](args, out)
 
 
 def run_throughput(args: argparse.Namespace, out: Path) -> None:
@@ -154,3 +175,93 @@ def run_memory(args: argparse.Namespace, out: Path) -> None:
                       f"{args.block_size}, torch threads {torch.get_num_threads()}", ""] + sections)
     print(text)
     (out / "memory.md").write_text(text + "\n")
+
+
+def run_serve(args: argparse.Namespace, out: Path) -> None:
+    """The server and the offline engine run one after the other, never side by side: on a small
+    machine they would share the cores. The load client is this process; the server is another."""
+    import time
+
+    from kvserve.bench.serve_load import ServerProcess, run_concurrent_streams
+    from kvserve.bench.throughput import greedy_params
+    from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH, load_wikitext_ids, make_workload
+
+    llm = llm_from_args(args, "paged")
+    ids = load_wikitext_ids(llm.tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
+    requests = make_workload(ids, args.num_requests, args.seed, args.prompt_len_median,
+                             args.output_len_median, max_prompt_len=512, max_output_len=256)
+    prompts, params = [r.prompt_token_ids for r in requests], greedy_params(requests)
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up, as the server's first requests
+    t0 = time.perf_counter()
+    offline = llm.generate(prompts, params)
+    offline_wall = time.perf_counter() - t0
+    offline_tokens = sum(len(o.token_ids) for o in offline)
+    del llm, offline
+
+    engine_args = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(args.kv_cache_memory),
+                   "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+                   "--max-model-len", str(args.max_model_len), "--max-waiting", str(len(requests) + 1),
+                   *(["--model", args.model] if args.model else [])]
+    server = ServerProcess(*engine_args)
+    try:
+        run_concurrent_streams(server.url, requests[:4])  # warm-up
+        results, wall = run_concurrent_streams(server.url, requests)
+        state = server.kv_state()
+    finally:
+        server.stop()
+    errors = [r["error"] for r in results if r["error"]]
+    tokens = sum(r.get("tokens", 0) for r in results if not r["error"])
+    leaked = sum(c in "US" for c in state["states"])
+    ttft = sorted(r["ttft"] for r in results if not r["error"])
+    lines = [f"{len(requests)} concurrent streaming completions (WikiText-2 prompts, median "
+             f"{args.prompt_len_median} tokens; lognormal outputs, median {args.output_len_median}, "
+             f"ignore_eos), dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, torch threads "
+             f"{torch.get_num_threads()}", "",
+             "| run | wall s | output tok/s | errors |", "|---|---|---|---|",
+             f"| kvserve serve, {len(requests)} streams over HTTP | {wall:.1f} | {tokens / wall:.1f} | {len(errors)} |",
+             f"| offline LLM.generate | {offline_wall:.1f} | {offline_tokens / offline_wall:.1f} | - |", "",
+             f"server / offline throughput: {(tokens / wall) / (offline_tokens / offline_wall):.3f}x; "
+             f"TTFT p50 {ttft[len(ttft) // 2]:.2f} s over HTTP; KV blocks in use afterwards: {leaked}; "
+             f"running/waiting afterwards: {state['running']}/{state['waiting']}"]
+    if errors:
+        lines.append(f"first errors: {errors[:3]}")
+    text = "\n".join(lines)
+    print(text)
+    (out / "serve_load.md").write_text(text + "\n")
+
+
+def run_kv_formats(args: argparse.Namespace, out: Path) -> None:
+    """The same workload and KV budget per format: how many sequences run at once, how fast."""
+    from kvserve.bench.throughput import greedy_params, run_kvserve
+    from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH, load_wikitext_ids, make_workload
+
+    formats = args.formats.split(",")
+    summaries = []
+    requests = None
+    for fmt in formats:
+        llm = llm_from_args(args, "paged", kv_cache_dtype=fmt)
+        if requests is None:
+            ids = load_wikitext_ids(llm.tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
+            requests = make_workload(ids, args.num_requests, 0, args.prompt_len_median, args.output_len_median,
+                                     sigma=0.5, max_prompt_len=1024, max_output_len=512)
+        prompts, params = [r.prompt_token_ids for r in requests], greedy_params(requests)
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+        summary = run_kvserve(llm, prompts, params, f"kvserve {fmt}")
+        summary.extra["capacity_tokens"] = float(llm.engine.block_manager.num_blocks * args.block_size)
+        summary.extra["kv_bytes_per_token"] = llm.engine.kv_bytes_per_token
+        summaries.append(summary)
+        del llm
+    base = summaries[0]
+    lines = [f"KV budget {args.kv_cache_memory}, {args.num_requests} requests (prompt median "
+             f"{args.prompt_len_median}, output median {args.output_len_median}, sigma 0.5), dtype {args.dtype}, "
+             f"max_num_seqs {args.max_num_seqs}, kv_residual {args.kv_residual} (kivi), torch threads "
+             f"{torch.get_num_threads()}", "", format_table(summaries), "",
+             "| format | KV bytes/token | capacity (tokens) | peak running seqs | output tok/s | vs first |",
+             "|---|---|---|---|---|---|"]
+    for s in summaries:
+        lines.append(f"| {s.name} | {s.extra['kv_bytes_per_token']:.0f} | {s.extra['capacity_tokens']:.0f} | "
+                     f"{s.extra['peak_running']:.0f} ({s.extra['peak_running'] / base.extra['peak_running']:.2f}x) | "
+                     f"{s.output_tok_s:.1f} | {s.output_tok_s / base.output_tok_s:.2f}x |")
+    text = "\n".join(lines)
+    print(text)
+    (out / "kv_formats.md").write_text(text + "\n")

@@ -27,13 +27,14 @@ def run_kvserve(llm: Any, prompts: list[list[int]], params: list[SamplingParams]
     t0 = time.perf_counter()
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     done: dict[tuple[str, int], Any] = {}
-    waste_sum, waste_steps, peak_unshared = 0.0, 0, 0
+    waste_sum, waste_steps, peak_unshared, peak_running = 0.0, 0, 0, 0
     with tqdm(total=sum(sp.n for sp in params), desc=name, unit="seq", disable=not progress) as bar:
         while engine.has_unfinished():
             usage = engine.kv_usage()
             if usage.allocated_slots:
                 waste_sum, waste_steps = waste_sum + usage.waste, waste_steps + 1
             peak_unshared = max(peak_unshared, usage.unshared_blocks)
+            peak_running = max(peak_running, len(engine.scheduler.running))
             for out in engine.step():
                 if out.finished:
                     done[out.request_id, out.index] = out
@@ -48,5 +49,6 @@ def run_kvserve(llm: Any, prompts: list[list[int]], params: list[SamplingParams]
              "prefix_hit_pct": 100 * bm.prefix_stats.hit_rate,
              "tokens_computed": float(engine.tokens_computed - computed_before),
              "preempt_recompute": float(engine.scheduler.preemptions["recompute"]),
-             "preempt_swap": float(engine.scheduler.preemptions["swap"])}
+             "preempt_swap": float(engine.scheduler.preemptions["swap"]),
+             "peak_running": float(peak_running)}
     return summarize(name, timings, wall, extra)

@@ -1,7 +1,39 @@
-"""The preallocated K and V pools: per layer, `num_blocks x block_size` token slots."""
+"""The preallocated KV pool in the model's dtype: per layer, `num_blocks x block_size` token slots."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+class DenseLayerKV:
+    """One layer's K and V pages, stored as they are computed. Offloaded blocks (ids >= the
+    device pool's size) are read from the host copies."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor | None,
+                 host_v: torch.Tensor | None) -> None:
+        self.k, self.v, self.host_k, self.host_v = k, v, host_k, host_v
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
+        """New tokens' K/V [T, kv_heads, head_dim] into their slots."""
+        self.k.view(-1, *self.k.shape[2:])[meta.slot_mapping] = k.to(self.k.dtype)
+        self.v.view(-1, *self.v.shape[2:])[meta.slot_mapping] = v.to(self.v.dtype)
+
+    def gather(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [B, max_blocks, block_size, kv_heads, head_dim] of the block tables."""
+        tables = meta.block_tables
+        return (_gather(self.k, self.host_k if meta.offloaded else None, tables),
+                _gather(self.v, self.host_v if meta.offloaded else None, tables))
+
+
+def _gather(cache: torch.Tensor, host: torch.Tensor | None, tables: torch.Tensor) -> torch.Tensor:
+    if host is None:
+        return cache[tables]
+    num_device = cache.shape[0]
+    on_host = tables >= num_device
+    from_device = cache[tables.clamp(max=num_device - 1)]
+    from_host = host[(tables - num_device).clamp(min=0).cpu()].to(cache.device)
+    return torch.where(on_host[:, :, None, None, None], from_host, from_device)
 
 
 class KVPool:
@@ -9,7 +41,7 @@ class KVPool:
                  head_dim: int, dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError("KVPool.num_blocks must be at least 1")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: masked-out slots are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaN, which 0 does not cancel.
@@ -23,11 +55,17 @@ class KVPool:
             (torch.zeros((num_host_blocks, *shape[1:]), dtype=dtype, pin_memory=pin),
              torch.zeros((num_host_blocks, *shape[1:]), dtype=dtype, pin_memory=pin))
             for _ in range(num_layers)] if num_host_blocks else []
+        self.kv = [DenseLayerKV(k, v, *(self.host_layers[i] if self.host_layers else (None, None)))
+                   for i, (k, v) in enumerate(self.layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def plan_step(self, block_manager: Any, seqs: list[tuple[str, int, int]]) -> None:
+        """Pages hold K/V as computed: nothing to decide per step (see QuantizedKVPool)."""
+        return None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block `src`'s K/V into block `dst`, in every layer."""

@@ -20,32 +20,25 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.bench import workload
+from kvserve.cache.kv_format import FORMAT_NAMES, make_format
 from kvserve.config import parse_bytes
 from kvserve.model.config import PRESETS, ModelConfig
 
-# Storage per K or V element. Fractions keep int4's half byte (and its per-group overhead)
-# exact, so byte-sized formats give exact integer totals. Later quantization work extends
-# this table and `bytes_per_element` with its own formats.
-KV_DTYPE_BYTES: dict[str, Fraction] = {
-    "fp32": Fraction(4), "fp16": Fraction(2), "bf16": Fraction(2),
-    "fp8": Fraction(1), "fp8_e4m3": Fraction(1), "fp8_e5m2": Fraction(1),
-    "int8": Fraction(1), "int4": Fraction(1, 2),
-}
-# Each int4 group stores an fp16 scale and an fp16 zero point beside its packed values.
-_INT4_GROUP_OVERHEAD_BYTES = 2 * 2
+KV_DTYPES = ("fp8", *FORMAT_NAMES)  # the engine's kv_cache_dtype names; fp8 means fp8_e4m3
+# kivi keys keep one scale and zero-point per channel per block: their cost per token depends on
+# the block size, taken here as the engine's default.
+_BLOCK_SIZE = 16
 
 
-def bytes_per_element(dtype: str, group_size: int | None = None) -> Fraction:
-    """Bytes one K or V element takes; for int4, `group_size` adds each group's scale and zero."""
-    if dtype not in KV_DTYPE_BYTES:
-        raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(KV_DTYPE_BYTES)}")
-    if group_size is None:
-        return KV_DTYPE_BYTES[dtype]
-    if dtype != "int4":
-        raise ValueError(f"a group size applies to int4 only, not {dtype}")
-    if group_size < 1:
-        raise ValueError(f"the group size must be positive, got {group_size}")
-    return KV_DTYPE_BYTES[dtype] + Fraction(_INT4_GROUP_OVERHEAD_BYTES, group_size)
+def bytes_per_element(cfg: ModelConfig, dtype: str, group_size: int | None = None) -> Fraction:
+    """Bytes per K or V element, averaged over the codes and whatever scales, zero-points and side
+    tables the format stores (kvserve.cache.kv_format, the engine's own layouts)."""
+    name = "fp8_e4m3" if dtype == "fp8" else dtype
+    if name not in FORMAT_NAMES:
+        raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(KV_DTYPES)}")
+    formats = [make_format(name, role, group_size=group_size or 32) for role in ("k", "v")]
+    per_token = sum(Fraction(f.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, _BLOCK_SIZE)) for f in formats)
+    return per_token / (2 * cfg.num_kv_heads * cfg.head_dim)
 
 
 # ---- model shapes ----------------------------------------------------------------------------
@@ -129,7 +122,7 @@ def kv_bytes(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, group_size:
     rounded up, since memory comes in whole bytes.
     """
     elements = 2 * batch * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * seq_len
-    return math.ceil(elements * bytes_per_element(dtype, group_size))
+    return math.ceil(elements * bytes_per_element(cfg, dtype, group_size))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str, group_size: int | None = None) -> int:
@@ -229,12 +222,12 @@ def format_plan(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, block_si
                 compare: bool = False) -> str:
     """The human-readable plan `kvserve memory` prints."""
     max_len = cfg.max_position if max_len is None else max_len
-    element = bytes_per_element(dtype, group_size)
+    element = bytes_per_element(cfg, dtype, group_size)
     grouping = f" in groups of {group_size}" if group_size else ""
     lines = [
         f"Model: {name}: {cfg.num_layers} layers, {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads "
         f"({attention_kind(cfg)}), head_dim {cfg.head_dim}",
-        f"KV dtype: {dtype}{grouping}, {float(element):g} bytes per element",
+        f"KV dtype: {dtype}{grouping}, {float(element):g} bytes per element (scales included)",
         f"KV per token: {format_bytes(kv_bytes_per_token(cfg, dtype, group_size))}",
         f"KV cache: {format_bytes(kv_bytes(cfg, dtype, batch, seq_len, group_size))}",
         f"  = 2 x {batch:,} batch x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x "
@@ -317,10 +310,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="explicit shape: query heads, for --compare-attention (default: --kv-heads)")
 
     cache = p.add_argument_group("cache")
-    cache.add_argument("--dtype", default="fp16", choices=list(KV_DTYPE_BYTES),
-                       help="KV element format (default fp16)")
+    cache.add_argument("--dtype", default="fp16", choices=list(KV_DTYPES),
+                       help="KV format, as the engine's --kv-cache-dtype (default fp16)")
     cache.add_argument("--group-size", type=_positive_int, default=None,
-                       help="int4 only: elements per quantization group, each adding an fp16 scale and zero")
+                       help="channels per fp16 scale and zero-point for int4, kivi values and outlier "
+                            "(default 32)")
     cache.add_argument("--batch", type=_positive_int, default=1, help="sequences in the batch (default 1)")
     cache.add_argument("--seq-len", type=_positive_int, default=2048, help="tokens per sequence (default 2048)")
     cache.add_argument("--block-size", type=_positive_int, default=16, help="tokens per paged block (default 16)")

@@ -11,6 +11,7 @@ import torch
 
 from kvserve.cache.block_manager import BlockManager, BlockUsage
 from kvserve.cache.kv_pool import KVPool
+from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
 from kvserve.engine.beam_search import BeamGroup
@@ -41,13 +42,25 @@ class LLMEngine:
             raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                              f">= max_model_len ({self.max_model_len}) so that any prompt can be prefilled")
 
-        block_bytes = KVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
-                                             cfg.head_dim, config.torch_dtype)
+        formats = config.kv_formats()
+        residual = config.residual_tokens
+        if formats is None:
+            block_bytes = KVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                                                 cfg.head_dim, config.torch_dtype)
+            staging_bytes = 0
+        else:
+            block_bytes = QuantizedKVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                                                          cfg.head_dim, *formats)
+            staging = QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size, residual, *formats)
+            staging_bytes = KVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                                                   cfg.head_dim, config.torch_dtype) * staging
+        self.kv_bytes_per_token = block_bytes / config.block_size
         budget = config.kv_budget_bytes()
-        num_blocks = budget // block_bytes
+        num_blocks = (budget - staging_bytes) // block_bytes
         if num_blocks < 1:
             raise ValueError(f"EngineConfig.kv_cache_memory: {budget} bytes is smaller than one KV block "
-                             f"({block_bytes} bytes = {config.block_size} tokens)")
+                             f"({block_bytes} bytes = {config.block_size} tokens"
+                             + (f", after {staging_bytes} bytes of full-precision staging)" if staging_bytes else ")"))
         contiguous = config.cache_mode == "contiguous"
         num_host_blocks = parse_bytes(config.offload_memory) // block_bytes if config.cache_mode == "paged" else 0
         # The baselines stand for engines without sharing: no prefix cache for them.
@@ -58,8 +71,14 @@ class LLMEngine:
             raise ValueError(f"EngineConfig.kv_cache_memory: contiguous mode preallocates max_model_len "
                              f"({self.max_model_len}) tokens per sequence, more than the "
                              f"{num_blocks * config.block_size} slots the budget holds")
-        self.pool = KVPool(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
-                           cfg.head_dim, config.torch_dtype, self.device, num_host_blocks)
+        if formats is None:
+            self.pool: KVPool | QuantizedKVPool = KVPool(
+                cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                config.torch_dtype, self.device, num_host_blocks)
+        else:
+            self.pool = QuantizedKVPool(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
+                                        cfg.head_dim, config.torch_dtype, self.device, *formats, residual,
+                                        staging)
         self.swap = None
         if config.preemption_mode != "recompute" and config.cache_mode == "paged":
             self.swap = SwapSpace(self.pool, parse_bytes(config.host_swap_memory) // block_bytes,

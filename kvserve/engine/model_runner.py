@@ -5,6 +5,7 @@ import torch
 
 from kvserve.cache.block_manager import BlockManager
 from kvserve.cache.kv_pool import KVPool
+from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
@@ -14,11 +15,11 @@ from kvserve.model.llama import LlamaForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, block_manager: BlockManager,
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool | QuantizedKVPool, block_manager: BlockManager,
                  device: torch.device, swap: SwapSpace | None = None) -> None:
         self.model, self.pool, self.block_manager, self.device = model, pool, block_manager, device
         self.swap = swap
-        if can_pack(device, pool.layers[0][0].dtype):
+        if can_pack(device, next(model.parameters()).dtype):
             pack_linears(model)
         cfg = model.config
         self.group = cfg.num_heads // cfg.num_kv_heads
@@ -30,8 +31,9 @@ class ModelRunner:
         if self.swap is not None:
             self.swap.apply(self.pool)
         bm = self.block_manager
-        self.pool.offload_blocks(bm.pending_offloads)
-        bm.pending_offloads.clear()
+        if bm.pending_offloads:  # only dense pools offload (EngineConfig checks)
+            self.pool.offload_blocks(bm.pending_offloads)
+            bm.pending_offloads.clear()
         self.pool.copy_blocks(bm.pending_copies)
         bm.pending_copies.clear()
         query_lens = [s.num_new_tokens for s in seqs]
@@ -41,10 +43,11 @@ class ModelRunner:
             # Only the blocks holding context: a contiguous reservation's unused tail is not read.
             [bm.tables[s.seq_id][:bm.blocks_for(s.num_tokens)] for s in seqs],
             self.pool.block_size, self.group, self.device)
-        if bm.num_host_blocks and any(b >= bm.num_blocks for s in seqs for b in bm.tables[s.seq_id]):
-            meta.host_layers = self.pool.host_layers
+        meta.offloaded = bool(bm.num_host_blocks) and any(
+            b >= bm.num_blocks for s in seqs for b in bm.tables[s.seq_id])
+        meta.kv_plan = self.pool.plan_step(bm, [(s.seq_id, s.num_computed_tokens, s.num_tokens) for s in seqs])
         logit_index = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        return self.model(torch.tensor(input_ids, device=self.device), meta, self.pool.layers,
+        return self.model(torch.tensor(input_ids, device=self.device), meta, self.pool.kv,
                           logit_index)
 
     @staticmethod

@@ -8,9 +8,18 @@ through the block tables, and one `scaled_dot_product_attention` call does the r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+class LayerKV(Protocol):
+    """One layer's paged K/V store (kvserve.cache): dense pages or compressed ones."""
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, meta: "AttentionMetadata") -> None: ...
+
+    def gather(self, meta: "AttentionMetadata") -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -23,9 +32,8 @@ class AttentionMetadata:
     positions: torch.Tensor      # [T] position of each new token in its sequence (for RoPE)
     mask: torch.Tensor           # [B, 1, max_query_len * group, max_blocks * block_size] bool
     max_query_len: int
-    # Set when a block table holds offloaded blocks (ids >= the device pool's size): per layer
-    # the host K/V those ids index into.
-    host_layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    offloaded: bool = False  # a block table holds host blocks (ids >= the device pool's size)
+    kv_plan: Any = None      # where a compressed pool stores this step's tokens (QuantizedKVPool)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -64,30 +72,12 @@ class AttentionMetadata:
                    mask.to(device), max_q)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store new tokens' K/V [T, kv_heads, head_dim] into pools [blocks, block_size, kv_heads, head_dim]."""
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
-
-
-def gather_blocks(cache: torch.Tensor, host: torch.Tensor | None, tables: torch.Tensor) -> torch.Tensor:
-    """[B, max_blocks, block_size, kv_heads, head_dim] for the block tables; offloaded blocks are
-    brought in from the host copy."""
-    if host is None:
-        return cache[tables]
-    num_device = cache.shape[0]
-    on_host = tables >= num_device
-    from_device = cache[tables.clamp(max=num_device - 1)]
-    from_host = host[(tables - num_device).clamp(min=0).cpu()].to(cache.device)
-    return torch.where(on_host[:, :, None, None, None], from_host, from_device)
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, layer: int = 0) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim] for the step's new tokens; returns [T, heads, head_dim]."""
     total, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
+    # [B, max_blocks, block_size, kvh, D]: the pages of the block tables, decoded if compressed.
+    k_pages, v_pages = kv.gather(meta)
+    kv_heads = k_pages.shape[3]
     group = heads // kv_heads
     batch = meta.block_tables.shape[0]
     max_q = meta.max_query_len
@@ -102,9 +92,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = grid.reshape(batch, kv_heads, max_q * group, dim)
 
     # [B, max_blocks, block_size, kvh, D] -> [B, kvh, keys, D]
-    host_k, host_v = meta.host_layers[layer] if meta.host_layers else (None, None)
-    k = gather_blocks(k_cache, host_k, meta.block_tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
-    v = gather_blocks(v_cache, host_v, meta.block_tables).flatten(1, 2).transpose(1, 2).to(q.dtype)
+    k = k_pages.flatten(1, 2).transpose(1, 2).to(q.dtype)
+    v = v_pages.flatten(1, 2).transpose(1, 2).to(q.dtype)
     out = F.scaled_dot_product_attention(grid, k, v, attn_mask=meta.mask, scale=scale)
 
     out = out.view(batch, kv_heads, max_q, group, dim).permute(0, 2, 1, 3, 4)

@@ -118,11 +118,19 @@ def build_app(aengine: AsyncEngine, retry_after_s: int = 1, model_name: str | No
                 for index in range(reply.num_choices):
                     yield _sse(reply.chunk(index, {"role": "assistant", "content": ""}, None))
             while reply.pending:
-                item = await sink.get()
-                reply.take(item)
-                if isinstance(item, RequestOutput) and item.finish_reason != "error":
-                    if item.delta_text or item.finished:
-                        yield _sse(reply.chunk_of(item))
+                # Everything that arrived since the last write goes out in one: a slow reader
+                # costs fewer sends, not more.
+                items = [await sink.get()]
+                while not sink.empty():
+                    items.append(sink.get_nowait())
+                events = []
+                for item in items:
+                    reply.take(item)
+                    if isinstance(item, RequestOutput) and item.finish_reason != "error":
+                        if item.delta_text or item.finished:
+                            events.append(_sse(reply.chunk_of(item)))
+                if events:
+                    yield "".join(events)
             if reply.error:
                 yield _sse(error_body(reply.error, None, "internal_error"))
             if include_usage:

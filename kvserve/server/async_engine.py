@@ -40,6 +40,11 @@ class Done:
     request_id: str
 
 
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for sink, item in items:
+        sink.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int) -> None:
         if max_waiting < 1:
@@ -166,15 +171,23 @@ class AsyncEngine:
                     future.set_result(result)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up of each event loop per step, however many outputs it gets.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for out in outputs:
-            self._post(out.request_id, out)
+            if (target := self._sinks.get(out.request_id)) is not None:
+                batches.setdefault(target[0], []).append((target[1], out))
             if out.finished:
                 self.metrics.observe_finished(out)
         self.metrics.observe_step(self.engine)
         # After every output of the step: the samples of one request may finish together.
         for rid in {o.request_id for o in outputs if o.finished}:
-            if not self.engine.is_active(rid):
-                self._post_done(rid)
+            if not self.engine.is_active(rid) and (target := self._sinks.pop(rid, None)) is not None:
+                batches.setdefault(target[0], []).append((target[1], Done(rid)))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop has closed: nobody is listening any more
+                pass
 
     def _fail_running(self, message: str) -> None:
         for rid in {s.request_id for s in self.engine.scheduler.running}:

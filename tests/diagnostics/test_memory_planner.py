@@ -50,8 +50,12 @@ def test_bytes_per_token_for_each_preset(preset: str) -> None:
     assert kv_bytes_per_token(cfg, "fp16") == expected
     assert kv_bytes_per_token(cfg, "bf16") == expected
     assert kv_bytes_per_token(cfg, "fp32") == 2 * expected
-    assert kv_bytes_per_token(cfg, "fp8_e4m3") == kv_bytes_per_token(cfg, "int8") == expected // 2
-    assert kv_bytes_per_token(cfg, "int4") == expected // 4
+    # 8-bit: a byte per element plus an fp16 scale per token and head, for K and V.
+    scales = 2 * cfg.num_layers * cfg.num_kv_heads * 2
+    assert kv_bytes_per_token(cfg, "fp8_e4m3") == kv_bytes_per_token(cfg, "int8") == expected // 2 + scales
+    # int4 in groups of 16: half a byte per element, an fp16 scale and zero (4 B) per 16 elements;
+    # expected counts 2 bytes per element.
+    assert kv_bytes_per_token(cfg, "int4", 16) == expected // 4 + expected // 2 // 16 * 4
     # The engine's own 2-byte figure on ModelConfig must agree with the planner's.
     assert cfg.kv_bytes_per_token == expected
 
@@ -72,15 +76,20 @@ def test_acceptance_command_prints_exact_bytes(capsys: pytest.CaptureFixture[str
 
 
 def test_int4_groups_add_scale_and_zero() -> None:
-    assert bytes_per_element("int4") == Fraction(1, 2)
+    cfg = model_shape("llama-2-7b")
     # Each group of 128 carries an fp16 scale and an fp16 zero: 4 bytes over 128 elements.
-    assert bytes_per_element("int4", 128) == Fraction(1, 2) + Fraction(4, 128)
+    assert bytes_per_element(cfg, "int4", 128) == Fraction(1, 2) + Fraction(4, 128)
     # Llama-2-7B: 2 x 32 x 32 x 128 x (0.5 + 4/128) = 131,072 + 8,192.
-    assert kv_bytes_per_token(model_shape("llama-2-7b"), "int4", 128) == 139_264
-    with pytest.raises(ValueError, match="int4 only"):
-        bytes_per_element("int8", 128)
+    assert kv_bytes_per_token(cfg, "int4", 128) == 139_264
     with pytest.raises(ValueError, match="unknown KV dtype"):
-        bytes_per_element("fp12")
+        bytes_per_element(cfg, "fp12")
+
+
+def test_kivi2_keys_per_channel_per_block() -> None:
+    cfg = model_shape("llama-2-7b")
+    # Per layer and KV head: keys 128 * 2 bits = 32 B per token plus an fp16 scale and zero per
+    # channel per 16-token block (128 * 4 / 16 = 32 B); values 32 B + 4 groups * 4 B = 48 B.
+    assert kv_bytes_per_token(cfg, "kivi2") == 32 * 32 * (32 + 32 + 48)
 
 
 def test_sequences_that_fit_hand_worked() -> None:

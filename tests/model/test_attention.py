@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.cache.kv_pool import DenseLayerKV
+from kvserve.model.attention import AttentionMetadata, paged_attention
 
 HEAD_DIM = 32
 ATOL = RTOL = 1e-5
@@ -98,8 +99,8 @@ def write_context(seqs: list[SeqData], k_cache: torch.Tensor, v_cache: torch.Ten
     lens = [s.ctx - s.q_len for s in prior]
     meta = AttentionMetadata.build(lens, lens, [s.table for s in prior], block_size, group,
                                    torch.device("cpu"))
-    write_kv(k_cache, v_cache, torch.cat([s.k[: s.ctx - s.q_len] for s in prior]),
-             torch.cat([s.v[: s.ctx - s.q_len] for s in prior]), meta.slot_mapping)
+    DenseLayerKV(k_cache, v_cache, None, None).write(torch.cat([s.k[: s.ctx - s.q_len] for s in prior]),
+                                                     torch.cat([s.v[: s.ctx - s.q_len] for s in prior]), meta)
 
 
 def expected_pool(seqs: list[SeqData], k0: torch.Tensor, v0: torch.Tensor,
@@ -127,15 +128,16 @@ def run_step(shapes: list[tuple[int, int]], heads: int, kv_heads: int, block_siz
                                    [s.table for s in seqs], block_size, group, torch.device("cpu"))
     # Positions (for RoPE) are the last q_len positions of each sequence, in batch order.
     assert meta.positions.tolist() == [p for s in seqs for p in range(s.ctx - s.q_len, s.ctx)]
-    write_kv(k_cache, v_cache, torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]),
-             torch.cat([s.v[s.ctx - s.q_len:] for s in seqs]), meta.slot_mapping)
+    kv = DenseLayerKV(k_cache, v_cache, None, None)
+    kv.write(torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]), torch.cat([s.v[s.ctx - s.q_len:] for s in seqs]),
+             meta)
 
     # Every token landed at table[pos // bs], offset pos % bs, and nothing else was touched.
     k_exp, v_exp = expected_pool(seqs, k0, v0, block_size)
     assert torch.equal(k_cache, k_exp)
     assert torch.equal(v_cache, v_exp)
 
-    out = paged_attention(torch.cat([s.q for s in seqs]), k_cache, v_cache, meta, scale)
+    out = paged_attention(torch.cat([s.q for s in seqs]), kv, meta, scale)
     ref = torch.cat([dense_reference(s, heads, kv_heads, scale) for s in seqs])
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
@@ -198,9 +200,10 @@ def test_permuted_table_changes_result() -> None:
     seqs, k_cache, v_cache = make_case([(8, 8)], heads, kv_heads, bs, seed=3)
     s = seqs[0]
     meta = AttentionMetadata.build([8], [8], [s.table], bs, group, torch.device("cpu"))
-    write_kv(k_cache, v_cache, s.k, s.v, meta.slot_mapping)
-    right = paged_attention(s.q, k_cache, v_cache, meta, 0.5)
+    kv = DenseLayerKV(k_cache, v_cache, None, None)
+    kv.write(s.k, s.v, meta)
+    right = paged_attention(s.q, kv, meta, 0.5)
     swapped = AttentionMetadata.build([8], [8], [s.table[::-1]], bs, group, torch.device("cpu"))
-    wrong = paged_attention(s.q, k_cache, v_cache, swapped, 0.5)
+    wrong = paged_attention(s.q, kv, swapped, 0.5)
     torch.testing.assert_close(right, dense_reference(s, heads, kv_heads, 0.5), atol=ATOL, rtol=RTOL)
     assert not torch.allclose(right, wrong, atol=1e-3)

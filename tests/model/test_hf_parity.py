@@ -34,7 +34,7 @@ def test_packed_prefill_logits_match_hf(smol: LLM, hf_smol: Any) -> None:
                                                     for i in range(len(lens))],
                                        engine.pool.block_size, 3, engine.device)
         with torch.inference_mode():
-            ours = engine.model(torch.tensor(sum(prompts, [])), meta, engine.pool.layers,
+            ours = engine.model(torch.tensor(sum(prompts, [])), meta, engine.pool.kv,
                                 torch.arange(sum(lens)))
             ref = torch.cat([hf_smol(torch.tensor([p])).logits[0] for p in prompts])
     finally:

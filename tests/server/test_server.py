@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve import LLM, SamplingParams
-from tests.server.conftest import ServerProcess
+from kvserve.bench.serve_load import ServerProcess
 
 pytestmark = pytest.mark.model
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]

@@ -1,0 +1,208 @@
+"""A KV pool that stores pages compressed (`kv_format`), codes and scales inside each block.
+
+Writes encode the step's new tokens; reads decode only the blocks in the step's block tables,
+one layer at a time, so the whole cache is never expanded.
+
+A residual of the most recent tokens stays in full precision, in a small staging area: a block
+gets a staging slot while any of its tokens is within `residual` tokens of its sequence's end
+(or while it is not full, for formats that encode a whole block at once, such as KIVI keys).
+Once out of the window it is sealed: encoded from the staging slot into its own pages, and the
+slot is freed. A block whose tokens all arrive in one step already out of the window (most of a
+long prompt) is encoded directly. The plan for a step is made once (`plan_step`) and applied by
+every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvserve.cache.kv_format import Fields, KVFormat
+
+
+@dataclass
+class StepPlan:
+    """Where this step's tokens go; indices into the step's [T] new tokens."""
+    per_token: bool                    # no staging: every token is encoded into its slot
+    direct_tokens: torch.Tensor        # [n * block_size], block-major: blocks encoded whole
+    direct_blocks: torch.Tensor        # [n]
+    staged_tokens: torch.Tensor        # into staging slot * block_size + offset
+    staged_slots: torch.Tensor
+    seal_stages: torch.Tensor          # encoded from staging into their blocks after the writes
+    seal_blocks: torch.Tensor
+    stage_of: torch.Tensor | None      # [num_blocks] staging slot of each block, -1: none
+
+
+def encode_blocks(fmt: KVFormat, x: torch.Tensor) -> Fields:
+    """x [n, block_size, H, D] -> fields [n, *shape] for any format."""
+    if not fmt.per_token:
+        return fmt.encode(x)
+    return {name: t.unflatten(0, x.shape[:2]) for name, t in fmt.encode(x.flatten(0, 1)).items()}
+
+
+class QuantizedLayerKV:
+    def __init__(self, pool: "QuantizedKVPool") -> None:
+        self.pool = pool
+        p = pool
+        self.fields = [{name: torch.zeros((p.num_blocks, *shape), dtype=dtype, device=p.device)
+                        for name, (shape, dtype) in fmt.fields(p.num_kv_heads, p.head_dim, p.block_size).items()}
+                       for fmt in (p.k_format, p.v_format)]
+        staging = (p.num_staging, p.block_size, p.num_kv_heads, p.head_dim)
+        self.staging = [torch.zeros(staging, dtype=p.dtype, device=p.device) for _ in range(2)]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
+        plan: StepPlan = meta.kv_plan
+        bs = self.pool.block_size
+        for x, fmt, fields, staging in zip((k, v), self.pool.formats, self.fields, self.staging):
+            if plan.per_token:
+                for name, t in fmt.encode(x).items():
+                    fields[name].view(-1, *t.shape[1:])[meta.slot_mapping] = t
+            if len(plan.staged_tokens):
+                staging.view(-1, *x.shape[1:])[plan.staged_slots] = x[plan.staged_tokens].to(staging.dtype)
+            if len(plan.direct_blocks):
+                blocks = x[plan.direct_tokens].unflatten(0, (-1, bs))
+                for name, t in encode_blocks(fmt, blocks).items():
+                    fields[name][plan.direct_blocks] = t
+            if len(plan.seal_blocks):
+                for name, t in encode_blocks(fmt, staging[plan.seal_stages]).items():
+                    fields[name][plan.seal_blocks] = t
+
+    def gather(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = meta.block_tables
+        plan: StepPlan = meta.kv_plan
+        out = []
+        for fmt, fields, staging in zip(self.pool.formats, self.fields, self.staging):
+            pages = fmt.decode({name: f[tables] for name, f in fields.items()}, self.pool.dtype)
+            if plan.stage_of is not None:
+                stage = plan.stage_of[tables]
+                pages = torch.where((stage >= 0)[..., None, None, None], staging[stage.clamp(min=0)], pages)
+            out.append(pages)
+        return out[0], out[1]
+
+
+class QuantizedKVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, k_format: KVFormat,
+                 v_format: KVFormat, residual: int, num_staging: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("KVPool.num_blocks must be at least 1")
+        self.num_blocks, self.block_size, self.dtype, self.device = num_blocks, block_size, dtype, device
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.k_format, self.v_format = k_format, v_format
+        self.formats = (k_format, v_format)
+        self.residual = residual
+        self.staged = num_staging > 0
+        self.num_staging = num_staging
+        self.kv = [QuantizedLayerKV(self) for _ in range(num_layers)]
+        self.stage_of: dict[int, int] = {}  # block -> staging slot
+        self._stage_free = list(range(self.num_staging - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        k_format: KVFormat, v_format: KVFormat) -> int:
+        per_token = sum(f.bytes_per_token(num_kv_heads, head_dim, block_size) for f in (k_format, v_format))
+        return round(num_layers * block_size * per_token)
+
+    @staticmethod
+    def staging_slots(max_num_seqs: int, block_size: int, residual: int, k_format: KVFormat,
+                      v_format: KVFormat) -> int:
+        """None without a residual window or a block-wise format; else each running sequence
+        stages its window, its partial block, and one copy-on-write copy."""
+        if residual == 0 and k_format.per_token and v_format.per_token:
+            return 0
+        return max_num_seqs * (-(-residual // block_size) + 2)
+
+    def _take_stage(self, block: int) -> int:
+        if block not in self.stage_of:
+            if not self._stage_free:
+                raise RuntimeError("QuantizedKVPool: staging slots exhausted")
+            self.stage_of[block] = self._stage_free.pop()
+        return self.stage_of[block]
+
+    def plan_step(self, block_manager: Any, seqs: list[tuple[str, int, int]]) -> StepPlan:
+        """seqs: (seq_id, tokens already in the pool, tokens after this step), in batch order."""
+        if not self.staged:
+            empty = self._dev(torch.zeros(0, dtype=torch.long))
+            return StepPlan(True, empty, empty, empty, empty, empty, empty, None)
+        return self._plan_staged(block_manager, seqs)
+
+    def _plan_staged(self, bm: Any, seqs: list[tuple[str, int, int]]) -> StepPlan:
+        bs = self.block_size
+        seal: dict[int, int] = {}  # block -> the staging slot it is encoded from after the writes
+        freed: list[int] = []      # slots given back once the plan is made: none is reused within a step
+        # Blocks nobody owns: a cached (full) one is sealed, so it can serve a later prefix hit;
+        # any other holds nothing reusable.
+        for block in [b for b in self.stage_of if bm.blocks[b].ref_count == 0]:
+            if bm.blocks[block].hash is not None:
+                seal[block] = self.stage_of[block]
+            freed.append(self.stage_of.pop(block))
+        direct_tokens, direct_blocks, staged_tokens, staged_slots = [], [], [], []
+        offset = 0
+        for seq_id, start, end in seqs:
+            table = bm.tables[seq_id]
+            window = end - self.residual  # tokens before this position are out of the window
+            for i in range(start // bs, -(-end // bs)):
+                block, lo, hi = table[i], i * bs, (i + 1) * bs
+                if hi <= window and lo >= start:  # all of it new and already out of the window
+                    if block in self.stage_of:  # a slot left from the block's previous owner
+                        freed.append(self.stage_of.pop(block))
+                    direct_blocks.append(block)
+                    direct_tokens.append(torch.arange(offset + lo - start, offset + hi - start))
+                    continue
+                stage = self._take_stage(block)
+                first, last = max(lo, start), min(hi, end)
+                staged_tokens.append(torch.arange(offset + first - start, offset + last - start))
+                staged_slots.append(torch.arange(stage * bs + first - lo, stage * bs + last - lo))
+            # Staged blocks of this sequence that have left the window.
+            for block in table[:max(window, 0) // bs]:
+                if block in self.stage_of:
+                    seal[block] = self.stage_of.pop(block)
+                    freed.append(seal[block])
+            offset += end - start
+        self._stage_free.extend(freed)
+        stage_of = torch.full((self.num_blocks,), -1, dtype=torch.long)
+        if self.stage_of:
+            stage_of[list(self.stage_of)] = torch.tensor(list(self.stage_of.values()))
+
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            return self._dev(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long))
+
+        return StepPlan(False, cat(direct_tokens), self._dev(torch.tensor(direct_blocks, dtype=torch.long)),
+                        cat(staged_tokens), cat(staged_slots),
+                        self._dev(torch.tensor(list(seal.values()), dtype=torch.long)),
+                        self._dev(torch.tensor(list(seal), dtype=torch.long)), self._dev(stage_of))
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: codes, scales and (if staged) the full-precision staging copy."""
+        if not pairs:
+            return
+        src = self._dev(torch.tensor([s for s, _ in pairs]))
+        dst = self._dev(torch.tensor([d for _, d in pairs]))
+        staged = [(self.stage_of[s], self._take_stage(d)) for s, d in pairs if s in self.stage_of]
+        for layer in self.kv:
+            for fields, staging in zip(layer.fields, layer.staging):
+                for f in fields.values():
+                    f[dst] = f[src]
+                for s, d in staged:
+                    staging[d] = staging[s]
+
+    def kept_fraction(self) -> dict[str, float]:
+        """For sparse formats: the fraction of K / V entries stored, over every token-head written
+        so far (one with any entry kept; the largest always passes the threshold)."""
+        out = {}
+        for i, (kind, fmt) in enumerate(zip("kv", self.formats)):
+            if getattr(fmt, "name", "") != "sparse":
+                continue
+            vals = [layer.fields[i]["val"] for layer in self.kv]
+            written = sum(int((v != 0).any(-1).sum()) for v in vals)
+            out[kind] = sum(int(torch.count_nonzero(v)) for v in vals) / max(written * self.head_dim, 1)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in self.kv for fields in layer.fields for t in fields.values()) + \
+            sum(s.nbytes for layer in self.kv for s in layer.staging)

@@ -1,0 +1,171 @@
+"""`kvserve eval`: quality of KV-cache formats against the model-dtype cache, with HF's
+QuantizedCache side by side on the same windows."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvserve.cli import add_engine_args, llm_from_args
+
+if TYPE_CHECKING:
+    from kvserve import LLM
+
+DEFAULT_FORMATS = ("fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi4", "kivi2", "outlier", "sparse")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("eval", help="perplexity, KL, greedy agreement and passkey per KV-cache format",
+                       description="Runs WikiText-2 windows through the engine's real cache path for every "
+                                   "format, against the reference cache (the model dtype), and HF "
+                                   "transformers' QuantizedCache at the same bits. Writes a table and a "
+                                   "plot of quality vs bytes per token.")
+    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+                   help=f"comma-separated kv_cache_dtype values (default: {','.join(DEFAULT_FORMATS)})")
+    p.add_argument("--windows", type=int, default=4, help="WikiText-2 windows (default 4)")
+    p.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
+    p.add_argument("--greedy-prompts", type=int, default=8, help="prompts for greedy agreement (default 8)")
+    p.add_argument("--greedy-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--passkey-lengths", default="256,512,1024",
+                   help="context lengths for passkey retrieval (default 256,512,1024)")
+    p.add_argument("--passkey-trials", type=int, default=5, help="keys per length (default 5)")
+    p.add_argument("--hf-bits", default="4,2", help="HF QuantizedCache bits to run (default 4,2; '' skips)")
+    p.add_argument("--hf-backend", default="quanto", help="quanto (default) or hqq")
+    p.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
+    p.add_argument("--out", default="bench_out", help="folder for eval.md, eval.json and eval.png")
+    p.add_argument("--seed", type=int, default=0)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_eval, kv_cache_memory="512MiB", max_model_len=2048)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH
+    from kvserve.eval import quality
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    formats = [f for f in args.formats.split(",") if f]
+
+    def make_llm(kv_cache_dtype: str) -> LLM:
+        return llm_from_args(args, max_num_seqs=max(args.max_num_seqs, args.windows, args.greedy_prompts),
+                             kv_cache_dtype=kv_cache_dtype)
+
+    reference = make_llm("auto")
+    tok = reference.tokenizer
+    text = Path(args.data or DEFAULT_WIKITEXT_PATH).read_text(encoding="utf-8")
+    ids = tok.encode(text[: 40 * args.window_len * args.windows], add_special_tokens=False)
+    windows = [ids[i * args.stride: i * args.stride + args.window_len] for i in range(args.windows)]
+    if len(windows[-1]) < args.window_len:
+        raise ValueError("--windows/--stride: the text is too short for these windows")
+    prefill = args.window_len // 2
+    targets = torch.tensor([w[prefill:] for w in windows])
+    greedy_prompts = [ids[-(i + 1) * 97 - 64:-(i + 1) * 97] for i in range(args.greedy_prompts)]
+    greedy = quality.SamplingParams(max_tokens=args.greedy_tokens, temperature=0, ignore_eos=True)
+    passkeys = {n: quality.passkey_prompts(tok, n, args.passkey_trials, args.seed)
+                for n in map(int, args.passkey_lengths.split(",")) if n}
+
+    ref_logprobs = quality.forced_logprobs(reference, windows, prefill)
+    ref_greedy = [o.token_ids for o in reference.generate(greedy_prompts, greedy, use_tqdm=False)]
+    model_cfg = reference.engine.model_config
+
+    def measure(llm: LLM, name: str) -> dict[str, Any]:
+        q = quality.compare(quality.forced_logprobs(llm, windows, prefill), ref_logprobs, targets)
+        outs = [o.token_ids for o in llm.generate(greedy_prompts, greedy, use_tqdm=False)]
+        engine = llm.engine
+        row = {"cache": f"kvserve {name}", "bytes_per_token": engine.kv_bytes_per_token,
+               "capacity_tokens": engine.block_manager.num_blocks * engine.block_manager.block_size,
+               "perplexity": q.perplexity, "kl": q.kl, "top1": q.top1,
+               "greedy_agree": quality.greedy_agreement(outs, ref_greedy),
+               **{f"passkey@{n}": quality.passkey_accuracy(llm, p) for n, p in passkeys.items()}}
+        if hasattr(engine.pool, "kept_fraction") and (kept := engine.pool.kept_fraction()):
+            row["kept_fraction"] = kept
+        print(_format_row(row), flush=True)
+        return row
+
+    rows = [measure(reference, f"reference ({args.dtype})")]
+    del reference
+    for name in formats:
+        rows.append(measure(make_llm(name), name))
+
+    for bits in [int(b) for b in args.hf_bits.split(",") if b]:
+        rows.append(_hf_row(args, windows, prefill, targets, bits, model_cfg))
+        print(_format_row(rows[-1]), flush=True)
+    _report(args, rows, out, prefill)
+
+
+def _hf_row(args: argparse.Namespace, windows: list[list[int]], prefill: int, targets: torch.Tensor,
+            bits: int, cfg: Any) -> dict[str, Any]:
+    from kvserve.bench.hf_baseline import load_hf_model
+    from kvserve.eval.hf_quantized import hf_decode_nll
+    from kvserve.model.loader import default_model_path
+
+    model, _ = load_hf_model(str(args.model or default_model_path()), getattr(torch, args.dtype))
+    window_tensor = torch.tensor(windows)
+    full, full_argmax = hf_decode_nll(model, window_tensor, prefill, "dynamic")
+    nll, argmax = hf_decode_nll(model, window_tensor, prefill, args.hf_backend, bits, q_group_size=64,
+                                residual_length=128)
+    # Codes plus an fp scale and zero-point per 64 channels, for K and V (residual not counted).
+    per_head = cfg.head_dim * bits / 8 + cfg.head_dim / 64 * 2 * model.dtype.itemsize
+    return {"cache": f"HF QuantizedCache {args.hf_backend} {bits}-bit (g64, residual 128)",
+            "bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * per_head,
+            "perplexity": nll.mean().exp().item(), "hf_full_perplexity": full.mean().exp().item(),
+            "top1_vs_hf_full": (argmax == full_argmax).double().mean().item()}
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _format_row(row: dict[str, Any]) -> str:
+    return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+
+
+def _report(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path, prefill: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = rows[0]  # the reference cache
+    cols = ["bytes_per_token", "perplexity", "kl", "top1", "greedy_agree",
+            *[k for k in rows[0] if k.startswith("passkey@")]]
+    lines = [f"WikiText-2 test, {args.windows} windows of {args.window_len} tokens (stride {args.stride}): "
+             f"{prefill} prefilled, {args.window_len - prefill} decoded token by token into the cache; "
+             f"perplexity over the decoded targets. Reference cache: the model dtype ({args.dtype}); "
+             f"KL(reference || format) and top-1 agreement per decoded position. Greedy: {args.greedy_prompts} "
+             f"prompts x {args.greedy_tokens} tokens, mean tokens before the first divergence. Passkey: "
+             f"{args.passkey_trials} keys per context length.", "",
+             "| cache | " + " | ".join(cols) + " | ppl vs reference |", "|---" * (len(cols) + 2) + "|"]
+    for r in rows:
+        cells = [_cell(r.get(c)) for c in cols]
+        lines.append(f"| {r['cache']} | " + " | ".join(cells) + f" | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% |")
+    for r in rows:
+        if "hf_full_perplexity" in r:
+            lines.append(f"\n{r['cache']}: HF full-precision cache perplexity {r['hf_full_perplexity']:.3f} "
+                         f"in the same run; top-1 agreement with it {r['top1_vs_hf_full']:.3f}")
+        if "kept_fraction" in r:
+            lines.append(f"\n{r['cache']}: kept fraction {r['kept_fraction']}")
+    text = "\n".join(lines)
+    print(text)
+    (out / "eval.md").write_text(text + "\n")
+    (out / "eval.json").write_text(json.dumps(rows, indent=2))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ax.scatter(r["bytes_per_token"], r["perplexity"], marker="s" if r["cache"].startswith("HF") else "o")
+        ax.annotate(r["cache"].replace("kvserve ", "").replace("HF QuantizedCache", "HF"),
+                    (r["bytes_per_token"], r["perplexity"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("KV bytes per token (all layers, K+V)")
+    ax.set_ylabel("WikiText-2 perplexity (decoded half)")
+    ax.set_title("KV-cache format: quality vs memory")
+    fig.tight_layout()
+    fig.savefig(out / "eval.png", dpi=120)

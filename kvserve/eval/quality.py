@@ -1,0 +1,101 @@
+"""Quality of a KV-cache configuration, measured through the engine's own cache path.
+
+Every number comes from real prefill and decode steps into the configured pages (compressed or
+not), never from a fake-quantized dense tensor:
+- teacher-forced decoding of WikiText-2 windows: the first `prefill_len` tokens are prefilled, the
+  rest are fed one token per step, and each step's next-token distribution is kept. Perplexity is
+  over the decoded targets (positions prefill_len .. L-1); KL divergence and top-1 agreement compare
+  each distribution with the reference cache's at the same position;
+- greedy continuation agreement: tokens generated before the first divergence from the reference;
+- passkey retrieval: a 5-digit key hidden at a seeded depth in filler text, asked for at the end.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.llm import LLM
+from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.sampling_params import SamplingParams
+
+
+@torch.inference_mode()
+def forced_logprobs(llm: LLM, windows: list[list[int]], prefill_len: int) -> torch.Tensor:
+    """log-softmax [W, L - prefill_len, vocab] (fp32) of the next token at positions prefill_len - 1
+    .. L - 2 of every window, the windows decoded together as one batch."""
+    engine = llm.engine
+    bm, runner = engine.block_manager, engine.runner
+    length = len(windows[0])
+    seqs = [Sequence(f"eval-{i}", w[:prefill_len], SamplingParams(max_tokens=length), 0)
+            for i, w in enumerate(windows)]
+    for seq in seqs:
+        if bm.allocate_prompt(seq.seq_id, seq.token_ids) is None:
+            raise ValueError("kv_cache_memory: the evaluation windows do not fit the KV pool together")
+        seq.num_computed_tokens = 0  # recompute cached prefixes too: every config sees the same work
+        seq.status = SequenceStatus.RUNNING
+    out = []
+    try:
+        for t in range(prefill_len, length):
+            out.append(torch.log_softmax(runner.forward(seqs), dim=-1).cpu())
+            if t == length - 1:
+                break
+            for seq, window in zip(seqs, windows):
+                seq.num_computed_tokens = seq.num_tokens
+                seq.output_token_ids.append(window[t])
+                if not bm.allocate(seq.seq_id, seq.num_tokens):
+                    raise ValueError("kv_cache_memory: the evaluation windows do not fit the KV pool together")
+    finally:
+        for seq in seqs:
+            bm.free(seq.seq_id)
+    return torch.stack(out, dim=1)
+
+
+@dataclass
+class DecodeQuality:
+    perplexity: float
+    kl: float          # mean KL(reference || this) per position, nats
+    top1: float        # fraction of positions whose argmax equals the reference's
+    nll: torch.Tensor  # [W, T]
+
+
+def compare(logprobs: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> DecodeQuality:
+    """logprobs, reference [W, T, V]; targets [W, T] token ids."""
+    nll = -logprobs.double().gather(-1, targets[..., None]).squeeze(-1)
+    ref = reference.double()
+    kl = (ref.exp() * (ref - logprobs.double())).sum(-1)
+    top1 = (logprobs.argmax(-1) == reference.argmax(-1)).double().mean()
+    return DecodeQuality(nll.mean().exp().item(), kl.mean().item(), top1.item(), nll)
+
+
+def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """Mean number of leading tokens equal to the reference's continuation."""
+    def prefix(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return sum(prefix(o, r) for o, r in zip(outputs, reference)) / len(reference)
+
+
+_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def passkey_prompts(tokenizer: object, context_len: int, trials: int, seed: int) -> list[tuple[str, str]]:
+    """(prompt, key) pairs of about `context_len` tokens, the key at a random depth."""
+    rng = random.Random(seed * 100_003 + context_len)
+    filler_tokens = len(tokenizer.encode(_FILLER))  # type: ignore[attr-defined]
+    repeats = max(1, (context_len - 60) // filler_tokens)
+    prompts = []
+    for _ in range(trials):
+        key = str(rng.randint(10000, 99999))
+        depth = rng.randint(0, repeats)
+        haystack = (_FILLER * depth + f"The pass key is {key}. Remember it. {key} is the pass key. "
+                    + _FILLER * (repeats - depth))
+        prompt = ("There is important information hidden in this text. Find it and memorize it. "
+                  + haystack + "What is the pass key? The pass key is")
+        prompts.append((prompt, key))
+    return prompts
+
+
+def passkey_accuracy(llm: LLM, prompts: list[tuple[str, str]]) -> float:
+    outs = llm.generate([p for p, _ in prompts], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    return sum(key in out.text for out, (_, key) in zip(outs, prompts)) / len(prompts)

@@ -1,0 +1,155 @@
+"""Compressed pages: attention over them equals attention over the same values decoded densely,
+and each block is stored as the residual window says (full precision inside, encoded outside)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.kv_format import FORMAT_NAMES, make_format
+from kvserve.cache.quantized_pool import QuantizedKVPool, encode_blocks
+from kvserve.model.attention import AttentionMetadata, paged_attention
+
+HEADS, KV_HEADS, DIM = 4, 2, 64  # GQA, 2 query heads per KV head
+
+
+def roundtrip(fmt_name: str, role: str, x: torch.Tensor, bs: int, exact_from: int | None) -> torch.Tensor:
+    """What the cache should hold for one sequence's K or V [L, H, D], worked independently of the
+    pool. Without staging (exact_from None) every token is encoded on its own; with it, whole
+    blocks before `exact_from` are encoded and everything after is kept exactly."""
+    fmt = make_format(fmt_name, role)
+    fmt.fields(KV_HEADS, DIM, bs)  # binds head_dim (sparse)
+    if exact_from is None:
+        return fmt.decode(fmt.encode(x), x.dtype)
+    out = x.clone()
+    full = exact_from // bs
+    if full:
+        blocks = x[:full * bs].unflatten(0, (full, bs))
+        out[:full * bs] = fmt.decode(encode_blocks(fmt, blocks), x.dtype).flatten(0, 1)
+    return out
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Dense causal SDPA of the last q_len queries over all keys, GQA by repeating KV heads."""
+    ctx = k.shape[0]
+    group = HEADS // KV_HEADS
+    k, v = k.repeat_interleave(group, 1).transpose(0, 1), v.repeat_interleave(group, 1).transpose(0, 1)
+    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+
+
+class Driver:
+    """A pool, a block manager and sequences of random K/V/Q, stepped like the model runner does."""
+
+    def __init__(self, fmt: str, bs: int, residual: int, lens: list[int], seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.bs, self.residual, self.fmt = bs, residual, fmt
+        self.bm = BlockManager(64, bs, enable_prefix_caching=False)
+        formats = make_format(fmt, "k"), make_format(fmt, "v")
+        self.pool = QuantizedKVPool(1, 64, bs, KV_HEADS, DIM, torch.float32, torch.device("cpu"), *formats,
+                                    residual, QuantizedKVPool.staging_slots(4, bs, residual, *formats))
+        total = max(lens) + 40
+        self.k = [torch.randn(total, KV_HEADS, DIM, generator=g) for _ in lens]
+        self.v = [torch.randn(total, KV_HEADS, DIM, generator=g) for _ in lens]
+        for k in self.k:  # keys carry outlier channels, as real ones do
+            k[:, :, 3] *= 20
+        self.q = [torch.randn(total, HEADS, DIM, generator=g) for _ in lens]
+        self.len = [0] * len(lens)
+        self.ids = [str(i) for i in range(len(lens))]
+        for sid, n in zip(self.ids, lens):
+            assert self.bm.allocate_prompt(sid, [1] * n) is not None
+        self.step(lens)
+
+    def step(self, new: list[int]) -> None:
+        starts = list(self.len)
+        ends = [s + n for s, n in zip(starts, new)]
+        for sid, end in zip(self.ids, ends):
+            assert self.bm.allocate(sid, end)
+        meta = AttentionMetadata.build(new, ends, [self.bm.tables[s][:self.bm.blocks_for(e)]
+                                                   for s, e in zip(self.ids, ends)],
+                                       self.bs, HEADS // KV_HEADS, torch.device("cpu"))
+        meta.kv_plan = self.pool.plan_step(self.bm, list(zip(self.ids, starts, ends)))
+        layer = self.pool.kv[0]
+        layer.write(torch.cat([k[s:e] for k, s, e in zip(self.k, starts, ends)]),
+                    torch.cat([v[s:e] for v, s, e in zip(self.v, starts, ends)]), meta)
+        self.out = paged_attention(torch.cat([q[s:e] for q, s, e in zip(self.q, starts, ends)]),
+                                   layer, meta, DIM ** -0.5)
+        self.len = ends
+        self.new = new
+
+    def expected(self) -> torch.Tensor:
+        outs = []
+        for i, (end, n) in enumerate(zip(self.len, self.new)):
+            exact_from = max(end - self.residual, 0) if self.pool.staged else None
+            k = roundtrip(self.fmt, "k", self.k[i][:end], self.bs, exact_from)
+            v = roundtrip(self.fmt, "v", self.v[i][:end], self.bs, exact_from)
+            outs.append(reference(self.q[i][end - n:end], k, v, n))
+        return torch.cat(outs)
+
+
+@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_attention_over_compressed_pages_equals_dense_over_decoded(fmt: str, bs: int) -> None:
+    """Mixed prefill lengths (partial and full blocks), then decode steps across a block edge."""
+    residual = 32 if fmt.startswith("kivi") else 0
+    d = Driver(fmt, bs, residual, [bs + 5, 2 * bs + 3, 7])
+    torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
+    for _ in range(13):
+        d.step([1, 1, 1])
+        torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
+    d.step([9, 1, 30])  # a mixed step: chunks and single tokens together
+    torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("residual", [0, 16, 40])
+def test_residual_window_stays_exact_and_is_sealed_behind(residual: int) -> None:
+    d = Driver("int4", 16, residual, [50])
+    for _ in range(30):
+        d.step([1])
+        torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
+    # Only blocks touching the window (and none beyond it) hold staging slots.
+    end = d.len[0]
+    table = d.bm.tables["0"]
+    staged = [i for i, b in enumerate(table) if b in d.pool.stage_of]
+    assert staged == list(range(max(end - residual, 0) // 16, -(-end // 16)))
+
+
+def test_compression_is_real() -> None:
+    """Not a test that cannot fail: int4 output differs from exact attention by a real margin."""
+    d = Driver("int4", 16, 0, [64])
+    exact = torch.cat([reference(d.q[0][:64], d.k[0][:64], d.v[0][:64], 64)])
+    assert (d.out - exact).abs().max() > 1e-3
+
+
+def test_freed_blocks_return_their_staging_slots() -> None:
+    d = Driver("kivi2", 16, 32, [40, 20])
+    assert d.pool.stage_of
+    for sid in d.ids:
+        d.bm.free(sid)
+    d.ids, d.len, d.k, d.v, d.q = d.ids[:0], [], [], [], []
+    d.pool.plan_step(d.bm, [])
+    assert not d.pool.stage_of and len(d.pool._stage_free) == d.pool.num_staging
+
+
+def test_bytes_per_block_follow_the_formats() -> None:
+    k, v = make_format("kivi2", "k"), make_format("kivi2", "v")
+    # Hand-worked for 2 layers, 16 tokens, 2 heads, D=64: keys 16 B codes/token-head + per block
+    # 2*64*2 B of scales/zeros per head; values 16 B codes + 2 groups * 4 B per token-head.
+    keys = 2 * (16 * 16 + 64 * 2 * 2)
+    values = 2 * 16 * (16 + 2 * 4)
+    assert QuantizedKVPool.bytes_per_block(2, 16, 2, 64, k, v) == 2 * (keys + values)
+
+
+def test_reused_block_drops_the_stale_staging_slot() -> None:
+    """A staged block freed and handed to a new sequence before the next plan: the new owner's
+    tokens must be read, not the old owner's full-precision copy."""
+    d = Driver("kivi4", 16, 32, [40])
+    d.bm.free("0")
+    k, v, q = d.k[0], d.v[0], d.q[0]
+    d.ids, d.len = ["1"], [0]
+    d.k, d.v, d.q = [v.clone()], [k.clone()], [q.flip(0)]
+    assert d.bm.allocate_prompt("1", [1] * 60) is not None
+    d.step([60])
+    torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
+    assert len(set(d.pool.stage_of.values())) == len(d.pool.stage_of)
