@@ -62,6 +62,13 @@ def llm_from_args(args: argparse.Namespace, cache_mode: str | None = None, **ove
     return LLM(**{**kwargs, **overrides})
 
 
+def kv_format_overrides(spec: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A format as benchmark and eval lists write it: `name`, or `name@residual` for its own
+    full-precision window."""
+    name, _, residual = spec.partition("@")
+    return {"kv_cache_dtype": name, "kv_residual": int(residual) if residual else args.kv_residual}
+
+
 def _memory(text: str) -> str | float:
     try:
         return float(text)

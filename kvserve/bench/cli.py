@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kvserve.bench.metrics import format_table, ratio
-from kvserve.cli import add_engine_args, llm_from_args
+from kvserve.cli import add_engine_args, kv_format_overrides, llm_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,14 +48,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sv.set_defaults(func=run, max_model_len=2048)
 
     kf = kinds.add_parser("kv-formats", help="concurrency and throughput per KV format at one KV budget")
-    kf.add_argument("--formats", default="auto,int8,int4,kivi2", help="kv_cache_dtype values (default auto,int8,int4,kivi2)")
+    kf.add_argument("--formats", default="auto,int8,int4,kivi2@32",
+                    help="kv_cache_dtype values, each optionally name@residual (default auto,int8,int4,kivi2@32)")
     kf.add_argument("--num-requests", type=int, default=96)
     kf.add_argument("--prompt-len-median", type=int, default=512)
     kf.add_argument("--output-len-median", type=int, default=128)
     kf.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
     kf.add_argument("--out", default="bench_out")
     add_engine_args(kf)
-    kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="256MiB", max_num_seqs=64, kv_residual=32)
+    kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="256MiB", max_num_seqs=64)
 
     sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
     sc.add_argument("--prompt-len", type=int, default=32)
@@ -239,7 +240,7 @@ def run_kv_formats(args: argparse.Namespace, out: Path) -> None:
     summaries = []
     requests = None
     for fmt in formats:
-        llm = llm_from_args(args, "paged", kv_cache_dtype=fmt)
+        llm = llm_from_args(args, "paged", **kv_format_overrides(fmt, args))
         if requests is None:
             ids = load_wikitext_ids(llm.tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
             requests = make_workload(ids, args.num_requests, 0, args.prompt_len_median, args.output_len_median,
@@ -254,7 +255,7 @@ def run_kv_formats(args: argparse.Namespace, out: Path) -> None:
     base = summaries[0]
     lines = [f"KV budget {args.kv_cache_memory}, {args.num_requests} requests (prompt median "
              f"{args.prompt_len_median}, output median {args.output_len_median}, sigma 0.5), dtype {args.dtype}, "
-             f"max_num_seqs {args.max_num_seqs}, kv_residual {args.kv_residual} (kivi), torch threads "
+             f"max_num_seqs {args.max_num_seqs}, torch threads "
              f"{torch.get_num_threads()}", "", format_table(summaries), "",
              "| format | KV bytes/token | capacity (tokens) | peak running seqs | output tok/s | vs first |",
              "|---|---|---|---|---|---|"]

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from kvserve.cache.kv_pool import DenseLayerKV
 from safetensors.torch import save_file
 
 from kvserve.model.attention import AttentionMetadata
@@ -18,8 +20,9 @@ CPU = torch.device("cpu")
 def logits(model: torch.nn.Module, cfg: ModelConfig, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     blocks = -(-n // 16)
-    pool = [(torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim),
-             torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    pool = [DenseLayerKV(torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim),
+                         torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim), None, None)
+            for _ in range(cfg.num_layers)]
     meta = AttentionMetadata.build([n], [n], [list(range(blocks))], 16,
                                    cfg.num_heads // cfg.num_kv_heads, CPU)
     with torch.inference_mode():
