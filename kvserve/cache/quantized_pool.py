@@ -10,6 +10,10 @@ Once out of the window it is sealed: encoded from the staging slot into its own 
 slot is freed. A block whose tokens all arrive in one step already out of the window (most of a
 long prompt) is encoded directly. The plan for a step is made once (`plan_step`) and applied by
 every layer.
+
+A block shared by several sequences (prefix cache, forks) is sealed when the first of them
+moves past it, so another sharer may read it encoded before its own window would: with
+compressed pages, a request's output can depend slightly on what else ran.
 """
 from __future__ import annotations
 
