@@ -50,13 +50,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kf = kinds.add_parser("kv-formats", help="concurrency and throughput per KV format at one KV budget")
     kf.add_argument("--formats", default="auto,int8,int4,kivi2@32",
                     help="kv_cache_dtype values, each optionally name@residual (default auto,int8,int4,kivi2@32)")
-    kf.add_argument("--num-requests", type=int, default=96)
-    kf.add_argument("--prompt-len-median", type=int, default=512)
-    kf.add_argument("--output-len-median", type=int, default=128)
+    kf.add_argument("--num-requests", type=int, default=32)
+    kf.add_argument("--prompt-len-median", type=int, default=256)
+    kf.add_argument("--output-len-median", type=int, default=32)
     kf.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
     kf.add_argument("--out", default="bench_out")
     add_engine_args(kf)
-    kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="256MiB", max_num_seqs=64)
+    kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="128MiB", max_num_seqs=48)
 
     sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
     sc.add_argument("--prompt-len", type=int, default=32)
