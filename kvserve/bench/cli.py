@@ -1,10 +1,11 @@
-"""`kvserve bench throughput` and `kvserve bench scaling`."""
+"""`kvserve bench throughput | scaling | memory | serve | kv-formats`."""
 from __future__ import annotations
 
 import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kf.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
     kf.add_argument("--out", default="bench_out")
     add_engine_args(kf)
-    kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="128MiB", max_num_seqs=48)
+    kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="128MiB", max_num_seqs=48, seed=0)
 
     sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
     sc.add_argument("--prompt-len", type=int, default=32)
@@ -74,15 +75,23 @@ def run(args: argparse.Namespace) -> None:
      "serve": run_serve, "kv-formats": run_kv_formats}[args.bench](args, out)
 
 
-def run_throughput(args: argparse.Namespace, out: Path) -> None:
-    from kvserve.bench.throughput import greedy_params, run_kvserve
+def _workload(args: argparse.Namespace, tokenizer: Any, **shape: Any) -> tuple[list[Any], list[list[int]], list[Any]]:
+    """The run's WikiText-2 requests, their prompts, and greedy params of fixed output length."""
+    from kvserve.bench.throughput import greedy_params
     from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH, load_wikitext_ids, make_workload
 
+    ids = load_wikitext_ids(tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
+    requests = make_workload(ids, args.num_requests, args.seed, args.prompt_len_median, args.output_len_median,
+                             **shape)
+    return requests, [r.prompt_token_ids for r in requests], greedy_params(requests)
+
+
+def run_throughput(args: argparse.Namespace, out: Path) -> None:
+    from kvserve.bench.throughput import run_kvserve
+
     llm = llm_from_args(args, "paged")
-    ids = load_wikitext_ids(llm.tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
-    requests = make_workload(ids, args.num_requests, args.seed, args.prompt_len_median,
-                             args.output_len_median, args.sigma, args.max_prompt_len, args.max_output_len)
-    prompts, params = [r.prompt_token_ids for r in requests], greedy_params(requests)
+    requests, prompts, params = _workload(args, llm.tokenizer, sigma=args.sigma, max_prompt_len=args.max_prompt_len,
+                                          max_output_len=args.max_output_len)
     summaries = [run_kvserve(llm, prompts, params, "kvserve-paged")]
     if not args.skip_contiguous:
         del llm
@@ -184,14 +193,9 @@ def run_serve(args: argparse.Namespace, out: Path) -> None:
     import time
 
     from kvserve.bench.serve_load import ServerProcess, run_concurrent_streams
-    from kvserve.bench.throughput import greedy_params
-    from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH, load_wikitext_ids, make_workload
 
     llm = llm_from_args(args, "paged")
-    ids = load_wikitext_ids(llm.tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
-    requests = make_workload(ids, args.num_requests, args.seed, args.prompt_len_median,
-                             args.output_len_median, max_prompt_len=512, max_output_len=256)
-    prompts, params = [r.prompt_token_ids for r in requests], greedy_params(requests)
+    requests, prompts, params = _workload(args, llm.tokenizer, max_prompt_len=512, max_output_len=256)
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up, as the server's first requests
     t0 = time.perf_counter()
     offline = llm.generate(prompts, params)
@@ -233,19 +237,13 @@ def run_serve(args: argparse.Namespace, out: Path) -> None:
 
 def run_kv_formats(args: argparse.Namespace, out: Path) -> None:
     """The same workload and KV budget per format: how many sequences run at once, how fast."""
-    from kvserve.bench.throughput import greedy_params, run_kvserve
-    from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH, load_wikitext_ids, make_workload
+    from kvserve.bench.throughput import run_kvserve
 
-    formats = args.formats.split(",")
     summaries = []
-    requests = None
-    for fmt in formats:
+    for i, fmt in enumerate(args.formats.split(",")):
         llm = llm_from_args(args, "paged", **kv_format_overrides(fmt, args))
-        if requests is None:
-            ids = load_wikitext_ids(llm.tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
-            requests = make_workload(ids, args.num_requests, 0, args.prompt_len_median, args.output_len_median,
-                                     sigma=0.5, max_prompt_len=1024, max_output_len=512)
-        prompts, params = [r.prompt_token_ids for r in requests], greedy_params(requests)
+        if i == 0:  # the tokenizer comes with the first engine
+            _, prompts, params = _workload(args, llm.tokenizer, sigma=0.5, max_prompt_len=1024, max_output_len=512)
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
         summary = run_kvserve(llm, prompts, params, f"kvserve {fmt}")
         summary.extra["capacity_tokens"] = float(llm.engine.block_manager.num_blocks * args.block_size)

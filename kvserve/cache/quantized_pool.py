@@ -51,7 +51,7 @@ class QuantizedLayerKV:
         p = pool
         self.fields = [{name: torch.zeros((p.num_blocks, *shape), dtype=dtype, device=p.device)
                         for name, (shape, dtype) in fmt.fields(p.num_kv_heads, p.head_dim, p.block_size).items()}
-                       for fmt in (p.k_format, p.v_format)]
+                       for fmt in p.formats]
         staging = (p.num_staging, p.block_size, p.num_kv_heads, p.head_dim)
         self.staging = [torch.zeros(staging, dtype=p.dtype, device=p.device) for _ in range(2)]
 
@@ -93,7 +93,6 @@ class QuantizedKVPool:
             raise ValueError("KVPool.num_blocks must be at least 1")
         self.num_blocks, self.block_size, self.dtype, self.device = num_blocks, block_size, dtype, device
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.k_format, self.v_format = k_format, v_format
         self.formats = (k_format, v_format)
         self.residual = residual
         self.staged = num_staging > 0
@@ -101,6 +100,9 @@ class QuantizedKVPool:
         self.kv = [QuantizedLayerKV(self) for _ in range(num_layers)]
         self.stage_of: dict[int, int] = {}  # block -> staging slot
         self._stage_free = list(range(self.num_staging - 1, -1, -1))
+        # Without staging every step's plan is the same: encode each token into its slot.
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        self._per_token_plan = StepPlan(True, none, none, none, none, none, none, None)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -111,7 +113,7 @@ class QuantizedKVPool:
     @staticmethod
     def staging_slots(max_num_seqs: int, block_size: int, residual: int, k_format: KVFormat,
                       v_format: KVFormat) -> int:
-        """None without a residual window or a block-wise format; else each running sequence
+        """0 without a residual window or a block-wise format; else each running sequence
         stages its window, its partial block, and one copy-on-write copy."""
         if residual == 0 and k_format.per_token and v_format.per_token:
             return 0
@@ -127,8 +129,7 @@ class QuantizedKVPool:
     def plan_step(self, block_manager: Any, seqs: list[tuple[str, int, int]]) -> StepPlan:
         """seqs: (seq_id, tokens already in the pool, tokens after this step), in batch order."""
         if not self.staged:
-            empty = self._dev(torch.zeros(0, dtype=torch.long))
-            return StepPlan(True, empty, empty, empty, empty, empty, empty, None)
+            return self._per_token_plan
         return self._plan_staged(block_manager, seqs)
 
     def _plan_staged(self, bm: Any, seqs: list[tuple[str, int, int]]) -> StepPlan:
@@ -199,11 +200,9 @@ class QuantizedKVPool:
         so far (one with any entry kept; the largest always passes the threshold)."""
         out = {}
         for i, (kind, fmt) in enumerate(zip("kv", self.formats)):
-            if getattr(fmt, "name", "") != "sparse":
-                continue
-            vals = [layer.fields[i]["val"] for layer in self.kv]
-            written = sum(int((v != 0).any(-1).sum()) for v in vals)
-            out[kind] = sum(int(torch.count_nonzero(v)) for v in vals) / max(written * self.head_dim, 1)
+            if hasattr(fmt, "kept_fraction"):
+                written = torch.cat([f["val"][(f["val"] != 0).any(-1)] for f in (layer.fields[i] for layer in self.kv)])
+                out[kind] = fmt.kept_fraction({"val": written}) if len(written) else 0.0
         return out
 
     @property

@@ -95,29 +95,33 @@ def cmd_eval(args: argparse.Namespace) -> None:
     for name in formats:
         rows.append(measure(make_llm(name), name))
 
-    for bits in [int(b) for b in args.hf_bits.split(",") if b]:
-        rows.append(_hf_row(args, windows, prefill, targets, bits, model_cfg))
-        print(_format_row(rows[-1]), flush=True)
+    if bits := [int(b) for b in args.hf_bits.split(",") if b]:
+        rows += _hf_rows(args, windows, prefill, bits, model_cfg)
     _report(args, rows, out, prefill)
 
 
-def _hf_row(args: argparse.Namespace, windows: list[list[int]], prefill: int, targets: torch.Tensor,
-            bits: int, cfg: Any) -> dict[str, Any]:
+def _hf_rows(args: argparse.Namespace, windows: list[list[int]], prefill: int, bits_list: list[int],
+             cfg: Any) -> list[dict[str, Any]]:
+    """HF's QuantizedCache at each bit width, against HF's own full-precision cache, one model load."""
     from kvserve.bench.hf_baseline import load_hf_model
-    from kvserve.eval.hf_quantized import hf_decode_nll
+    from kvserve.eval.hf_quantized import hf_decode_nll, perplexity
     from kvserve.model.loader import default_model_path
 
     model, _ = load_hf_model(str(args.model or default_model_path()), getattr(torch, args.dtype))
     window_tensor = torch.tensor(windows)
     full, full_argmax = hf_decode_nll(model, window_tensor, prefill, "dynamic")
-    nll, argmax = hf_decode_nll(model, window_tensor, prefill, args.hf_backend, bits, q_group_size=64,
-                                residual_length=128)
-    # Codes plus an fp scale and zero-point per 64 channels, for K and V (residual not counted).
-    per_head = cfg.head_dim * bits / 8 + cfg.head_dim / 64 * 2 * model.dtype.itemsize
-    return {"cache": f"HF QuantizedCache {args.hf_backend} {bits}-bit (g64, residual 128)",
-            "bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * per_head,
-            "perplexity": nll.mean().exp().item(), "hf_full_perplexity": full.mean().exp().item(),
-            "top1_vs_hf_full": (argmax == full_argmax).double().mean().item()}
+    rows = []
+    for bits in bits_list:
+        nll, argmax = hf_decode_nll(model, window_tensor, prefill, args.hf_backend, bits, q_group_size=64,
+                                    residual_length=128)
+        # Codes plus an fp scale and zero-point per 64 channels, for K and V (residual not counted).
+        per_head = cfg.head_dim * bits / 8 + cfg.head_dim / 64 * 2 * model.dtype.itemsize
+        rows.append({"cache": f"HF QuantizedCache {args.hf_backend} {bits}-bit (g64, residual 128)",
+                     "bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * per_head,
+                     "perplexity": perplexity(nll), "hf_full_perplexity": perplexity(full),
+                     "top1_vs_hf_full": (argmax == full_argmax).double().mean().item()})
+        print(_format_row(rows[-1]), flush=True)
+    return rows
 
 
 def _cell(value: Any) -> str:

@@ -45,6 +45,14 @@ def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
         sink.put_nowait(item)
 
 
+def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
+    """Hands items to queues of `loop` in one wake-up."""
+    try:
+        loop.call_soon_threadsafe(_deliver, items)
+    except RuntimeError:  # that event loop has closed: nobody is listening any more
+        pass
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int) -> None:
         if max_waiting < 1:
@@ -105,9 +113,7 @@ class AsyncEngine:
         def abort(engine: LLMEngine) -> None:
             for rid in request_ids:
                 if engine.is_active(rid):
-                    engine.abort(rid)
-                    self.metrics.finished.labels(finish_reason="abort").inc()
-                    self._post_done(rid)
+                    self._end(rid, "abort")
         self.call_soon(abort)
 
     def begin_drain(self) -> None:
@@ -149,9 +155,7 @@ class AsyncEngine:
             self._dispatch(outputs)
         self._run_inbox()
         for rid in list(self._sinks):
-            engine.abort(rid)
-            self.metrics.finished.labels(finish_reason="abort").inc()
-            self._post_done(rid)
+            self._end(rid, "abort")
 
     def _run_inbox(self) -> None:
         while True:
@@ -184,26 +188,16 @@ class AsyncEngine:
             if not self.engine.is_active(rid) and (target := self._sinks.pop(rid, None)) is not None:
                 batches.setdefault(target[0], []).append((target[1], Done(rid)))
         for loop, items in batches.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # that event loop has closed: nobody is listening any more
-                pass
+            _send(loop, items)
 
     def _fail_running(self, message: str) -> None:
         for rid in {s.request_id for s in self.engine.scheduler.running}:
-            self.engine.abort(rid)
-            self.metrics.finished.labels(finish_reason="error").inc()
-            self._post(rid, RuntimeError(message))
-            self._post_done(rid)
+            self._end(rid, "error", RuntimeError(message))
 
-    def _post(self, request_id: str, item: Any) -> None:
-        if (target := self._sinks.get(request_id)) is not None:
+    def _end(self, request_id: str, reason: str, error: Exception | None = None) -> None:
+        """Ends a request the engine still holds, counts it, and tells its handler."""
+        self.engine.abort(request_id)
+        self.metrics.finished.labels(finish_reason=reason).inc()
+        if (target := self._sinks.pop(request_id, None)) is not None:
             loop, sink = target
-            try:
-                loop.call_soon_threadsafe(sink.put_nowait, item)
-            except RuntimeError:  # that event loop has closed: nobody is listening any more
-                pass
-
-    def _post_done(self, request_id: str) -> None:
-        self._post(request_id, Done(request_id))
-        self._sinks.pop(request_id, None)
+            _send(loop, ([(sink, error)] if error is not None else []) + [(sink, Done(request_id))])
