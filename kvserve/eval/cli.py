@@ -60,7 +60,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     reference = make_llm("auto")
     tok = reference.tokenizer
     text = Path(args.data or DEFAULT_WIKITEXT_PATH).read_text(encoding="utf-8")
-    ids = tok.encode(text[: 40 * args.window_len * args.windows], add_special_tokens=False)
+    # Enough text for the windows from the front and the greedy prompts from the back (at least
+    # 499 tokens apart each, at no more than 8 characters a token).
+    chars = max(40 * args.window_len * args.windows, 8 * 499 * (args.greedy_prompts + 1))
+    ids = tok.encode(text[:chars], add_special_tokens=False)
     windows = [ids[i * args.stride: i * args.stride + args.window_len] for i in range(args.windows)]
     if len(windows[-1]) < args.window_len:
         raise ValueError("--windows/--stride: the text is too short for these windows")
