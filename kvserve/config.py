@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.cache.kv_format import FORMAT_NAMES, KVFormat, make_format
 from kvserve.model.config import ModelConfig
 
@@ -65,6 +66,10 @@ class EngineConfig:
     kv_outliers: int = 4                       # exact entries per token and head ("outlier")
     kv_sparse_threshold: float = 0.5           # "sparse" drops |x| < threshold * rms(token-head)
     kv_sparse_capacity: float = 0.5            # "sparse" stores at most this fraction of head_dim
+    # Attention kernels: "auto" picks the fastest backend that serves this configuration
+    # (kvserve.attention.selector); "torch" is the gather + SDPA reference.
+    attention_backend: str = "auto"
+    cpu_kernels: bool = True                   # fused C++ ops on CPU (built once, cached); False: eager torch
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -94,6 +99,11 @@ class EngineConfig:
                 parse_bytes(getattr(self, name))
             except ValueError:
                 raise ValueError(f"EngineConfig.{name}: cannot parse {getattr(self, name)!r}") from None
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"EngineConfig.attention_backend must be one of {BACKEND_NAMES}, "
+                             f"got {self.attention_backend!r}")
+        if not isinstance(self.cpu_kernels, bool):
+            raise ValueError(f"EngineConfig.cpu_kernels must be True or False, got {self.cpu_kernels!r}")
         self._check_kv_format()
 
     def _check_kv_format(self) -> None:

@@ -116,3 +116,36 @@ def hf_step_times(model: PreTrainedModel, prompt_ids: list[int], num_tokens: int
         start = time.perf_counter()
         stamps = _timed_generate(model, ids, torch.ones_like(ids), num_tokens, pad_token_id)
     return [b - a for a, b in zip([start, *stamps], stamps)]
+
+
+def run_hf_continuous_batching(model: PreTrainedModel, requests: list[WorkloadRequest], max_batch: int,
+                               progress: bool = True) -> tuple[list[RequestTiming], float]:
+    """HF transformers' own continuous batching (`init_continuous_batching`, paged cache): every
+    request added at t=0, greedy, EOS ignored (no eos_token_id) so each runs to its max_tokens."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests),
+                              eos_token_id=None, pad_token_id=0)
+    manager = model.init_continuous_batching(
+        generation_config=config,
+        continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=max_batch))
+    manager.start()
+    t0 = time.perf_counter()
+    try:
+        for i, r in enumerate(requests):
+            manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.max_tokens,
+                                record_timestamps=True, eos_token_id=-1)
+        timings = []
+        for i, r in enumerate(tqdm(requests, desc="hf continuous batching", unit="req", disable=not progress)):
+            out = manager.get_result(request_id=f"r{i}", timeout=3600)
+            if out is None or out.error:
+                raise RuntimeError(f"HF continuous batching failed on request {i}: {out and out.error}")
+            finished = time.perf_counter()
+            stamps = out.timestamps or []
+            timings.append(RequestTiming(len(r.prompt_token_ids), len(out.generated_tokens), t0,
+                                         stamps[0] if stamps else finished, stamps[-1] if stamps else finished))
+        wall = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True)
+    return timings, wall

@@ -42,6 +42,7 @@ class KVPool:
         if num_blocks < 1:
             raise ValueError("KVPool.num_blocks must be at least 1")
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: masked-out slots are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaN, which 0 does not cancel.

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvserve.attention import make_backend
 from kvserve.cache.block_manager import BlockManager, BlockUsage
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
@@ -18,6 +19,7 @@ from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
+from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
 from kvserve.sampling_params import SamplingParams
 
@@ -88,7 +90,10 @@ class LLMEngine:
                                    reserve_tokens=self.max_model_len if contiguous else 0,
                                    recompute_all=config.cache_mode == "no-cache",
                                    swap=self.swap, prefer_swap=self._prefer_swap)
-        self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device, self.swap)
+        self.attention_backend = make_backend(config.attention_backend, self.pool, cfg.num_heads, self.device)
+        kernels = cpu_extension.load() if config.cpu_kernels and self.device.type == "cpu" else None
+        self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device, self.attention_backend,
+                                  kernels, self.swap)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
                              else cfg.eos_token_id)
         self.tokens_computed = 0  # tokens run through the model, prefill and decode

@@ -1,28 +1,31 @@
 """Runs one scheduled batch through the model and samples each sequence's next token."""
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
+from kvserve.attention import AttentionBackend, StepAttention, StepMetadata
 from kvserve.cache.block_manager import BlockManager
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
-from kvserve.model.attention import AttentionMetadata
-from kvserve.model.cpu_linear import can_pack, pack_linears
+from kvserve.model.cpu_linear import cpu_linear_kind, replace_linears
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.ops import resolve_ops
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool | QuantizedKVPool, block_manager: BlockManager,
-                 device: torch.device, swap: SwapSpace | None = None) -> None:
+                 device: torch.device, backend: AttentionBackend, kernels: ModuleType | None,
+                 swap: SwapSpace | None = None) -> None:
         self.model, self.pool, self.block_manager, self.device = model, pool, block_manager, device
-        self.swap = swap
-        if can_pack(device, next(model.parameters()).dtype):
-            pack_linears(model)
-        cfg = model.config
-        self.group = cfg.num_heads // cfg.num_kv_heads
+        self.backend, self.ops, self.swap = backend, resolve_ops(kernels), swap
+        self.linear_kind = cpu_linear_kind(device, next(model.parameters()).dtype, kernels)
+        if self.linear_kind is not None:
+            replace_linears(model, self.linear_kind, kernels)
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -38,17 +41,15 @@ class ModelRunner:
         bm.pending_copies.clear()
         query_lens = [s.num_new_tokens for s in seqs]
         input_ids = [t for s in seqs for t in s.token_ids[s.num_computed_tokens:]]
-        meta = AttentionMetadata.build(
-            query_lens, [s.num_tokens for s in seqs],
-            # Only the blocks holding context: a contiguous reservation's unused tail is not read.
-            [bm.tables[s.seq_id][:bm.blocks_for(s.num_tokens)] for s in seqs],
-            self.pool.block_size, self.group, self.device)
-        meta.offloaded = bool(bm.num_host_blocks) and any(
-            b >= bm.num_blocks for s in seqs for b in bm.tables[s.seq_id])
-        meta.kv_plan = self.pool.plan_step(bm, [(s.seq_id, s.num_computed_tokens, s.num_tokens) for s in seqs])
-        logit_index = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        return self.model(torch.tensor(input_ids, device=self.device), meta, self.pool.kv,
-                          logit_index)
+        # Only the blocks holding context: a contiguous reservation's unused tail is not read.
+        tables = [bm.tables[s.seq_id][:bm.blocks_for(s.num_tokens)] for s in seqs]
+        step = StepMetadata.build(
+            query_lens, [s.num_tokens for s in seqs], tables, self.pool.block_size, self.device,
+            offloaded=bool(bm.num_host_blocks) and any(b >= bm.num_blocks for t in tables for b in t),
+            kv_plan=self.pool.plan_step(bm, [(s.seq_id, s.num_computed_tokens, s.num_tokens) for s in seqs]))
+        logit_index = (step.query_start[1:] - 1).to(self.device)
+        return self.model(torch.tensor(input_ids, device=self.device), StepAttention.of(self.backend, step),
+                          logit_index, self.ops)
 
     @staticmethod
     def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

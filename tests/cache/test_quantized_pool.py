@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from kvserve.cache.block_manager import BlockManager
 from kvserve.cache.kv_format import FORMAT_NAMES, make_format
 from kvserve.cache.quantized_pool import QuantizedKVPool, encode_blocks
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.attention import StepMetadata
+from kvserve.attention.selector import BACKENDS
 
 HEADS, KV_HEADS, DIM = 4, 2, 64  # GQA, 2 query heads per KV head
 
@@ -42,14 +43,20 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_len: int) -> 
 class Driver:
     """A pool, a block manager and sequences of random K/V/Q, stepped like the model runner does."""
 
-    def __init__(self, fmt: str, bs: int, residual: int, lens: list[int], seed: int = 0) -> None:
+    def __init__(self, fmt: str, bs: int, residual: int, lens: list[int], seed: int = 0,
+                 backend: str = "torch") -> None:
         g = torch.Generator().manual_seed(seed)
         self.bs, self.residual, self.fmt = bs, residual, fmt
-        self.bm = BlockManager(64, bs, enable_prefix_caching=False)
+        num_blocks = max(64, 1024 // bs)
+        self.bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         formats = make_format(fmt, "k"), make_format(fmt, "v")
-        self.pool = QuantizedKVPool(1, 64, bs, KV_HEADS, DIM, torch.float32, torch.device("cpu"), *formats,
+        self.pool = QuantizedKVPool(1, num_blocks, bs, KV_HEADS, DIM, torch.float32, torch.device("cpu"), *formats,
                                     residual, QuantizedKVPool.staging_slots(4, bs, residual, *formats))
-        total = max(lens) + 40
+        reason = BACKENDS[backend].unsupported(self.pool, torch.device("cpu"))
+        if reason is not None:
+            pytest.skip(f"{backend}: {reason}")
+        self.backend = BACKENDS[backend](self.pool, HEADS)
+        total = max(lens) + 60
         self.k = [torch.randn(total, KV_HEADS, DIM, generator=g) for _ in lens]
         self.v = [torch.randn(total, KV_HEADS, DIM, generator=g) for _ in lens]
         for k in self.k:  # keys carry outlier channels, as real ones do
@@ -66,15 +73,13 @@ class Driver:
         ends = [s + n for s, n in zip(starts, new)]
         for sid, end in zip(self.ids, ends):
             assert self.bm.allocate(sid, end)
-        meta = AttentionMetadata.build(new, ends, [self.bm.tables[s][:self.bm.blocks_for(e)]
-                                                   for s, e in zip(self.ids, ends)],
-                                       self.bs, HEADS // KV_HEADS, torch.device("cpu"))
-        meta.kv_plan = self.pool.plan_step(self.bm, list(zip(self.ids, starts, ends)))
-        layer = self.pool.kv[0]
-        layer.write(torch.cat([k[s:e] for k, s, e in zip(self.k, starts, ends)]),
-                    torch.cat([v[s:e] for v, s, e in zip(self.v, starts, ends)]), meta)
-        self.out = paged_attention(torch.cat([q[s:e] for q, s, e in zip(self.q, starts, ends)]),
-                                   layer, meta, DIM ** -0.5)
+        step = StepMetadata.build(new, ends, [self.bm.tables[s][:self.bm.blocks_for(e)]
+                                              for s, e in zip(self.ids, ends)], self.bs, torch.device("cpu"),
+                                  kv_plan=self.pool.plan_step(self.bm, list(zip(self.ids, starts, ends))))
+        self.out = self.backend.forward(0, torch.cat([q[s:e] for q, s, e in zip(self.q, starts, ends)]),
+                                        torch.cat([k[s:e] for k, s, e in zip(self.k, starts, ends)]),
+                                        torch.cat([v[s:e] for v, s, e in zip(self.v, starts, ends)]),
+                                        self.backend.prepare(step), DIM ** -0.5)
         self.len = ends
         self.new = new
 
@@ -88,12 +93,13 @@ class Driver:
         return torch.cat(outs)
 
 
-@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("bs", [1, 16, 128])
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_attention_over_compressed_pages_equals_dense_over_decoded(fmt: str, bs: int) -> None:
+def test_attention_over_compressed_pages_equals_dense_over_decoded(fmt: str, bs: int, backend: str) -> None:
     """Mixed prefill lengths (partial and full blocks), then decode steps across a block edge."""
     residual = 32 if fmt.startswith("kivi") else 0
-    d = Driver(fmt, bs, residual, [bs + 5, 2 * bs + 3, 7])
+    d = Driver(fmt, bs, residual, [bs + 5, 2 * bs + 3, 7], backend=backend)
     torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
     for _ in range(13):
         d.step([1, 1, 1])
@@ -102,9 +108,10 @@ def test_attention_over_compressed_pages_equals_dense_over_decoded(fmt: str, bs:
     torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("residual", [0, 16, 40])
-def test_residual_window_stays_exact_and_is_sealed_behind(residual: int) -> None:
-    d = Driver("int4", 16, residual, [50])
+def test_residual_window_stays_exact_and_is_sealed_behind(residual: int, backend: str) -> None:
+    d = Driver("int4", 16, residual, [50], backend=backend)
     for _ in range(30):
         d.step([1])
         torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.attention import AttentionMetadata
+from kvserve.attention import StepAttention, StepMetadata
 
 pytestmark = pytest.mark.model
 
@@ -30,12 +30,12 @@ def test_packed_prefill_logits_match_hf(smol: LLM, hf_smol: Any) -> None:
     for i, n in enumerate(lens):
         assert engine.block_manager.allocate(f"parity-{i}", n)
     try:
-        meta = AttentionMetadata.build(lens, lens, [engine.block_manager.tables[f"parity-{i}"]
-                                                    for i in range(len(lens))],
-                                       engine.pool.block_size, 3, engine.device)
+        step = StepMetadata.build(lens, lens, [engine.block_manager.tables[f"parity-{i}"]
+                                               for i in range(len(lens))],
+                                  engine.pool.block_size, engine.device)
         with torch.inference_mode():
-            ours = engine.model(torch.tensor(sum(prompts, [])), meta, engine.pool.kv,
-                                torch.arange(sum(lens)))
+            ours = engine.model(torch.tensor(sum(prompts, [])), StepAttention.of(engine.attention_backend, step),
+                                torch.arange(sum(lens)), engine.runner.ops)
             ref = torch.cat([hf_smol(torch.tensor([p])).logits[0] for p in prompts])
     finally:
         for i in range(len(lens)):

@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.cache.kv_pool import DenseLayerKV
 from safetensors.torch import save_file
 
-from kvserve.model.attention import AttentionMetadata
+from kvserve.attention import StepAttention, StepMetadata
+from kvserve.attention.torch_sdpa import TorchSDPABackend
+from kvserve.cache.kv_pool import KVPool
+from kvserve.model.ops import EagerOps
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import convert_gguf, default_model_path, hf_state_dict, load_model
 
@@ -20,13 +22,11 @@ CPU = torch.device("cpu")
 def logits(model: torch.nn.Module, cfg: ModelConfig, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     blocks = -(-n // 16)
-    pool = [DenseLayerKV(torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim),
-                         torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim), None, None)
-            for _ in range(cfg.num_layers)]
-    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], 16,
-                                   cfg.num_heads // cfg.num_kv_heads, CPU)
+    pool = KVPool(cfg.num_layers, blocks, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, CPU)
+    step = StepMetadata.build([n], [n], [list(range(blocks))], 16, CPU)
+    attention = StepAttention.of(TorchSDPABackend(pool, cfg.num_heads), step)
     with torch.inference_mode():
-        return model(torch.tensor(ids), meta, pool, torch.arange(n))
+        return model(torch.tensor(ids), attention, torch.arange(n), EagerOps())
 
 
 @pytest.mark.parametrize("tied,bias", [(True, False), (False, True)])

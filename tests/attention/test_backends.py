@@ -1,12 +1,13 @@
-"""Paged attention against a dense causal reference.
+"""Every attention backend against a dense causal reference.
 
 The reference never touches the pool: it runs `scaled_dot_product_attention` per sequence on
 contiguous K/V with each KV head repeated for its query heads (what Llama's `repeat_kv` does),
-so any mistake in slot mapping, block-table gathering, masking or head grouping shows up as a
+so any mistake in slot mapping, block-table reading, masking or head grouping shows up as a
 numeric mismatch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,11 +16,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.cache.kv_pool import DenseLayerKV
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.attention import StepMetadata
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.selector import BACKENDS
+from kvserve.cache.kv_pool import KVPool
 
 HEAD_DIM = 32
 ATOL = RTOL = 1e-5
+CPU = torch.device("cpu")
+BACKEND_NAMES = list(BACKENDS)
+
+
+def make_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> AttentionBackend:
+    """A one-layer dense pool holding (not copying) the given K/V pages."""
+    num_blocks, block_size, kv_heads, dim = k_cache.shape
+    pool = KVPool(1, num_blocks, block_size, kv_heads, dim, k_cache.dtype, CPU)
+    pool.kv[0].k, pool.kv[0].v = k_cache, v_cache
+    return BACKENDS[name](pool, heads)
+
+
+def attend(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           step: StepMetadata, scale: float) -> torch.Tensor:
+    return backend.forward(0, q, k, v, backend.prepare(step), scale)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -89,18 +107,16 @@ def dense_reference(seq: SeqData, heads: int, kv_heads: int, scale: float) -> to
     return out.transpose(0, 1)
 
 
-def write_context(seqs: list[SeqData], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  block_size: int, group: int) -> None:
+def write_context(backend: AttentionBackend, seqs: list[SeqData], heads: int, block_size: int) -> None:
     """Put each sequence's earlier tokens (those before this step) into the pool, as the
     prefill steps that produced them would have: a prefill over the first ctx - q_len tokens."""
     prior = [s for s in seqs if s.ctx > s.q_len]
     if not prior:
         return
     lens = [s.ctx - s.q_len for s in prior]
-    meta = AttentionMetadata.build(lens, lens, [s.table for s in prior], block_size, group,
-                                   torch.device("cpu"))
-    DenseLayerKV(k_cache, v_cache, None, None).write(torch.cat([s.k[: s.ctx - s.q_len] for s in prior]),
-                                                     torch.cat([s.v[: s.ctx - s.q_len] for s in prior]), meta)
+    step = StepMetadata.build(lens, lens, [s.table for s in prior], block_size, CPU)
+    attend(backend, torch.zeros(sum(lens), heads, HEAD_DIM), torch.cat([s.k[: s.ctx - s.q_len] for s in prior]),
+           torch.cat([s.v[: s.ctx - s.q_len] for s in prior]), step, 1.0)
 
 
 def expected_pool(seqs: list[SeqData], k0: torch.Tensor, v0: torch.Tensor,
@@ -115,29 +131,27 @@ def expected_pool(seqs: list[SeqData], k0: torch.Tensor, v0: torch.Tensor,
     return k_exp, v_exp
 
 
-def run_step(shapes: list[tuple[int, int]], heads: int, kv_heads: int, block_size: int,
+def run_step(backend_name: str, shapes: list[tuple[int, int]], heads: int, kv_heads: int, block_size: int,
              seed: int = 0, scale: float | None = None) -> None:
     """Write context, then write the step's new tokens and attend; compare with the reference."""
-    group = heads // kv_heads
     scale = 1 / math.sqrt(HEAD_DIM) if scale is None else scale
     seqs, k_cache, v_cache = make_case(shapes, heads, kv_heads, block_size, seed)
     k0, v0 = k_cache.clone(), v_cache.clone()
+    backend = make_backend(backend_name, k_cache, v_cache, heads)
 
-    write_context(seqs, k_cache, v_cache, block_size, group)
-    meta = AttentionMetadata.build([s.q_len for s in seqs], [s.ctx for s in seqs],
-                                   [s.table for s in seqs], block_size, group, torch.device("cpu"))
+    write_context(backend, seqs, heads, block_size)
+    step = StepMetadata.build([s.q_len for s in seqs], [s.ctx for s in seqs],
+                              [s.table for s in seqs], block_size, CPU)
     # Positions (for RoPE) are the last q_len positions of each sequence, in batch order.
-    assert meta.positions.tolist() == [p for s in seqs for p in range(s.ctx - s.q_len, s.ctx)]
-    kv = DenseLayerKV(k_cache, v_cache, None, None)
-    kv.write(torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]), torch.cat([s.v[s.ctx - s.q_len:] for s in seqs]),
-             meta)
+    assert step.positions.tolist() == [p for s in seqs for p in range(s.ctx - s.q_len, s.ctx)]
+    out = attend(backend, torch.cat([s.q for s in seqs]), torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]),
+                 torch.cat([s.v[s.ctx - s.q_len:] for s in seqs]), step, scale)
 
     # Every token landed at table[pos // bs], offset pos % bs, and nothing else was touched.
     k_exp, v_exp = expected_pool(seqs, k0, v0, block_size)
     assert torch.equal(k_cache, k_exp)
     assert torch.equal(v_cache, v_exp)
 
-    out = paged_attention(torch.cat([s.q for s in seqs]), kv, meta, scale)
     ref = torch.cat([dense_reference(s, heads, kv_heads, scale) for s in seqs])
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
@@ -154,56 +168,60 @@ DECODE = [(5, 1), (129, 1), (300, 1), (16, 1), (17, 1)]
 MIXED = [(40, 40), (257, 1), (3, 3), (64, 1), (20, 5)]
 
 
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("heads,kv_heads", HEAD_LAYOUTS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("shapes", [pytest.param(PREFILL, id="prefill"),
                                     pytest.param(DECODE, id="decode"),
                                     pytest.param(MIXED, id="mixed")])
-def test_paged_matches_dense(shapes: list[tuple[int, int]], block_size: int, heads: int,
+def test_paged_matches_dense(backend: str, shapes: list[tuple[int, int]], block_size: int, heads: int,
                              kv_heads: int) -> None:
-    run_step(shapes, heads, kv_heads, block_size, seed=block_size * 31 + heads * 7 + kv_heads)
+    run_step(backend, shapes, heads, kv_heads, block_size, seed=block_size * 31 + heads * 7 + kv_heads)
 
 
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 @pytest.mark.parametrize("shapes", [[(1, 1)], [(200, 200)], [(200, 1)], [(9, 9), (9, 9), (9, 9)],
                                     [(30, 4), (12, 4)]])
-def test_unpadded_grid(shapes: list[tuple[int, int]]) -> None:
+def test_unpadded_grid(backend: str, shapes: list[tuple[int, int]]) -> None:
     # Every sequence brings the same number of new tokens, so the query grid has no padding
     # rows (a batch of one, equal-length prefills, equal-length chunks after cached context).
-    run_step(shapes, heads=8, kv_heads=2, block_size=16, seed=5)
+    run_step(backend, shapes, heads=8, kv_heads=2, block_size=16, seed=5)
 
 
-def test_scale_is_honoured() -> None:
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_scale_is_honoured(backend: str) -> None:
     # A scale far from 1/sqrt(D) would expose an implementation that ignores the argument.
-    run_step(MIXED, heads=8, kv_heads=2, block_size=16, seed=9, scale=0.9)
+    run_step(backend, MIXED, heads=8, kv_heads=2, block_size=16, seed=9, scale=0.9)
 
 
 def test_slot_mapping_hand_worked() -> None:
     # block_size 4. Sequence A: table [5, 2], prefill of 6 tokens -> positions 0..5 ->
     # slots 5*4+0..3 = 20..23, then 2*4+0..1 = 8, 9. Sequence B: table [7, 0, 3], 10 tokens
     # cached, 1 new token at position 9 -> block table[9 // 4] = 3, offset 1 -> slot 13.
-    meta = AttentionMetadata.build([6, 1], [6, 10], [[5, 2], [7, 0, 3]], block_size=4, group=1,
-                                   device=torch.device("cpu"))
-    assert meta.slot_mapping.tolist() == [20, 21, 22, 23, 8, 9, 13]
-    assert meta.positions.tolist() == [0, 1, 2, 3, 4, 5, 9]
-    # Grid rows: max_query_len 6, so A's tokens take rows 0..5 and B's token row 6.
-    assert meta.max_query_len == 6
+    step = StepMetadata.build([6, 1], [6, 10], [[5, 2], [7, 0, 3]], block_size=4, device=CPU)
+    assert step.slot_mapping.tolist() == [20, 21, 22, 23, 8, 9, 13]
+    assert step.positions.tolist() == [0, 1, 2, 3, 4, 5, 9]
+    assert step.query_start.tolist() == [0, 6, 7]
+    assert step.max_query_len == 6
+    assert step.block_tables.tolist() == [[5, 2, 0], [7, 0, 3]]
+    # The reference backend's grid: max_query_len 6, so A's tokens take rows 0..5, B's row 6.
+    meta = make_backend("torch", torch.zeros(8, 4, 1, 4), torch.zeros(8, 4, 1, 4), 1).prepare(step)
     assert meta.query_index.tolist() == [0, 1, 2, 3, 4, 5, 6]
-    assert meta.block_tables.tolist() == [[5, 2, 0], [7, 0, 3]]
 
 
-def test_permuted_table_changes_result() -> None:
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_permuted_table_changes_result(backend: str) -> None:
     # Reading through a swapped table must change the output: proves paged_attention follows the
     # table rather than assuming an order. A prefill is used because its causal mask makes the
     # result depend on key order (a single query that sees every key would not).
     heads, kv_heads, bs = 4, 2, 4
-    group = heads // kv_heads
     seqs, k_cache, v_cache = make_case([(8, 8)], heads, kv_heads, bs, seed=3)
     s = seqs[0]
-    meta = AttentionMetadata.build([8], [8], [s.table], bs, group, torch.device("cpu"))
-    kv = DenseLayerKV(k_cache, v_cache, None, None)
-    kv.write(s.k, s.v, meta)
-    right = paged_attention(s.q, kv, meta, 0.5)
-    swapped = AttentionMetadata.build([8], [8], [s.table[::-1]], bs, group, torch.device("cpu"))
-    wrong = paged_attention(s.q, kv, swapped, 0.5)
+    attn = make_backend(backend, k_cache, v_cache, heads)
+    step = StepMetadata.build([8], [8], [s.table], bs, CPU)
+    right = attend(attn, s.q, s.k, s.v, step, 0.5)
+    # The same K/V written to the same slots again, but read through the reversed table.
+    reversed_table = torch.tensor([s.table[::-1]])
+    wrong = attend(attn, s.q, s.k, s.v, dataclasses.replace(step, block_tables=reversed_table), 0.5)
     torch.testing.assert_close(right, dense_reference(s, heads, kv_heads, 0.5), atol=ATOL, rtol=RTOL)
     assert not torch.allclose(right, wrong, atol=1e-3)

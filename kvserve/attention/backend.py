@@ -1,0 +1,62 @@
+"""The interface between the model and attention kernels.
+
+A backend owns how attention reads the pool's pages for one configuration: it turns the
+runner's `StepMetadata` into what its kernel needs (once per step, `prepare`), then for every
+layer writes the new K/V into the pages and attends over the block tables (`forward`).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvserve.attention.metadata import StepMetadata
+from kvserve.cache.kv_pool import KVPool
+from kvserve.cache.quantized_pool import QuantizedKVPool
+
+Pool = KVPool | QuantizedKVPool
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, pool: Pool, num_heads: int) -> None:
+        self.pool = pool
+        self.num_heads = num_heads
+
+    @classmethod
+    @abstractmethod
+    def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
+        """Why this backend cannot serve `pool` on `device`; None when it can."""
+
+    @abstractmethod
+    def prepare(self, step: StepMetadata) -> Any:
+        """The backend's per-step metadata, built once and shared by every layer."""
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any,
+                scale: float) -> torch.Tensor:
+        """q [T, heads, D], k/v [T, kv_heads, D] of the step's new tokens: stores k/v in layer
+        `layer`'s pages, returns attention over each sequence's context [T, heads, D]."""
+
+
+@dataclass(frozen=True)
+class StepAttention:
+    """One step's attention as the model sees it: a backend bound to its prepared metadata."""
+    backend: AttentionBackend
+    step: StepMetadata
+    meta: Any
+
+    @classmethod
+    def of(cls, backend: AttentionBackend, step: StepMetadata) -> "StepAttention":
+        return cls(backend, step, backend.prepare(step))
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.step.positions
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        return self.backend.forward(layer, q, k, v, self.meta, scale)

@@ -1,0 +1,99 @@
+"""The CPU backend: a C++ kernel (kvserve/kernels/csrc) that reads pages where they lie.
+
+No dense copy of the context and no padding to the longest sequence: each (sequence, KV head,
+query tile) work item walks its own block table, decodes one block at a time into a small
+fp32 buffer (dequantizing int8 / fp8 / int4 codes there, or reading the block's full-precision
+staging slot), and keeps an online softmax. The query heads of a GQA group share every decoded
+block. Offloaded host blocks are read in place too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from kvserve.attention.backend import AttentionBackend, Pool
+from kvserve.attention.metadata import StepMetadata
+from kvserve.cache.kv_format import KVFormat
+from kvserve.cache.kv_pool import KVPool
+from kvserve.kernels import cpu_extension
+
+# Page kinds of the kernel (`Kind` in cpu_kernels.cpp).
+DENSE, ABSMAX, GROUP4 = 0, 1, 2
+_ABSMAX_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
+_PLAIN_FORMATS = ("bf16", "fp16", "fp32")
+
+
+def page_kind(fmt: KVFormat) -> int | None:
+    """The kernel's page kind for a compressed pool's format; None if it cannot read it."""
+    if fmt.name in _ABSMAX_FORMATS:
+        return ABSMAX
+    if fmt.name == "int4":
+        return GROUP4
+    if fmt.name in _PLAIN_FORMATS:
+        return DENSE
+    return None
+
+
+@dataclass(frozen=True)
+class CPUMetadata:
+    step: StepMetadata
+    step_args: tuple  # the kernel's per-step arguments, shared by every layer
+
+
+class CPUPagedBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(self, pool: Pool, num_heads: int) -> None:
+        super().__init__(pool, num_heads)
+        ext = cpu_extension.load()
+        assert ext is not None, "CPUPagedBackend needs the compiled kernels (see unsupported())"
+        self.ext: ModuleType = ext
+        self.dense = isinstance(pool, KVPool)
+        e = self._empty = torch.empty(0)
+        # The kernel's per-layer arguments never change (the pool's tensors are fixed): built once.
+        if self.dense:
+            self.layer_args = [(DENSE, kv.k, e, e, e if kv.host_k is None else kv.host_k,
+                                DENSE, kv.v, e, e, e if kv.host_v is None else kv.host_v, 0)
+                               for kv in pool.kv]
+        else:
+            kinds = [page_kind(f) for f in pool.formats]
+            group = next((f.group_size for f in pool.formats if f.name == "int4"), 0)
+            self.layer_args = [(*self._source(kinds[0], kv.fields[0]), *self._source(kinds[1], kv.fields[1]), group)
+                               for kv in pool.kv]
+
+    @classmethod
+    def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return "runs on the CPU only"
+        if not isinstance(pool, KVPool):
+            names = [f.name for f in pool.formats if page_kind(f) is None]
+            if names:
+                return f"no in-kernel decoder for {', '.join(names)} pages"
+        if cpu_extension.load() is None:
+            return "the C++ kernels could not be built (see the log)"
+        return None
+
+    def prepare(self, step: StepMetadata) -> CPUMetadata:
+        plan = step.kv_plan
+        stage_of = plan.stage_of if plan is not None and plan.stage_of is not None else self._empty
+        return CPUMetadata(step, (step.query_start, step.context_lens, step.block_tables, stage_of))
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CPUMetadata,
+                scale: float) -> torch.Tensor:
+        kv = self.pool.kv[layer]
+        query_start, context_lens, tables, stage_of = meta.step_args
+        if self.dense:  # the kernel writes dense pages itself
+            new, staging = (k, v, meta.step.slot_mapping), (self._empty, self._empty)
+        else:
+            kv.write(k, v, meta.step)
+            new, staging = (self._empty, self._empty, self._empty), kv.staging
+        return self.ext.paged_attention(q, *new, query_start, context_lens, tables, *self.layer_args[layer],
+                                        stage_of, *staging, scale, self.pool.block_size, self.pool.num_kv_heads)
+
+    def _source(self, kind: int | None, fields: dict[str, torch.Tensor]) -> tuple:
+        e = self._empty
+        if kind == DENSE:
+            return DENSE, fields["data"], e, e, e
+        return kind, fields["codes"], fields["scale"], fields.get("zero", e), e

@@ -1,0 +1,63 @@
+"""Builds (once, then cached) and loads the C++ CPU kernels in `csrc/cpu_kernels.cpp`.
+
+The extension is compiled with the machine's own instruction set, so the build directory is
+keyed by the source's hash and the CPU's feature flags: a cache copied to another CPU rebuilds
+instead of crashing. Without a C++ compiler, `load()` returns None and callers use the eager
+torch paths.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from types import ModuleType
+
+from kvserve.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def build_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"cpu-{key}"
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled kernels, or None where they cannot be built (reason logged once)."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.warning("kvserve: no C++ compiler found; CPU kernels off (eager torch ops instead)")
+        return None
+    from torch.utils import cpp_extension
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    fresh = not any(directory.glob("*.so"))
+    if fresh:
+        logger.warning("kvserve: compiling the CPU kernels once (about a minute) into %s", directory)
+    start = time.perf_counter()
+    try:
+        module = cpp_extension.load(
+            name="kvserve_cpu_kernels", sources=[str(SOURCE)], build_directory=str(directory),
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except (RuntimeError, OSError) as err:
+        logger.warning("kvserve: building the CPU kernels failed (%s); eager torch ops instead", err)
+        return None
+    if fresh:
+        logger.warning("kvserve: CPU kernels built in %.0f s", time.perf_counter() - start)
+    return module

@@ -1,0 +1,552 @@
+// CPU kernels for kvserve: paged attention that reads KV pages in place (dense or compressed,
+// decoded block by block inside the kernel), and the small per-layer ops fused into one pass
+// each (RMSNorm with the residual add, RoPE on q and k, SiLU-and-multiply, the KV write).
+//
+// Every op computes in fp32 and rounds once to the output dtype, so fp32 runs match the
+// reference to rounding, and bf16 runs differ from the eager ops only by their intermediate
+// roundings.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Page layouts, matching kvserve.cache.kv_format: dense [blocks, bs, H, D] in the model dtype;
+// absmax codes [blocks, bs, H, D] (int8 / fp8) with an fp16 scale [blocks, bs, H]; group-wise
+// 4-bit codes [blocks, bs, H, D / 2] (first code in the low nibble) with fp16 scale and zero
+// [blocks, bs, H, D / group].
+enum Kind : int64_t { kDense = 0, kAbsMax = 1, kGroup4 = 2 };
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+// Rounds through the model dtype, as the reference decodes pages into it before attention.
+template <typename T>
+inline float through(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+// exp for x <= 0 (softmax after subtracting the max), 16 lanes: 2^n * p(r) with a degree-6
+// polynomial on r in [-ln2/2, ln2/2]; relative error ~2e-7, below fp32 attention noise.
+#ifdef __AVX512F__
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  const __m512 rr = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// s[t] = exp(s[t] - mx) for t < n; returns their sum.
+inline float exp_sub_sum(float* s, int64_t n, float mx) {
+  float sum = 0.f;
+  int64_t t = 0;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 m = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+    _mm512_storeu_ps(s + t, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (t < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+    t = n;
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  return sum;
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+#ifdef __AVX512F__
+  if (D % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float acc = 0.f;
+  for (int64_t d = 0; d < D; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+// a = a * c + sum_t p[t] * v[t]  over n rows of v [n, D].
+inline void scale_accumulate(float* a, float c, const float* p, const float* v, int64_t n, int64_t D) {
+#ifdef __AVX512F__
+  if (D % 16 == 0 && D <= 256) {
+    __m512 acc[16];
+    const int64_t chunks = D / 16;
+    const __m512 cv = _mm512_set1_ps(c);
+    for (int64_t j = 0; j < chunks; ++j) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * j), cv);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      for (int64_t j = 0; j < chunks; ++j) acc[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + t * D + 16 * j), acc[j]);
+    }
+    for (int64_t j = 0; j < chunks; ++j) _mm512_storeu_ps(a + 16 * j, acc[j]);
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) a[d] *= c;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < D; ++d) a[d] += p[t] * v[t * D + d];
+}
+
+// bf16 / fp16 / fp32 row -> fp32, exactly (every such value is an fp32 value).
+inline void to_float_row(const float* src, float* dst, int64_t D) { std::copy(src, src + D, dst); }
+inline void to_float_row(const c10::BFloat16* src, float* dst, int64_t D) {
+  int64_t d = 0;
+#ifdef __AVX512F__
+  for (; d + 16 <= D; d += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d)));
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+inline void to_float_row(const c10::Half* src, float* dst, int64_t D) {
+  int64_t d = 0;
+#ifdef __AVX512F__
+  for (; d + 16 <= D; d += 16)
+    _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+struct Pages {
+  int64_t kind;
+  const at::Tensor* data;   // dense data or codes
+  const at::Tensor* scale;
+  const at::Tensor* zero;
+  const at::Tensor* host;   // dense only: offloaded blocks (ids >= num device blocks), may be undefined
+  int64_t group;
+};
+
+// Decodes tokens [0, n) of `block`, head `h`, into out[n][D] (fp32).
+template <typename T>
+void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D, float* out) {
+  const at::Tensor& data = *p.data;
+  if (p.kind == kDense) {
+    const at::Tensor* src = &data;
+    int64_t b = block;
+    if (b >= data.size(0)) { src = p.host; b -= data.size(0); }
+    const int64_t bs_stride = src->stride(0), tok_stride = src->stride(1), h_stride = src->stride(2);
+    // Pages may be stored in another float type than the model's (kv_cache_dtype fp16 under bf16).
+    auto run = [&](const auto* base) {
+      using page_t = std::remove_cv_t<std::remove_pointer_t<decltype(base)>>;
+      for (int64_t t = 0; t < n; ++t) {
+        const auto* row = base + b * bs_stride + t * tok_stride + h * h_stride;
+        float* o = out + t * D;
+        to_float_row(row, o, D);
+        if constexpr (!std::is_same_v<page_t, T>)
+          for (int64_t d = 0; d < D; ++d) o[d] = through<T>(o[d]);
+      }
+    };
+    switch (src->scalar_type()) {
+      case at::kFloat: run(src->data_ptr<float>()); break;
+      case at::kBFloat16: run(src->data_ptr<c10::BFloat16>()); break;
+      case at::kHalf: run(src->data_ptr<c10::Half>()); break;
+      default: TORCH_CHECK(false, "paged_attention: unsupported page dtype ", src->scalar_type());
+    }
+    return;
+  }
+  const c10::Half* scale = p.scale->data_ptr<c10::Half>();
+  if (p.kind == kAbsMax) {
+    const int64_t H = data.size(2);
+    const int64_t s_base = (block * data.size(1)) * H + h;
+    auto run = [&](auto* codes) {
+      for (int64_t t = 0; t < n; ++t) {
+        const auto* row = codes + ((block * data.size(1) + t) * H + h) * D;
+        const float s = to_f(scale[s_base + t * H]);
+        float* o = out + t * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = through<T>(to_f(row[d]) * s);
+      }
+    };
+    switch (data.scalar_type()) {
+      case at::kChar: run(data.data_ptr<int8_t>()); break;
+      case at::kFloat8_e4m3fn: run(data.data_ptr<c10::Float8_e4m3fn>()); break;
+      case at::kFloat8_e5m2: run(data.data_ptr<c10::Float8_e5m2>()); break;
+      default: TORCH_CHECK(false, "paged_attention: unsupported absmax code dtype ", data.scalar_type());
+    }
+    return;
+  }
+  TORCH_CHECK(p.kind == kGroup4, "paged_attention: unknown page kind ", p.kind);
+  const uint8_t* codes = data.data_ptr<uint8_t>();
+  const c10::Half* zero = p.zero->data_ptr<c10::Half>();
+  const int64_t H = data.size(2), bs = data.size(1), G = D / p.group;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t tok = (block * bs + t) * H + h;
+    const uint8_t* row = codes + tok * (D / 2);
+    const c10::Half* sc = scale + tok * G;
+    const c10::Half* ze = zero + tok * G;
+    float* o = out + t * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const int code = (row[d >> 1] >> ((d & 1) * 4)) & 0xF;
+      const int64_t g = d / p.group;
+      o[d] = through<T>(static_cast<float>(code) * to_f(sc[g]) + to_f(ze[g]));
+    }
+  }
+}
+
+Pages make_pages(int64_t kind, const at::Tensor& data, const at::Tensor& scale, const at::Tensor& zero,
+                 const at::Tensor& host, int64_t group) {
+  return Pages{kind, &data, &scale, &zero, &host, group};
+}
+
+template <typename T>
+void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& query_start,
+                    const at::Tensor& context_lens, const at::Tensor& block_tables,
+                    const Pages& kp, const Pages& vp, const at::Tensor& stage_of,
+                    const at::Tensor& k_staging, const at::Tensor& v_staging, double scale,
+                    int64_t block_size, int64_t num_kv_heads) {
+  const int64_t B = context_lens.size(0);
+  const int64_t H = q.size(1), D = q.size(2), G = H / num_kv_heads;
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t* stage = stage_of.defined() && stage_of.numel() ? stage_of.data_ptr<int64_t>() : nullptr;
+  // Query tokens per work item: enough rows to reuse each decoded key block, few enough that
+  // a prefill splits across threads.
+  const int64_t q_tile = std::max<int64_t>(1, 32 / G);
+
+  struct Item { int64_t b, h, q0, q1; };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t q0 = qs[b]; q0 < qs[b + 1]; q0 += q_tile)
+        items.push_back({b, h, q0, std::min(q0 + q_tile, qs[b + 1])});
+
+  const T* qd = q.data_ptr<T>();
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1);
+  T* od = out.data_ptr<T>();
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), sbuf, m, l;
+    std::vector<int64_t> pos;
+    for (int64_t it = begin; it < end; ++it) {
+      const Item w = items[it];
+      const int64_t q_len = qs[w.b + 1] - qs[w.b];
+      const int64_t rows = (w.q1 - w.q0) * G;
+      qbuf.assign(rows * D, 0.f);
+      acc.assign(rows * D, 0.f);
+      sbuf.assign(rows * block_size, 0.f);
+      m.assign(rows, neg_inf);
+      l.assign(rows, 0.f);
+      pos.assign(rows, 0);
+      for (int64_t i = 0; i < w.q1 - w.q0; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          const T* src = qd + (w.q0 + i) * q_tok + (w.h * G + g) * q_head;
+          for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = to_f(src[d]) * fscale;
+          // Token j of a sequence's new tokens sits at position ctx - q_len + j.
+          pos[r] = ctx[w.b] - q_len + (w.q0 + i - qs[w.b]);
+        }
+      const int64_t last = pos[rows - 1];  // the furthest key any row of this item sees
+      const int64_t nblocks = last / block_size + 1;
+      for (int64_t bi = 0; bi < nblocks; ++bi) {
+        const int64_t block = tables[w.b * table_stride + bi];
+        const int64_t n = std::min(block_size, last + 1 - bi * block_size);
+        const int64_t slot = stage ? stage[block] : -1;
+        if (slot >= 0) {
+          // A block inside the full-precision window: read its staging slot instead.
+          Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
+          Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
+          decode_block<T>(sk, slot, n, w.h, D, kbuf.data());
+          decode_block<T>(sv, slot, n, w.h, D, vbuf.data());
+        } else {
+          decode_block<T>(kp, block, n, w.h, D, kbuf.data());
+          decode_block<T>(vp, block, n, w.h, D, vbuf.data());
+        }
+        const int64_t k0 = bi * block_size;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* qr = qbuf.data() + r * D;
+          float* s = sbuf.data() + r * block_size;
+          const int64_t visible = std::min(n, pos[r] + 1 - k0);  // causal: keys at or before pos
+          if (visible <= 0) continue;
+          float mx = m[r];
+          for (int64_t t = 0; t < visible; ++t) {
+            s[t] = dot(qr, kbuf.data() + t * D, D);
+            mx = std::max(mx, s[t]);
+          }
+          const float correction = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
+          const float sum = exp_sub_sum(s, visible, mx);
+          scale_accumulate(acc.data() + r * D, correction, s, vbuf.data(), visible, D);
+          l[r] = l[r] * correction + sum;
+          m[r] = mx;
+        }
+      }
+      for (int64_t i = 0; i < w.q1 - w.q0; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          T* dst = od + (w.q0 + i) * o_tok + (w.h * G + g) * o_head;
+          const float inv = 1.f / l[r];
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
+        }
+    }
+  });
+}
+
+}  // namespace
+
+// Dense pages: k, v [T, Hkv, D] (rows may be strided) into slot_mapping's flat slots.
+void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "write_kv: contiguous head_dim expected");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "write_kv", [&] {
+    using cache_t = scalar_t;
+    auto write = [&](const at::Tensor& cache, const at::Tensor& x) {
+      TORCH_CHECK(x.scalar_type() == cache.scalar_type(), "write_kv: K/V dtype must match the cache");
+      cache_t* base = cache.data_ptr<cache_t>();
+      const cache_t* src = x.data_ptr<cache_t>();
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h) {
+          cache_t* dst = base + (slots[t] * H + h) * D;
+          const cache_t* s = src + t * x.stride(0) + h * x.stride(1);
+          std::copy(s, s + D, dst);
+        }
+    };
+    write(k_cache, k);
+    write(v_cache, v);
+  });
+}
+
+// q [T, H, D] (rows may be strided, the last dim contiguous); query_start [B + 1], context_lens
+// [B], block_tables [B, max_blocks] int64 on the CPU. K/V pages: see `Kind`. stage_of [num_blocks]
+// (or empty) maps a block to its full-precision staging slot, -1 if none. With dense pages, the
+// step's new k/v [T, Hkv, D] are first written to `slot_mapping` (one call instead of two;
+// compressed pages are encoded by the pool beforehand: pass empty tensors). Returns [T, H, D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                           const at::Tensor& slot_mapping, const at::Tensor& query_start,
+                           const at::Tensor& context_lens, const at::Tensor& block_tables, int64_t k_kind, const at::Tensor& k_data,
+                           const at::Tensor& k_scale, const at::Tensor& k_zero, const at::Tensor& k_host,
+                           int64_t v_kind, const at::Tensor& v_data, const at::Tensor& v_scale,
+                           const at::Tensor& v_zero, const at::Tensor& v_host, int64_t group,
+                           const at::Tensor& stage_of, const at::Tensor& k_staging,
+                           const at::Tensor& v_staging, double scale, int64_t block_size,
+                           int64_t num_kv_heads) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous D");
+  TORCH_CHECK(q.size(1) % num_kv_heads == 0, "paged_attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.is_contiguous() && query_start.is_contiguous() && context_lens.is_contiguous(),
+              "paged_attention: metadata must be contiguous");
+  if (k_new.numel()) {
+    TORCH_CHECK(k_kind == kDense && v_kind == kDense, "paged_attention: only dense pages are written here");
+    write_kv(k_data, v_data, k_new, v_new, slot_mapping);
+  }
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  const Pages kp = make_pages(k_kind, k_data, k_scale, k_zero, k_host, group);
+  const Pages vp = make_pages(v_kind, v_data, v_scale, v_zero, v_host, group);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    attention_impl<scalar_t>(out, q, query_start, context_lens, block_tables, kp, vp, stage_of, k_staging,
+                             v_staging, scale, block_size, num_kv_heads);
+  });
+  return out;
+}
+
+// RMSNorm of x [T, C] (fp32 statistics), times weight; with `residual`, first residual += x (in
+// place, rounded to the dtype) and normalises the sum. Returns the normalised rows.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: x must be contiguous [T, C]");
+  const int64_t T = x.size(0), C = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xd = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* rd = residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
+    scalar_t* od = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(C);
+      for (int64_t t = begin; t < end; ++t) {
+        float ss = 0.f;
+        for (int64_t c = 0; c < C; ++c) {
+          float v = to_f(xd[t * C + c]);
+          if (rd) {
+            const scalar_t sum = static_cast<scalar_t>(to_f(rd[t * C + c]) + v);
+            rd[t * C + c] = sum;
+            v = to_f(sum);
+          }
+          row[c] = v;
+          ss += v * v;
+        }
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
+        for (int64_t c = 0; c < C; ++c)
+          od[t * C + c] = static_cast<scalar_t>(to_f(w[c]) * through<scalar_t>(row[c] * inv));
+      }
+    });
+  });
+  return out;
+}
+
+// qkv [T, (heads + 2 * kv_heads) * head_dim], the fused projection: rotate-half RoPE in place on
+// the q and k heads (cos/sin [max_pos, head_dim / 2] fp32), then q, k, v as [T, heads, D] views.
+std::vector<at::Tensor> rope_split(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                                   const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_split: qkv must be [T, width] with contiguous rows");
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * head_dim, "rope_split: qkv width");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && cos.scalar_type() == at::kFloat, "rope_split: dtypes");
+  const int64_t rot_heads = heads + kv_heads;
+  const int64_t T = qkv.size(0), half = head_dim / 2, row_stride = qkv.stride(0);
+  const int64_t* p = positions.data_ptr<int64_t>();
+  const float* cd = cos.data_ptr<float>();
+  const float* sd = sin.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cd + p[t] * half;
+        const float* s = sd + p[t] * half;
+        for (int64_t h = 0; h < rot_heads; ++h) {
+          scalar_t* x = base + t * row_stride + h * head_dim;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+            x[i] = static_cast<scalar_t>(x1 * c[i] - x2 * s[i]);
+            x[i + half] = static_cast<scalar_t>(x2 * c[i] + x1 * s[i]);
+          }
+        }
+      }
+    });
+  });
+  const int64_t T2 = qkv.size(0), rs = qkv.stride(0);
+  auto view = [&](int64_t first_head, int64_t n) {
+    return qkv.as_strided({T2, n, head_dim}, {rs, head_dim, 1}, qkv.storage_offset() + first_head * head_dim);
+  };
+  return {view(0, heads), view(heads, kv_heads), view(heads + kv_heads, kv_heads)};
+}
+
+// gate_up [T, 2I] -> silu(gate) * up [T, I].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous(), "silu_mul: contiguous [T, 2I] expected");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* g = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t i = 0; i < I; ++i) {
+          const float a = to_f(g[t * 2 * I + i]), b = to_f(g[t * 2 * I + I + i]);
+          o[t * I + i] = static_cast<scalar_t>(a / (1.f + std::exp(-a)) * b);
+        }
+    });
+  });
+  return out;
+}
+
+
+#ifdef __AVX512BF16__
+namespace {
+
+// One MR x NR tile of out = x @ w^T: the NR weight rows are read from memory once per K step and
+// reused for every row of x, with MR * NR fp32 accumulators in registers (VDPBF16PS).
+template <int MR, int NR>
+inline void gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
+                      c10::BFloat16* out, int64_t K, int64_t N) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const float b = bias ? static_cast<float>(bias[j]) : 0.f;
+      out[i * N + j] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[i][j]) + b);
+    }
+}
+
+template <int NR>
+void gemm_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
+               int64_t M, int64_t K, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) gemm_tile<4, NR>(x + m * K, w, bias, out + m * N, K, N);
+  switch (M - m) {
+    case 3: gemm_tile<3, NR>(x + m * K, w, bias, out + m * N, K, N); break;
+    case 2: gemm_tile<2, NR>(x + m * K, w, bias, out + m * N, K, N); break;
+    case 1: gemm_tile<1, NR>(x + m * K, w, bias, out + m * N, K, N); break;
+    default: break;
+  }
+}
+
+}  // namespace
+#endif
+
+bool has_bf16_gemm() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// out [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, fp32 accumulation. For the small
+// M of decode steps, where a GEMM library's packing and blocking cost more than the weights'
+// read from memory, which is all a decode step's matmul should cost.
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_bf16_gemm(), "linear_bf16: built without AVX512-BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "linear_bf16: contiguous [M, K] and [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && K % 32 == 0, "linear_bf16: K must match and be a multiple of 32");
+  at::Tensor out = at::empty({M, N}, x.options());
+#ifdef __AVX512BF16__
+  const auto* xd = x.data_ptr<c10::BFloat16>();
+  const auto* wd = w.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bd = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  auto* od = out.data_ptr<c10::BFloat16>();
+  constexpr int64_t NR = 4;
+  const int64_t tiles = N / NR;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      gemm_rows<NR>(xd, wd + t * NR * K, bd ? bd + t * NR : nullptr, od + t * NR, M, K, N);
+  });
+  for (int64_t n = tiles * NR; n < N; ++n)
+    gemm_rows<1>(xd, wd + n * K, bd ? bd + n : nullptr, od + n, M, K, N);
+#endif
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_bf16", &linear_bf16, "bf16 x @ w^T for small M (decode)", py::arg("x"), py::arg("w"),
+        py::arg("bias") = py::none());
+  m.def("has_bf16_gemm", &has_bf16_gemm, "whether linear_bf16 was built (AVX512-BF16)");
+  m.def("paged_attention", &paged_attention, "attention over paged KV, pages read in place");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into a residual");
+  m.def("rope_split", &rope_split, "RoPE in place on the q and k heads of qkv, then q, k, v views");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+}

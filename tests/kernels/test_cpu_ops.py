@@ -1,0 +1,97 @@
+"""The fused C++ ops against the eager torch ops they replace (the reference semantics)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.kernels import cpu_extension
+from kvserve.model.ops import EagerOps
+
+kernels = cpu_extension.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels could not be built here")
+
+# fp32: the fused op rounds once where eager rounds at each op, still within fp32 noise.
+# bf16: eager rounds every intermediate to bf16 (8 bits of mantissa), the kernel only the result.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_rms_norm(dtype: torch.dtype, rows: int) -> None:
+    x, w = rand(rows, 96, dtype=dtype, seed=1) * 3, rand(96, dtype=dtype, seed=2)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5, None), EagerOps.rms_norm(x, w, 1e-5, None), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_adds_into_the_residual_first(dtype: torch.dtype) -> None:
+    x, w = rand(5, 64, dtype=dtype, seed=3), rand(64, dtype=dtype, seed=4)
+    res_k = rand(5, 64, dtype=dtype, seed=5)
+    res_e = res_k.clone()
+    before = res_k.clone()
+    out_k = kernels.rms_norm(x, w, 1e-6, res_k)
+    out_e = EagerOps.rms_norm(x, w, 1e-6, res_e)
+    # The residual stream is updated in place with exactly the dtype's sum.
+    assert torch.equal(res_k, before + x) and torch.equal(res_k, res_e)
+    torch.testing.assert_close(out_k, out_e, **TOL[dtype])
+
+
+def rope_tables(dim: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim)
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    return freqs.cos(), freqs.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_split_rotates_q_and_k_heads_only(dtype: torch.dtype) -> None:
+    heads, kv_heads, dim = 6, 2, 32
+    cos, sin = rope_tables(dim, 64)
+    qkv = rand(9, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=6)
+    positions = torch.tensor([0, 1, 2, 40, 63, 5, 5, 17, 30])
+    fused, eager = qkv.clone(), qkv.clone()
+    got = kernels.rope_split(fused, positions, cos, sin, heads, kv_heads, dim)
+    want = EagerOps.rope_split(eager, positions, cos, sin, heads, kv_heads, dim)
+    for g, w, n in zip(got, want, (heads, kv_heads, kv_heads)):
+        assert g.shape == (9, n, dim) and g.data_ptr() >= fused.data_ptr()  # views of qkv
+        torch.testing.assert_close(g, w, **TOL[dtype])
+    torch.testing.assert_close(fused, eager, **TOL[dtype])
+    v = slice((heads + kv_heads) * dim, None)
+    assert torch.equal(fused[:, v], qkv[:, v])  # values are never rotated
+    assert torch.equal(fused[0], qkv[0])  # position 0: cos 1, sin 0, the identity
+    # Against the rotation written out by hand for one entry: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+    x1, x2 = qkv[3, 0].float(), qkv[3, 16].float()
+    c, s = cos[40, 0], sin[40, 0]
+    torch.testing.assert_close(fused[3, 0].float(), x1 * c - x2 * s, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_split_on_a_strided_view_of_a_larger_row(dtype: torch.dtype) -> None:
+    """A [T, width] view with a longer row stride (a slice of a wider projection) works."""
+    cos, sin = rope_tables(8, 8)
+    wide = rand(3, 40, dtype=dtype, seed=7)
+    fused, eager = wide.clone(), wide.clone()
+    kernels.rope_split(fused[:, :32], torch.tensor([1, 2, 3]), cos, sin, 2, 1, 8)
+    EagerOps.rope_split(eager[:, :32], torch.tensor([1, 2, 3]), cos, sin, 2, 1, 8)
+    torch.testing.assert_close(fused, eager, **TOL[dtype])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_against_fp32_matmul(rows: int, bias: bool) -> None:
+    if not kernels.has_bf16_gemm():
+        pytest.skip("built without AVX512-BF16")
+    x, w = rand(rows, 96, dtype=torch.bfloat16, seed=9), rand(70, 96, dtype=torch.bfloat16, seed=10)
+    b = rand(70, dtype=torch.bfloat16, seed=11) if bias else None
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    # fp32 accumulation, one rounding to bf16 at the end: within bf16's half-ulp of the result.
+    torch.testing.assert_close(kernels.linear_bf16(x, w, b).float(), want, atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype: torch.dtype) -> None:
+    gate_up = rand(11, 2 * 80, dtype=dtype, seed=8) * 4
+    torch.testing.assert_close(kernels.silu_mul(gate_up), EagerOps.silu_mul(gate_up), **TOL[dtype])
