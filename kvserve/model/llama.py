@@ -92,8 +92,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention: StepAttention, ops: Ops) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
         normed = self.layers[0].input_layernorm(residual, ops)
-        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm in zip(self.layers, norms):
+        layers = list(self.layers)  # slicing a ModuleList would build a new one every step
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        for layer, next_norm in zip(layers, norms):
             normed = layer(normed, residual, next_norm, self.rotary, attention, ops)
         return normed
 

@@ -477,6 +477,8 @@ inline void gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     __m512bh wv[NR];
+    // The next tile's rows (contiguous after these): keep the memory stream ahead of the FMAs.
+    for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + j) * K + k), _MM_HINT_T0);
     for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + k);
