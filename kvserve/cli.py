@@ -5,6 +5,7 @@ import argparse
 import sys
 from typing import Any
 
+from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.cache.kv_format import FORMAT_NAMES
 from kvserve.sampling_params import SamplingParams
 
@@ -23,6 +24,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--cache-mode", default="paged", choices=["paged", "contiguous", "no-cache"],
                    help="paged (default); contiguous and no-cache are baselines")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default 512 with chunked prefill, else max(max-model-len, 2048))")
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                   help="prefill whole prompts in steps of their own (default: chunks beside running decodes)")
+    k = p.add_argument_group("kernels")
+    k.add_argument("--attention-backend", default="auto", choices=BACKEND_NAMES,
+                   help="auto (default): the fastest that serves the configuration (cpu: C++ kernel reading "
+                        "pages in place); torch: the gather + SDPA reference")
+    k.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                   help="eager torch ops instead of the compiled fused CPU ops and bf16 small-batch linear")
     q = p.add_argument_group("KV cache format")
     q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *FORMAT_NAMES],
                    help="how K/V pages are stored: auto (default) keeps the model dtype; fp8_e4m3, fp8_e5m2, "
@@ -56,6 +67,9 @@ def llm_from_args(args: argparse.Namespace, cache_mode: str | None = None, **ove
                   kv_cache_memory=_memory(str(args.kv_cache_memory)), block_size=args.block_size,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   cache_mode=cache_mode or args.cache_mode, kv_cache_dtype=args.kv_cache_dtype,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_chunked_prefill=args.enable_chunked_prefill, attention_backend=args.attention_backend,
+                  cpu_kernels=args.cpu_kernels,
                   kv_cache_dtype_k=args.kv_cache_dtype_k, kv_cache_dtype_v=args.kv_cache_dtype_v,
                   kv_group_size=args.kv_group_size, kv_residual=args.kv_residual, kv_outliers=args.kv_outliers,
                   kv_sparse_threshold=args.kv_sparse_threshold, kv_sparse_capacity=args.kv_sparse_capacity)

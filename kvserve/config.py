@@ -45,7 +45,9 @@ class EngineConfig:
     kv_cache_memory: str | float = "2GiB"  # bytes ("2GiB") or a fraction of free memory (0.5)
     block_size: int = 16
     max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # default: max(max_model_len, 2048)
+    max_num_batched_tokens: int | None = None  # tokens per step; default 512 with chunked prefill,
+                                               # else max(max_model_len, 2048)
+    enable_chunked_prefill: bool = True        # decodes first, then prompt chunks, in one budget per step
     max_model_len: int | None = None           # default: the model's context length
     cache_mode: str = "paged"                  # "paged" | "contiguous" | "no-cache"
     enable_prefix_caching: bool = True         # reuse K/V of shared prompt prefixes (paged mode)
@@ -102,8 +104,9 @@ class EngineConfig:
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"EngineConfig.attention_backend must be one of {BACKEND_NAMES}, "
                              f"got {self.attention_backend!r}")
-        if not isinstance(self.cpu_kernels, bool):
-            raise ValueError(f"EngineConfig.cpu_kernels must be True or False, got {self.cpu_kernels!r}")
+        for name in ("cpu_kernels", "enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         self._check_kv_format()
 
     def _check_kv_format(self) -> None:

@@ -26,7 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--max-prompt-len", type=int, default=1024)
     tp.add_argument("--max-output-len", type=int, default=512)
     tp.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
-    tp.add_argument("--skip-hf", action="store_true", help="run kvserve only")
+    tp.add_argument("--skip-hf", action="store_true", help="leave out HF transformers (static and continuous)")
+    tp.add_argument("--skip-llama-cpp", action="store_true",
+                    help="leave out llama.cpp (llama-cpp-python, one request at a time: its Python API serves one)")
     tp.add_argument("--skip-contiguous", action="store_true", help="skip the contiguous baseline")
     tp.add_argument("--out", default="bench_out", help="folder for the JSON and markdown results")
     add_engine_args(tp)
@@ -63,6 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--prompt-len", type=int, default=32)
     sc.add_argument("--num-tokens", type=int, default=512)
     sc.add_argument("--skip-hf", action="store_true", help="leave out HF transformers' cached decoding")
+    sc.add_argument("--skip-llama-cpp", action="store_true", help="leave out llama.cpp (bf16 GGUF)")
     sc.add_argument("--out", default="bench_out")
     add_engine_args(sc)
     sc.set_defaults(func=run)
@@ -87,32 +90,52 @@ def _workload(args: argparse.Namespace, tokenizer: Any, **shape: Any) -> tuple[l
 
 
 def run_throughput(args: argparse.Namespace, out: Path) -> None:
+    from kvserve.bench.metrics import summarize
+    from kvserve.bench.roofline import measure_machine, pct_of_compute, workload_flops
     from kvserve.bench.throughput import run_kvserve
+    from kvserve.model.loader import default_model_path
 
     llm = llm_from_args(args, "paged")
+    model_config = llm.engine.model_config
     requests, prompts, params = _workload(args, llm.tokenizer, sigma=args.sigma, max_prompt_len=args.max_prompt_len,
                                           max_output_len=args.max_output_len)
     summaries = [run_kvserve(llm, prompts, params, "kvserve-paged")]
+    backend = llm.engine.attention_backend.name
     if not args.skip_contiguous:
         del llm
         summaries.append(run_kvserve(llm_from_args(args, "contiguous"), prompts, params,
                                      "kvserve-contiguous"))
+    source = str(args.model or default_model_path())
     if not args.skip_hf:
-        from kvserve.bench.hf_baseline import load_hf_model, run_hf_static_batches
-        from kvserve.bench.metrics import summarize
-        from kvserve.model.loader import default_model_path
+        from kvserve.bench.hf_baseline import load_hf_model, run_hf_continuous_batching, run_hf_static_batches
 
-        model, tok = load_hf_model(str(args.model or default_model_path()), getattr(torch, args.dtype))
+        model, tok = load_hf_model(source, getattr(torch, args.dtype))
         timings, wall = run_hf_static_batches(model, requests, args.max_num_seqs, tok.pad_token_id or 0)
-        summaries.append(summarize("hf-transformers", timings, wall))
+        summaries.append(summarize("hf-static-batches", timings, wall))
+        timings, wall = run_hf_continuous_batching(model, requests, args.max_num_seqs)
+        summaries.append(summarize("hf-continuous-batching", timings, wall))
+        del model
+    if not args.skip_llama_cpp and source.endswith(".gguf"):
+        from kvserve.bench.llama_cpp import load_llama_cpp, run_llama_cpp_sequential
+
+        lc = load_llama_cpp(Path(source), args.max_model_len, torch.get_num_threads())
+        timings, wall = run_llama_cpp_sequential(lc, requests)
+        summaries.append(summarize("llama.cpp-bf16-sequential", timings, wall))
+    machine = measure_machine(getattr(torch, args.dtype))
+    flops = workload_flops(model_config, [(len(r.prompt_token_ids), r.max_tokens) for r in requests])
+    for summary in summaries:
+        summary.extra["pct_compute_roofline"] = pct_of_compute(flops, summary.wall_s, machine)
     table = format_table(summaries)
     report = [f"workload: {len(requests)} requests, seed {args.seed}, prompt median "
               f"{args.prompt_len_median}, output median {args.output_len_median}, sigma {args.sigma}; "
-              f"dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, torch threads "
-              f"{torch.get_num_threads()}", "", table, ""]
-    if not args.skip_hf:
-        r = ratio(summaries[0], summaries[-1])
-        report.append("kvserve-paged / hf: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+              f"dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, attention backend {backend}, torch threads "
+              f"{torch.get_num_threads()}",
+              f"machine, measured now: read {machine.read_gb_s:.1f} GB/s, {args.dtype} matmul "
+              f"{machine.matmul_gflop_s:.0f} GFLOP/s; workload {flops / 1e12:.2f} TFLOP useful "
+              f"(compute roofline {flops / machine.matmul_gflop_s / 1e9:.1f} s)", "", table, ""]
+    for peer in summaries[1:]:
+        r = ratio(summaries[0], peer)
+        report.append(f"kvserve-paged / {peer.name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
     text = "\n".join(report)
     print(text)
     (out / "throughput.md").write_text(text + "\n")
@@ -120,7 +143,11 @@ def run_throughput(args: argparse.Namespace, out: Path) -> None:
 
 
 def run_scaling(args: argparse.Namespace, out: Path) -> None:
+    import statistics
+
+    from kvserve.bench.roofline import decode_step_bytes, measure_machine, pct_of_bandwidth
     from kvserve.bench.scaling import plot, time_per_token
+    from kvserve.model.loader import default_model_path
 
     args.max_model_len = args.max_model_len or args.prompt_len + args.num_tokens
     prompt = list(range(100, 100 + args.prompt_len))
@@ -129,30 +156,46 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
         llm = llm_from_args(args, mode)
         time_per_token(llm, prompt, 8, "warm-up")
         series[label] = time_per_token(llm, prompt, args.num_tokens, label)
+        if mode == "paged":
+            engine = llm.engine
+            model_config, kv_bytes = engine.model_config, engine.kv_bytes_per_token
+            backend = engine.attention_backend.name
+    source = str(args.model or default_model_path())
     if not args.skip_hf:
         from kvserve.bench.hf_baseline import hf_step_times, load_hf_model
-        from kvserve.model.loader import default_model_path
 
-        model, _ = load_hf_model(str(args.model or default_model_path()), getattr(torch, args.dtype))
+        model, _ = load_hf_model(source, getattr(torch, args.dtype))
         hf_step_times(model, prompt, 8, 0)  # warm-up, as kvserve's first run warms its kernels
         series["HF transformers (DynamicCache)"] = hf_step_times(model, prompt, args.num_tokens, 0)
-    path = out / "scaling.png"
-    plot(args.prompt_len, series, path)
-    lines = [f"single sequence, prompt {args.prompt_len} tokens, {args.num_tokens} generated, "
-             f"dtype {args.dtype}, torch threads {torch.get_num_threads()}", ""]
-    decode_ms = {}
-    for label, times in series.items():
-        q = len(times) // 4
-        decode_ms[label] = 1e3 * sum(times[1:]) / (len(times) - 1)
-        lines.append(f"- {label}: total {sum(times):.2f} s; decode ms/token mean {decode_ms[label]:.1f}, "
-                     f"first quarter {1e3 * sum(times[1:q]) / (q - 1):.1f}, "
-                     f"last quarter {1e3 * sum(times[-q:]) / q:.1f}")
-    if not args.skip_hf:
-        cached, hf = decode_ms["kvserve cached (paged KV)"], decode_ms["HF transformers (DynamicCache)"]
-        lines.append(f"- single-stream decode speed, kvserve / HF: {hf / cached:.2f}x")
-    text = "\n".join(lines + ["", f"plot: {path}"])
+        del model
+    if not args.skip_llama_cpp and source.endswith(".gguf"):
+        from kvserve.bench.llama_cpp import llama_cpp_step_times, load_llama_cpp
+
+        lc = load_llama_cpp(Path(source), args.max_model_len + 8, torch.get_num_threads())
+        llama_cpp_step_times(lc, prompt, 8, "warm-up")
+        series["llama.cpp (bf16 GGUF)"] = llama_cpp_step_times(lc, prompt, args.num_tokens)
+    machine = measure_machine(getattr(torch, args.dtype))
+    # Mean decode step (the first token includes the prefill) and the bytes it must read at the
+    # mean context length, against the read bandwidth measured now.
+    mean_ctx = args.prompt_len + args.num_tokens / 2
+    bytes_per_step = decode_step_bytes(model_config, getattr(torch, args.dtype), int(mean_ctx), kv_bytes)
+    lines = [f"one stream, prompt {args.prompt_len}, {args.num_tokens} tokens, {args.dtype}, attention backend "
+             f"{backend}, torch threads {torch.get_num_threads()}; machine now: read {machine.read_gb_s:.1f} GB/s; "
+             f"a decode step reads >= {bytes_per_step / 1e6:.0f} MB", "",
+             "| series | decode ms/token (mean) | tok/s | % of read bandwidth |", "|---|---|---|---|"]
+    decode = {name: statistics.mean(t[1:]) for name, t in series.items()}
+    for name, step_s in decode.items():
+        lines.append(f"| {name} | {step_s * 1e3:.2f} | {1 / step_s:.1f} | "
+                     f"{pct_of_bandwidth(bytes_per_step, step_s, machine):.0f}% |")
+    ours = decode["kvserve cached (paged KV)"]
+    lines.append("")
+    lines += [f"kvserve cached / {name}: {step_s / ours:.2f}x tokens/s" for name, step_s in decode.items()
+              if name != "kvserve cached (paged KV)"]
+    text = "\n".join(lines)
     print(text)
     (out / "scaling.md").write_text(text + "\n")
+    path = out / "scaling.png"
+    plot(args.prompt_len, series, path)
 
 
 def run_memory(args: argparse.Namespace, out: Path) -> None:

@@ -25,6 +25,10 @@ from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Tokens per step with chunked prefill: large enough that weights are read once for many tokens,
+# small enough that a step of prompt chunks does not stall the running streams for long.
+CHUNKED_BATCHED_TOKENS = 512
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -39,10 +43,18 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position:
             raise ValueError(f"EngineConfig.max_model_len ({self.max_model_len}) exceeds the model's "
                              f"context length ({cfg.max_position})")
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 2048)
-        if self.max_num_batched_tokens < self.max_model_len:
+        # The baselines stand for engines without chunking: they prefill prompts whole.
+        self.chunked_prefill = config.enable_chunked_prefill and config.cache_mode == "paged"
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
+            CHUNKED_BATCHED_TOKENS if self.chunked_prefill else max(self.max_model_len, 2048))
+        if self.chunked_prefill and self.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                             f">= max_model_len ({self.max_model_len}) so that any prompt can be prefilled")
+                             f">= max_num_seqs ({config.max_num_seqs}) so that every running sequence decodes "
+                             f"each step")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= max_model_len ({self.max_model_len}) so that any prompt can be prefilled "
+                             f"(or enable_chunked_prefill)")
 
         formats = config.kv_formats()
         residual = config.residual_tokens
@@ -89,7 +101,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    reserve_tokens=self.max_model_len if contiguous else 0,
                                    recompute_all=config.cache_mode == "no-cache",
-                                   swap=self.swap, prefer_swap=self._prefer_swap)
+                                   swap=self.swap, prefer_swap=self._prefer_swap,
+                                   chunked_prefill=self.chunked_prefill)
         self.attention_backend = make_backend(config.attention_backend, self.pool, cfg.num_heads, self.device)
         kernels = cpu_extension.load() if config.cpu_kernels and self.device.type == "cpu" else None
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device, self.attention_backend,
@@ -195,12 +208,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        self.tokens_computed += sum(s.num_new_tokens for s in batch.seqs)
-        logits = self.runner.forward(batch.seqs)
+        self.tokens_computed += batch.num_tokens
+        logits = self.runner.forward(batch.seqs, batch.num_scheduled)
+        done = self.scheduler.complete_step(batch)  # a prompt chunk with more to come gets no token
+        logits, ready = logits[done], [batch.seqs[i] for i in done]
         now = time.perf_counter()
-        outputs = self._step_beams(batch.seqs, logits, now)
-        sampled = [i for i, s in enumerate(batch.seqs) if s.beam is None]
-        seqs, rows = self._fork_samples([batch.seqs[i] for i in sampled])
+        outputs = self._step_beams(ready, logits, now)
+        sampled = [i for i, s in enumerate(ready) if s.beam is None]
+        seqs, rows = self._fork_samples([ready[i] for i in sampled])
         tokens = self.runner.sample(seqs, logits[[sampled[r] for r in rows]])
         for seq, token in zip(seqs, tokens):
             try:
@@ -222,7 +237,6 @@ class LLMEngine:
         """The step computed every token but the new one; blocks it filled join the prefix cache."""
         seq.output_token_ids.append(token)
         self.tokens_generated += 1
-        seq.num_computed_tokens = seq.num_tokens - 1
         seq.first_token_time = seq.first_token_time or now
         self.block_manager.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 

@@ -28,8 +28,9 @@ class ModelRunner:
             replace_linears(model, self.linear_kind, kernels)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Runs each sequence's new tokens; returns next-token logits [len(seqs), vocab]."""
+    def forward(self, seqs: list[Sequence], num_scheduled: list[int]) -> torch.Tensor:
+        """Runs the next `num_scheduled[i]` uncomputed tokens of each sequence (all of them, or a
+        prompt chunk); returns the logits after each one's last token run [len(seqs), vocab]."""
         # Block moves decided by the scheduler: swaps, offloads, then copy-on-write.
         if self.swap is not None:
             self.swap.apply(self.pool)
@@ -39,14 +40,14 @@ class ModelRunner:
             bm.pending_offloads.clear()
         self.pool.copy_blocks(bm.pending_copies)
         bm.pending_copies.clear()
-        query_lens = [s.num_new_tokens for s in seqs]
-        input_ids = [t for s in seqs for t in s.token_ids[s.num_computed_tokens:]]
+        ends = [s.num_computed_tokens + n for s, n in zip(seqs, num_scheduled)]
+        input_ids = [t for s, end in zip(seqs, ends) for t in s.token_ids[s.num_computed_tokens:end]]
         # Only the blocks holding context: a contiguous reservation's unused tail is not read.
-        tables = [bm.tables[s.seq_id][:bm.blocks_for(s.num_tokens)] for s in seqs]
+        tables = [bm.tables[s.seq_id][:bm.blocks_for(end)] for s, end in zip(seqs, ends)]
         step = StepMetadata.build(
-            query_lens, [s.num_tokens for s in seqs], tables, self.pool.block_size, self.device,
+            num_scheduled, ends, tables, self.pool.block_size, self.device,
             offloaded=bool(bm.num_host_blocks) and any(b >= bm.num_blocks for t in tables for b in t),
-            kv_plan=self.pool.plan_step(bm, [(s.seq_id, s.num_computed_tokens, s.num_tokens) for s in seqs]))
+            kv_plan=self.pool.plan_step(bm, [(s.seq_id, s.num_computed_tokens, end) for s, end in zip(seqs, ends)]))
         logit_index = (step.query_start[1:] - 1).to(self.device)
         return self.model(torch.tensor(input_ids, device=self.device), StepAttention.of(self.backend, step),
                           logit_index, self.ops)

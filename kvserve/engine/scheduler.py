@@ -12,15 +12,24 @@ from kvserve.cache.swap_space import SwapSpace
 from kvserve.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerOutput:
     seqs: list[Sequence]
-    is_prefill: bool
+    num_scheduled: list[int]  # tokens each sequence runs this step (its whole remainder, or a chunk)
+    is_prefill: bool          # no sequence of the step is decoding
     preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled)
 
 
 class Scheduler:
-    """Prefill-first: a step admits waiting sequences if any fit, otherwise decodes all running ones.
+    """Two policies. Prefill-first: a step admits waiting sequences if any fit, otherwise decodes
+    all running ones. Chunked prefill (`chunked_prefill`, vLLM v1's): one budget of
+    `max_num_batched_tokens` per step, spent on every running decode first, then on the rest of
+    partly prefilled prompts, then on new admissions, whose prompts may be cut into chunks; a
+    long prompt never stalls the running streams.
 
     `reserve_tokens` makes every admitted sequence take blocks for that many tokens up front
     (the contiguous baseline); `recompute_all` reruns every token each step (the no-cache baseline).
@@ -30,7 +39,8 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  reserve_tokens: int = 0, recompute_all: bool = False, swap: SwapSpace | None = None,
-                 prefer_swap: Callable[[int], bool] = lambda num_tokens: False) -> None:
+                 prefer_swap: Callable[[int], bool] = lambda num_tokens: False,
+                 chunked_prefill: bool = False) -> None:
         self.block_manager = block_manager
         self.swap = swap
         self.prefer_swap = prefer_swap
@@ -38,6 +48,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.reserve_tokens = reserve_tokens
         self.recompute_all = recompute_all
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -54,27 +65,69 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
+        if self.chunked_prefill:
+            return self._schedule_chunked()
         # Swapped sequences hold finished work: they come back before new ones are admitted.
-        admitted = [] if self.swapped else self._admit()
+        admitted = [] if self.swapped else self._admit(self.max_num_batched_tokens, chunked=False)
         if admitted:
-            return SchedulerOutput(admitted, True, [])
+            return SchedulerOutput(admitted, [s.num_new_tokens for s in admitted], True, [])
         self._swap_in()
         preempted = self._make_room_for_decode()
         if self.recompute_all:
             for seq in self.running:
                 seq.num_computed_tokens = 0
-        return SchedulerOutput(list(self.running), False, preempted)
+        return SchedulerOutput(list(self.running), [s.num_new_tokens for s in self.running], False, preempted)
 
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
+    def _schedule_chunked(self) -> SchedulerOutput:
+        self._swap_in()
+        preempted = self._make_room_for_decode()
         budget = self.max_num_batched_tokens
+        # Decodes first (one token each), then the remainders of partly prefilled prompts.
+        decoding = [s for s in self.running if s.num_new_tokens == 1]
+        prefilling = [s for s in self.running if s.num_new_tokens > 1]
+        seqs, counts = [], []
+        for seq in decoding + prefilling:
+            take = min(seq.num_new_tokens, budget)
+            if take == 0:
+                break
+            seqs.append(seq)
+            counts.append(take)
+            budget -= take
+        if budget > 0 and not self.swapped:
+            for seq in self._admit(budget, chunked=True):
+                take = min(seq.num_new_tokens, budget)
+                if take == 0:  # a group member admitted with its fellows; its tokens run next step
+                    continue
+                seqs.append(seq)
+                counts.append(take)
+                budget -= take
+        return SchedulerOutput(seqs, counts, not decoding, preempted)
+
+    def complete_step(self, out: SchedulerOutput) -> list[int]:
+        """After the model ran `out`: every scheduled sequence's computed tokens advance (the one
+        place they do). Returns the indices of sequences whose every token is now computed, the
+        ones that get a next token; a prompt chunk that leaves more to prefill gets none."""
+        done = []
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled)):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                done.append(i)
+        return done
+
+    def _admit(self, budget: int, chunked: bool) -> list[Sequence]:
+        """Admits waiting sequences while slots, blocks and `budget` allow; with `chunked`, the
+        last one admitted may bring only part of its prompt this step (budget > 0 suffices)."""
+        admitted: list[Sequence] = []
         # A request with n samples forks into n running sequences after its prefill.
         slots = self.max_num_seqs - sum(1 + s.num_forks for s in self.running)
         while self.waiting:
             # The beams of one request run together (a beam step needs all of them), so a group
             # that was preempted comes back all at once or not at all.
             group = self._group_at_head()
-            if sum(1 + s.num_forks for s in group) > slots or sum(s.num_tokens for s in group) > budget:
+            need = sum(s.num_tokens for s in group)
+            # Readmitted beams may be cut into chunks too: a beam that completes before the others
+            # waits for them, recomputing its last token (LLMEngine._step_beams).
+            if sum(1 + s.num_forks for s in group) > slots or budget <= 0 or (need > budget and not chunked):
                 break
             cached = [self.block_manager.allocate_prompt(s.seq_id, s.token_ids, self.reserve_tokens)
                       for s in group]

@@ -38,7 +38,7 @@ def forced_logprobs(llm: LLM, windows: list[list[int]], prefill_len: int) -> tor
     out = []
     try:
         for t in range(prefill_len, length):
-            out.append(torch.log_softmax(runner.forward(seqs), dim=-1).cpu())
+            out.append(torch.log_softmax(runner.forward(seqs, [s.num_new_tokens for s in seqs]), dim=-1).cpu())
             if t == length - 1:
                 break
             for seq, window in zip(seqs, windows):

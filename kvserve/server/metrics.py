@@ -38,6 +38,8 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("kvserve_request_queue_time_seconds", "arrival to first scheduled",
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.engine_info = Gauge("kvserve_engine_info", "the engine's kernel choices (value 1)",
+                                 ["attention_backend", "linear", "chunked_prefill"], registry=r)
         self._seen_preemptions: dict[str, int] = {}
         self._seen_generated = 0
 
@@ -69,6 +71,9 @@ class Metrics:
         self.kv_blocks_cached.set(usage.cached)
         self.kv_usage.set(usage.used / usage.total)
         self.prefix_hit_rate.set(engine.block_manager.prefix_stats.hit_rate)
+        self.engine_info.labels(attention_backend=engine.attention_backend.name,
+                                linear=engine.runner.linear_kind or "torch",
+                                chunked_prefill=str(engine.chunked_prefill).lower()).set(1)
         sched = engine.scheduler
         for state, seqs in (("running", sched.running), ("waiting", sched.waiting), ("swapped", sched.swapped)):
             self.requests.labels(state=state).set(len(seqs))

@@ -1,7 +1,7 @@
 """Scheduler without a model: admission limits, prefill/decode steps, preemption, finish.
 
-A model step is simulated the way the engine does it: after schedule(), each scheduled sequence
-gets one new output token and counts everything but that token as computed.
+A model step is simulated the way the engine does it: after schedule(), the scheduled tokens
+count as computed and each sequence they complete gets one new output token.
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ def make_seq(request_id: str, prompt_len: int) -> Sequence:
     return Sequence(request_id, list(range(prompt_len)), SamplingParams(), seed=0)
 
 
-def run_model(out: SchedulerOutput) -> None:
-    """What the engine does after a forward pass: one sampled token per scheduled sequence."""
-    for seq in out.seqs:
-        seq.output_token_ids.append(7)
-        seq.num_computed_tokens = seq.num_tokens - 1
+def run_model(sched: Scheduler, out: SchedulerOutput) -> None:
+    """What the engine does after a forward pass: one sampled token per sequence whose
+    scheduled tokens completed it (all of them, without chunked prefill)."""
+    for i in sched.complete_step(out):
+        out.seqs[i].output_token_ids.append(7)
 
 
 def ids(seqs: Iterable[Sequence]) -> list[str]:
@@ -51,7 +51,7 @@ def test_admits_in_order_up_to_max_num_seqs() -> None:
     assert out.is_prefill and ids(out.seqs) == ["r0", "r1"] and out.preempted == []
     assert all(s.status is SequenceStatus.RUNNING and s.num_computed_tokens == 0 for s in out.seqs)
     assert ids(sched.waiting) == ["r2"] and seqs[2].status is SequenceStatus.WAITING
-    run_model(out)
+    run_model(sched, out)
     # Full: the next step decodes the two running sequences; r2 keeps waiting.
     out = sched.schedule()
     assert not out.is_prefill and ids(out.seqs) == ["r0", "r1"]
@@ -65,11 +65,11 @@ def test_admission_stops_at_batched_token_budget() -> None:
         sched.add(make_seq(f"r{i}", 5))
     out = sched.schedule()
     assert out.is_prefill and ids(out.seqs) == ["r0", "r1"]  # 5 + 5 = 10; a third 5 exceeds 12
-    run_model(out)
+    run_model(sched, out)
     # The next step is again a prefill (prefill first), admitting only the one still waiting.
     out = sched.schedule()
     assert out.is_prefill and ids(out.seqs) == ["r2"]
-    run_model(out)
+    run_model(sched, out)
     out = sched.schedule()
     assert not out.is_prefill and ids(out.seqs) == ["r0", "r1", "r2"]
     # Each has had one token sampled, so the decode step runs exactly one new token each.
@@ -87,7 +87,7 @@ def test_admission_stops_when_blocks_run_out_and_keeps_fifo() -> None:
     assert out.is_prefill and ids(out.seqs) == ["r0"]
     assert ids(sched.waiting) == ["r1", "r2"]
     assert set(bm.tables) == {"r0"} and len(bm.free_blocks) == 1  # the failed try left nothing
-    run_model(out)
+    run_model(sched, out)
     out = sched.schedule()
     assert not out.is_prefill and ids(out.seqs) == ["r0"]
     check_blocks(sched)
@@ -103,7 +103,7 @@ def test_decode_preempts_most_recent_sequence() -> None:
         sched.add(s)
     out = sched.schedule()
     assert ids(out.seqs) == ["a", "b", "c"]  # d (3 blocks) does not fit
-    run_model(out)
+    run_model(sched, out)
     c_blocks = list(bm.tables["c"])
 
     out = sched.schedule()
@@ -122,7 +122,7 @@ def test_decode_preempts_most_recent_sequence() -> None:
     check_blocks(sched)
 
     # After a and b finish, c is readmitted and recomputes its prompt plus its kept token.
-    run_model(out)
+    run_model(sched, out)
     sched.finish(a)
     sched.finish(b)
     out = sched.schedule()
@@ -139,13 +139,13 @@ def test_preempts_itself_when_last_and_short() -> None:
     a, b = make_seq("a", 2), make_seq("b", 2)
     sched.add(a)
     sched.add(b)
-    run_model(sched.schedule())
+    run_model(sched, sched.schedule())
     out = sched.schedule()
     assert ids(out.seqs) == ["a"] and ids(out.preempted) == ["b"]
-    run_model(out)                     # a: 4 tokens, fits in 2 blocks
+    run_model(sched, out)                     # a: 4 tokens, fits in 2 blocks
     out = sched.schedule()
     assert ids(out.seqs) == ["a"] and out.preempted == []
-    run_model(out)                     # a: 5 tokens, needs a 3rd block
+    run_model(sched, out)                     # a: 5 tokens, needs a 3rd block
     out = sched.schedule()
     assert out.seqs == [] and ids(out.preempted) == ["a"]
     assert ids(sched.waiting) == ["a", "b"] and bm.tables == {}
@@ -158,14 +158,14 @@ def test_recompute_all_resets_every_decode() -> None:
     a, b = make_seq("a", 3), make_seq("b", 6)
     sched.add(a)
     sched.add(b)
-    run_model(sched.schedule())
+    run_model(sched, sched.schedule())
     for step in range(1, 5):
         out = sched.schedule()
         assert not out.is_prefill
         # The whole sequence (prompt + outputs so far) runs again each step.
         assert [s.num_computed_tokens for s in out.seqs] == [0, 0]
         assert [s.num_new_tokens for s in out.seqs] == [3 + step, 6 + step]
-        run_model(out)
+        run_model(sched, out)
 
 
 def test_reserve_tokens_takes_blocks_up_front() -> None:
@@ -177,8 +177,8 @@ def test_reserve_tokens_takes_blocks_up_front() -> None:
     # Each reservation is 16 tokens = 4 blocks, so only two of the three fit in 10 blocks.
     assert ids(out.seqs) == ["a", "b"]
     assert [len(bm.tables[n]) for n in ("a", "b")] == [4, 4] and len(bm.free_blocks) == 2
-    run_model(out)
-    run_model(sched.schedule())
+    run_model(sched, out)
+    run_model(sched, sched.schedule())
     assert [len(bm.tables[n]) for n in ("a", "b")] == [4, 4]  # growth stays inside the reservation
 
 
@@ -188,7 +188,7 @@ def test_finish_frees_blocks_wherever_the_sequence_is() -> None:
     a, b = make_seq("a", 10), make_seq("b", 2)
     sched.add(a)
     sched.add(b)
-    run_model(sched.schedule())
+    run_model(sched, sched.schedule())
     assert len(bm.free_blocks) == 1
     sched.finish(a)
     assert len(bm.free_blocks) == 4 and "a" not in bm.tables
@@ -222,7 +222,7 @@ def test_random_workload_completes_with_invariants() -> None:
         if out.is_prefill:
             assert sum(s.num_tokens for s in out.seqs) <= 40
         assert len(sched.running) <= 4
-        run_model(out)
+        run_model(sched, out)
         check_blocks(sched)
         for seq in list(out.seqs):
             if len(seq.output_token_ids) >= want[seq.request_id]:
@@ -231,3 +231,39 @@ def test_random_workload_completes_with_invariants() -> None:
     assert sorted(done) == sorted(want) and len(done) == len(set(done))
     assert sched.num_preemptions > 0  # the pool was small enough to exercise preemption
     assert sorted(bm.free_blocks) == list(range(8)) and bm.tables == {}
+
+
+def chunked(bm: BlockManager, max_num_seqs: int, budget: int) -> Scheduler:
+    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked_prefill=True)
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_keeps_decoding() -> None:
+    sched = chunked(BlockManager(100, 4), max_num_seqs=4, budget=8)
+    a, b = make_seq("a", 3), make_seq("long", 20)
+    sched.add(a)
+    out = sched.schedule()
+    assert ids(out.seqs) == ["a"] and out.num_scheduled == [3]
+    run_model(sched, out)
+    sched.add(b)
+    # Each step: a's decode token first, then 7 tokens of b's 20-token prompt, until it is done.
+    for step, chunk in enumerate([7, 7, 6]):
+        out = sched.schedule()
+        assert ids(out.seqs) == ["a", "long"] and out.num_scheduled == [1, chunk], step
+        assert out.num_tokens <= 8 and not out.is_prefill
+        before = len(a.output_token_ids), len(b.output_token_ids)
+        run_model(sched, out)
+        assert len(a.output_token_ids) == before[0] + 1  # a decoded in every step with a chunk
+        assert len(b.output_token_ids) == (1 if step == 2 else 0)  # b's token only once its prompt is in
+        check_blocks(sched)
+    out = sched.schedule()
+    assert out.num_scheduled == [1, 1]
+
+
+def test_chunked_prefill_budget_goes_to_decodes_before_new_prompts() -> None:
+    sched = chunked(BlockManager(200, 4), max_num_seqs=8, budget=6)
+    for i in range(4):
+        sched.add(make_seq(f"d{i}", 1))
+    run_model(sched, sched.schedule())  # four 1-token prompts, 4 of the 6 tokens
+    sched.add(make_seq("p", 30))
+    out = sched.schedule()
+    assert ids(out.seqs) == ["d0", "d1", "d2", "d3", "p"] and out.num_scheduled == [1, 1, 1, 1, 2]

@@ -147,6 +147,10 @@ def test_metrics_move_by_the_request(server: ServerProcess, smol: LLM) -> None:
     assert after[("kvserve_requests", (("state", "running"),))] == 0
     total = after[("kvserve_kv_blocks_used", ())] + after[("kvserve_kv_blocks_free", ())]
     assert total == server.kv_state()["num_blocks"]
+    # The kernels "auto" chose: the C++ CPU backend where it builds, the reference otherwise.
+    info = [dict(labels) for name, labels in after if name == "kvserve_engine_info"]
+    assert len(info) == 1 and info[0]["attention_backend"] == smol.engine.attention_backend.name
+    assert info[0]["chunked_prefill"] == "true"
 
 
 def in_use(state: dict) -> int:
