@@ -61,6 +61,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(kf)
     kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="128MiB", max_num_seqs=48, seed=0)
 
+    at = kinds.add_parser("attention", help="attention backends on one layer: same pages, same queries")
+    at.add_argument("--formats", default="auto,int8,int4", help="kv_cache_dtype values (default auto,int8,int4)")
+    at.add_argument("--out", default="bench_out")
+    at.set_defaults(func=run)
+
     sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
     sc.add_argument("--prompt-len", type=int, default=32)
     sc.add_argument("--num-tokens", type=int, default=512)
@@ -75,7 +80,17 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     {"throughput": run_throughput, "scaling": run_scaling, "memory": run_memory,
-     "serve": run_serve, "kv-formats": run_kv_formats}[args.bench](args, out)
+     "serve": run_serve, "kv-formats": run_kv_formats, "attention": run_attention}[args.bench](args, out)
+
+
+def run_attention(args: argparse.Namespace, out: Path) -> None:
+    from kvserve.bench.attention import format_rows, time_backends
+
+    text = (f"one layer, 9 heads / 3 KV heads, head_dim 64, block 16, bf16, torch threads "
+            f"{torch.get_num_threads()}; median of 20 calls (K/V write included)\n\n"
+            + format_rows(time_backends(args.formats.split(","))))
+    print(text)
+    (out / "attention.md").write_text(text + "\n")
 
 
 def _workload(args: argparse.Namespace, tokenizer: Any, **shape: Any) -> tuple[list[Any], list[list[int]], list[Any]]:
@@ -107,9 +122,9 @@ def run_throughput(args: argparse.Namespace, out: Path) -> None:
                                      "kvserve-contiguous"))
     source = str(args.model or default_model_path())
     if not args.skip_hf:
-        from kvserve.bench.hf_baseline import load_hf_model, run_hf_continuous_batching, run_hf_static_batches
+        from kvserve.bench.hf_baseline import load_hf_bench_model, run_hf_continuous_batching, run_hf_static_batches
 
-        model, tok = load_hf_model(source, getattr(torch, args.dtype))
+        model, tok = load_hf_bench_model(source, getattr(torch, args.dtype))
         timings, wall = run_hf_static_batches(model, requests, args.max_num_seqs, tok.pad_token_id or 0)
         summaries.append(summarize("hf-static-batches", timings, wall))
         timings, wall = run_hf_continuous_batching(model, requests, args.max_num_seqs)
@@ -162,9 +177,9 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
             backend = engine.attention_backend.name
     source = str(args.model or default_model_path())
     if not args.skip_hf:
-        from kvserve.bench.hf_baseline import hf_step_times, load_hf_model
+        from kvserve.bench.hf_baseline import hf_step_times, load_hf_bench_model
 
-        model, _ = load_hf_model(source, getattr(torch, args.dtype))
+        model, _ = load_hf_bench_model(source, getattr(torch, args.dtype))
         hf_step_times(model, prompt, 8, 0)  # warm-up, as kvserve's first run warms its kernels
         series["HF transformers (DynamicCache)"] = hf_step_times(model, prompt, args.num_tokens, 0)
         del model

@@ -117,7 +117,11 @@ inline void scale_accumulate(float* a, float c, const float* p, const float* v, 
     for (int64_t d = 0; d < D; ++d) a[d] += p[t] * v[t * D + d];
 }
 
-// bf16 / fp16 / fp32 row -> fp32, exactly (every such value is an fp32 value).
+// bf16 / fp16 / fp32 row -> fp32, exactly (every such value is an fp32 value); other types by cast.
+template <typename S>
+inline void to_float_row(const S* src, float* dst, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
 inline void to_float_row(const float* src, float* dst, int64_t D) { std::copy(src, src + D, dst); }
 inline void to_float_row(const c10::BFloat16* src, float* dst, int64_t D) {
   int64_t d = 0;
@@ -453,11 +457,26 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     const scalar_t* g = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        for (int64_t i = 0; i < I; ++i) {
-          const float a = to_f(g[t * 2 * I + i]), b = to_f(g[t * 2 * I + I + i]);
-          o[t * I + i] = static_cast<scalar_t>(a / (1.f + std::exp(-a)) * b);
+      std::vector<float> gate(I), up(I);
+      for (int64_t t = begin; t < end; ++t) {
+        to_float_row(g + t * 2 * I, gate.data(), I);
+        to_float_row(g + t * 2 * I + I, up.data(), I);
+        int64_t i = 0;
+#ifdef __AVX512F__
+        // silu(a) = a / (1 + exp(-a)); exp of -|a| (<= 0, the range exp_neg covers), then
+        // exp(-a) = 1 / exp(a) for negative a.
+        for (; i + 16 <= I; i += 16) {
+          const __m512 a = _mm512_loadu_ps(gate.data() + i);
+          const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(a)));
+          const __mmask16 neg = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_LT_OQ);
+          const __m512 exp_minus_a = _mm512_mask_div_ps(e, neg, _mm512_set1_ps(1.f), e);
+          const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), exp_minus_a));
+          _mm512_storeu_ps(gate.data() + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up.data() + i)));
         }
+#endif
+        for (; i < I; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+        for (i = 0; i < I; ++i) o[t * I + i] = static_cast<scalar_t>(gate[i]);
+      }
     });
   });
   return out;
