@@ -58,10 +58,12 @@ class CPUPagedBackend(AttentionBackend):
                                 DENSE, kv.v, e, e, e if kv.host_v is None else kv.host_v, 0)
                                for kv in pool.kv]
         else:
-            kinds = [page_kind(f) for f in pool.formats]
-            group = next((f.group_size for f in pool.formats if f.name == "int4"), 0)
-            self.layer_args = [(*self._source(kinds[0], kv.fields[0]), *self._source(kinds[1], kv.fields[1]), group)
-                               for kv in pool.kv]
+            self.kinds = [page_kind(f) for f in pool.formats]
+            # Codes the kernel also encodes (bit for bit as kv_format does) when no token is staged.
+            self.encodes = all(k in (ABSMAX, GROUP4) for k in self.kinds)
+            self.group = next((f.group_size for f in pool.formats if f.name == "int4"), 0)
+            self.layer_args = [(*self._source(self.kinds[0], kv.fields[0]), *self._source(self.kinds[1], kv.fields[1]),
+                                self.group) for kv in pool.kv]
 
     @classmethod
     def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
@@ -87,7 +89,13 @@ class CPUPagedBackend(AttentionBackend):
         if self.dense:  # the kernel writes dense pages itself
             new, staging = (k, v, meta.step.slot_mapping), (self._empty, self._empty)
         else:
-            kv.write(k, v, meta.step)
+            plan = meta.step.kv_plan
+            if self.encodes and plan.per_token:
+                for x, kind, fields in zip((k, v), self.kinds, kv.fields):
+                    self.ext.encode_write(x, meta.step.slot_mapping, kind, fields["codes"], fields["scale"],
+                                          fields.get("zero", self._empty), self.group)
+            else:
+                kv.write(k, v, meta.step)
             new, staging = (self._empty, self._empty, self._empty), kv.staging
         return self.ext.paged_attention(q, *new, query_start, context_lens, tables, *self.layer_args[layer],
                                         stage_of, *staging, scale, self.pool.block_size, self.pool.num_kv_heads)
