@@ -225,3 +225,34 @@ def test_permuted_table_changes_result(backend: str) -> None:
     wrong = attend(attn, s.q, s.k, s.v, dataclasses.replace(step, block_tables=reversed_table), 0.5)
     torch.testing.assert_close(right, dense_reference(s, heads, kv_heads, 0.5), atol=ATOL, rtol=RTOL)
     assert not torch.allclose(right, wrong, atol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8_e4m3", "int4"])
+def test_bf16_compressed_pages_match_the_reference_backend(fmt: str) -> None:
+    """In bf16 every backend decodes codes into bf16 before attention, as the reference does."""
+    from kvserve.cache.kv_format import make_format
+    from kvserve.cache.quantized_pool import QuantizedKVPool
+
+    seqs, _, _ = make_case(MIXED, 8, 2, 16, seed=21)
+    heads, bf16 = 8, torch.bfloat16
+    outs = []
+    for name in BACKEND_NAMES:
+        formats = make_format(fmt, "k", group_size=16), make_format(fmt, "v", group_size=16)
+        pool = QuantizedKVPool(1, 64, 16, 2, HEAD_DIM, bf16, CPU, *formats, 0, 0)
+        backend = BACKENDS[name](pool, heads)
+        plan = pool.plan_step(None, [])
+        prior = [s for s in seqs if s.ctx > s.q_len]
+        lens = [s.ctx - s.q_len for s in prior]
+        backend.forward(0, torch.zeros(sum(lens), heads, HEAD_DIM, dtype=bf16),
+                        torch.cat([s.k[:s.ctx - s.q_len] for s in prior]).to(bf16),
+                        torch.cat([s.v[:s.ctx - s.q_len] for s in prior]).to(bf16),
+                        backend.prepare(StepMetadata.build(lens, lens, [s.table for s in prior], 16, CPU, kv_plan=plan)),
+                        1.0)
+        step = StepMetadata.build([s.q_len for s in seqs], [s.ctx for s in seqs], [s.table for s in seqs], 16, CPU,
+                                  kv_plan=plan)
+        outs.append(backend.forward(0, torch.cat([s.q for s in seqs]).to(bf16),
+                                    torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]).to(bf16),
+                                    torch.cat([s.v[s.ctx - s.q_len:] for s in seqs]).to(bf16),
+                                    backend.prepare(step), HEAD_DIM ** -0.5).float())
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=2e-2, rtol=2e-2)

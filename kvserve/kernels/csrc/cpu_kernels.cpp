@@ -209,6 +209,26 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
     const c10::Half* sc = scale + tok * G;
     const c10::Half* ze = zero + tok * G;
     float* o = out + t * D;
+#if defined(__AVX512BF16__)
+    // 32 codes (16 bytes) at a time: low nibbles are even channels, high nibbles odd ones.
+    if (D % 32 == 0 && p.group % 16 == 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 2));
+        const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        const __m128i halves[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
+        for (int half = 0; half < 2; ++half) {
+          const int64_t dd = d + 16 * half, g = dd / p.group;
+          __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[half]));
+          v = _mm512_fmadd_ps(v, _mm512_set1_ps(to_f(sc[g])), _mm512_set1_ps(to_f(ze[g])));
+          if constexpr (std::is_same_v<T, c10::BFloat16>)  // round through bf16 as the reference does
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+          _mm512_storeu_ps(o + dd, v);
+        }
+      }
+      continue;
+    }
+#endif
     for (int64_t d = 0; d < D; ++d) {
       const int code = (row[d >> 1] >> ((d & 1) * 4)) & 0xF;
       const int64_t g = d / p.group;
