@@ -64,7 +64,7 @@ class BlockManager:
         self.tables: dict[str, list[int]] = {}
         self.num_tokens: dict[str, int] = {}
         self._hashes: dict[str, list[bytes]] = {}  # each sequence's registered full-block hashes
-        # Copy-on-write copies (src, dst) the model runner must apply before the next forward.
+        # Copy-on-write copies (src, dst) recorded for the step being scheduled (see take_moves).
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_stats = PrefixStats()
         # Host blocks for offloading: ids num_blocks .. num_blocks + num_host_blocks - 1.
@@ -171,6 +171,12 @@ class BlockManager:
         self._hashes.setdefault(seq_id, [])
         self._note_peak()
         return True
+
+    def take_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(offloads, copy-on-write copies) recorded since the last call, handed over once."""
+        moves = self.pending_offloads, self.pending_copies
+        self.pending_offloads, self.pending_copies = [], []
+        return moves
 
     def offload_coldest(self, seq_id: str) -> bool:
         """Move the sequence's oldest device block that only it owns to a host block, freeing the

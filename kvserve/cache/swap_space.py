@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,9 +94,17 @@ class SwapSpace:
         for tier, slot in self.swapped.pop(seq_id, []):
             self.tiers[tier].free.append(slot)
 
-    def apply(self, pool: KVPool) -> None:
+    def take(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """(swap-outs, swap-ins) recorded since the last call, handed over once."""
+        moves = self._out, self._in
+        self._out, self._in = [], []
+        return moves
+
+    def apply(self, pool: KVPool, swap_out: Sequence[tuple[int, int, int]],
+              swap_in: Sequence[tuple[int, int, int]]) -> None:
+        """Copies out (every read first), then back in; slots read back are free again."""
         for tier_index, tier in enumerate(self.tiers):
-            out = [(b, s) for b, t, s in self._out if t == tier_index]
+            out = [(b, s) for b, t, s in swap_out if t == tier_index]
             if out:
                 blocks = torch.tensor([b for b, _ in out], device=pool.layers[0][0].device)
                 slots = torch.tensor([s for _, s in out])
@@ -103,7 +112,7 @@ class SwapSpace:
                     tier.data[slots, layer, 0] = k[blocks].to(tier.data.device)
                     tier.data[slots, layer, 1] = v[blocks].to(tier.data.device)
         for tier_index, tier in enumerate(self.tiers):
-            back = [(s, b) for t, s, b in self._in if t == tier_index]
+            back = [(s, b) for t, s, b in swap_in if t == tier_index]
             if back:
                 slots = torch.tensor([s for s, _ in back])
                 blocks = torch.tensor([b for _, b in back], device=pool.layers[0][0].device)
@@ -111,8 +120,6 @@ class SwapSpace:
                     k[blocks] = tier.data[slots, layer, 0].to(k.device)
                     v[blocks] = tier.data[slots, layer, 1].to(v.device)
                 tier.free.extend(s for s, _ in back)
-        self._out.clear()
-        self._in.clear()
 
     def usage(self) -> list[TierUsage]:
         return [TierUsage(t.name, t.num_slots, t.num_slots - len(t.free), len(t.free)) for t in self.tiers]

@@ -209,7 +209,7 @@ class LLMEngine:
         if not batch.seqs:
             return []
         self.tokens_computed += batch.num_tokens
-        logits = self.runner.forward(batch.seqs, batch.num_scheduled)
+        logits = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops)
         done = self.scheduler.complete_step(batch)  # a prompt chunk with more to come gets no token
         logits, ready = logits[done], [batch.seqs[i] for i in done]
         now = time.perf_counter()

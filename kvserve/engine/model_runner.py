@@ -7,6 +7,7 @@ import torch
 
 from kvserve.attention import AttentionBackend, StepAttention, StepMetadata
 from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
@@ -28,18 +29,17 @@ class ModelRunner:
             replace_linears(model, self.linear_kind, kernels)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], num_scheduled: list[int]) -> torch.Tensor:
-        """Runs the next `num_scheduled[i]` uncomputed tokens of each sequence (all of them, or a
-        prompt chunk); returns the logits after each one's last token run [len(seqs), vocab]."""
-        # Block moves decided by the scheduler: swaps, offloads, then copy-on-write.
-        if self.swap is not None:
-            self.swap.apply(self.pool)
+    def forward(self, seqs: list[Sequence], num_scheduled: list[int], ops: BlockOps) -> torch.Tensor:
+        """Applies the step's block moves, then runs the next `num_scheduled[i]` uncomputed tokens
+        of each sequence (all of them, or a prompt chunk); returns the logits after each one's
+        last token run [len(seqs), vocab]."""
+        if ops.swap_out or ops.swap_in:
+            assert self.swap is not None, "swaps scheduled without a swap space"
+            self.swap.apply(self.pool, ops.swap_out, ops.swap_in)
+        if ops.offloads:  # only dense pools offload (EngineConfig checks)
+            self.pool.offload_blocks(list(ops.offloads))
+        self.pool.copy_blocks(list(ops.copies))
         bm = self.block_manager
-        if bm.pending_offloads:  # only dense pools offload (EngineConfig checks)
-            self.pool.offload_blocks(bm.pending_offloads)
-            bm.pending_offloads.clear()
-        self.pool.copy_blocks(bm.pending_copies)
-        bm.pending_copies.clear()
         ends = [s.num_computed_tokens + n for s, n in zip(seqs, num_scheduled)]
         input_ids = [t for s, end in zip(seqs, ends) for t in s.token_ids[s.num_computed_tokens:end]]
         # Only the blocks holding context: a contiguous reservation's unused tail is not read.

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.engine.sequence import Sequence, SequenceStatus
 
@@ -18,6 +19,7 @@ class SchedulerOutput:
     num_scheduled: list[int]  # tokens each sequence runs this step (its whole remainder, or a chunk)
     is_prefill: bool          # no sequence of the step is decoding
     preempted: list[Sequence]
+    block_ops: BlockOps       # every block move to apply before the step runs
 
     @property
     def num_tokens(self) -> int:
@@ -70,13 +72,17 @@ class Scheduler:
         # Swapped sequences hold finished work: they come back before new ones are admitted.
         admitted = [] if self.swapped else self._admit(self.max_num_batched_tokens, chunked=False)
         if admitted:
-            return SchedulerOutput(admitted, [s.num_new_tokens for s in admitted], True, [])
+            return SchedulerOutput(admitted, [s.num_new_tokens for s in admitted], True, [], self._block_ops())
         self._swap_in()
         preempted = self._make_room_for_decode()
         if self.recompute_all:
             for seq in self.running:
                 seq.num_computed_tokens = 0
-        return SchedulerOutput(list(self.running), [s.num_new_tokens for s in self.running], False, preempted)
+        return SchedulerOutput(list(self.running), [s.num_new_tokens for s in self.running], False, preempted,
+                               self._block_ops())
+
+    def _block_ops(self) -> BlockOps:
+        return BlockOps.collect(self.block_manager, self.swap)
 
     def _schedule_chunked(self) -> SchedulerOutput:
         self._swap_in()
@@ -101,7 +107,7 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(take)
                 budget -= take
-        return SchedulerOutput(seqs, counts, not decoding, preempted)
+        return SchedulerOutput(seqs, counts, not decoding, preempted, self._block_ops())
 
     def complete_step(self, out: SchedulerOutput) -> list[int]:
         """After the model ran `out`: every scheduled sequence's computed tokens advance (the one

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.cache.block_ops import BlockOps
 from kvserve.engine.llm import LLM
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.sampling_params import SamplingParams
@@ -38,7 +39,8 @@ def forced_logprobs(llm: LLM, windows: list[list[int]], prefill_len: int) -> tor
     out = []
     try:
         for t in range(prefill_len, length):
-            out.append(torch.log_softmax(runner.forward(seqs, [s.num_new_tokens for s in seqs]), dim=-1).cpu())
+            out.append(torch.log_softmax(runner.forward(seqs, [s.num_new_tokens for s in seqs],
+                                                       BlockOps.collect(bm, None)), dim=-1).cpu())
             if t == length - 1:
                 break
             for seq, window in zip(seqs, windows):

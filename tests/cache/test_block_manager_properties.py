@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import torch
 
 from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.swap_space import SwapSpace
 
@@ -92,17 +93,17 @@ def with_swaps(pool: Pool, tiers: TierPool, ops: list[SwapOp], block_size: int) 
 
 
 def apply_copies(bm: BlockManager, model: Model) -> None:
-    """What ModelRunner.forward does first: apply the recorded swaps, then the pending
-    copy-on-write copies, then clear them (the shadows and the real pool alike)."""
+    """What the scheduler and ModelRunner.forward do: collect the step's block moves, apply the
+    swaps, then the copy-on-write copies (the shadows and the real pool alike)."""
+    ops = BlockOps.collect(bm, model.swap)
     if model.swap is not None:
         model.pool, model.tiers = with_swaps(model.pool, model.tiers, model.pending_swaps, bm.block_size)
-        model.swap.apply(model.kv)
+        model.swap.apply(model.kv, ops.swap_out, ops.swap_in)
     model.pending_swaps.clear()
     model.swapped_in.clear()
-    model.pool = with_copies(model.pool, bm.pending_copies, bm.block_size)
+    model.pool = with_copies(model.pool, list(ops.copies), bm.block_size)
     if model.kv is not None:
-        model.kv.copy_blocks(bm.pending_copies)
-    bm.pending_copies.clear()
+        model.kv.copy_blocks(list(ops.copies))
 
 
 def write(bm: BlockManager, model: Model, seq_id: str, start: int, end: int) -> None:
