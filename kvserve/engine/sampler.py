@@ -8,10 +8,9 @@ import torch
 from kvserve.sampling_params import SamplingParams
 
 
-
 def draw_seed(seed: int, position: int) -> int:
-    """Each draw depends only on (seed, position): the same in any batch and after a preemption.
-    Hashing keeps distinct pairs apart and any int seed in the generator's range."""
+    """A 63-bit key from (seed, position) alone: the same draw in any batch and after a
+    preemption. Hashing keeps distinct pairs apart and takes any int seed."""
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
@@ -28,12 +27,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         logits = _top_k_top_p(logits, params)
     probs = torch.softmax(logits, dim=-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly.
-    noise = torch.stack([
-        torch.empty(logits.shape[1]).exponential_(
-            generator=torch.Generator().manual_seed(draw_seed(seed, pos)))
-        for seed, pos in zip(seeds, positions)]).to(device)
-    sampled = (probs / noise).argmax(dim=-1)
+    # Inverse-CDF sampling with one uniform per row, made from (seed, position) alone, so a
+    # request draws the same token in any batch; the rows are drawn together, with no generator
+    # per row. The CDF is fp64 and scaled to its own total, so rounding never reaches a token of
+    # zero probability (right=True skips the flat steps of filtered tokens).
+    keys = torch.tensor([draw_seed(seed, pos) >> 10 for seed, pos in zip(seeds, positions)],
+                        dtype=torch.float64, device=device)
+    uniform = (keys + 0.5) / 2.0 ** 53
+    cdf = probs.double().cumsum(dim=-1)
+    sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    sampled = sampled.clamp(max=logits.shape[1] - 1)
     is_greedy = torch.tensor([p.greedy for p in params], device=device)
     return torch.where(is_greedy, greedy, sampled)
 
