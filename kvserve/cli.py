@@ -3,52 +3,38 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import Field, fields
 from typing import Any
 
-from kvserve.attention.selector import BACKEND_NAMES
-from kvserve.cache.kv_format import FORMAT_NAMES
+from kvserve.config import EngineConfig
 from kvserve.sampling_params import SamplingParams
 
 
+# How each EngineConfig field type is read from the command line.
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "int": int, "int | None": int, "float": float, "str": str, "str | None": str,
+    "str | float": lambda text: _memory(text), "str | Path | ModelConfig | None": str}
+
+
+def _engine_flags() -> list[tuple[Field[Any], str]]:
+    """(field, argparse dest) for every EngineConfig field; a field's metadata may rename its flag."""
+    return [(f, f.metadata.get("flag", f.name).replace("-", "_")) for f in fields(EngineConfig)]
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="a .gguf file, a Hugging Face model directory, or random:<preset> "
-                        "(default: the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
-    g.add_argument("--device", default="auto", help="auto (default: cuda if present), cpu or cuda")
-    g.add_argument("--kv-cache-memory", default="2GiB",
-                   help="KV pool size: bytes like 2GiB, or a fraction of free memory like 0.5")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--max-num-seqs", type=int, default=32, help="sequences per batch (default 32)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--cache-mode", default="paged", choices=["paged", "contiguous", "no-cache"],
-                   help="paged (default); contiguous and no-cache are baselines")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step (default 512 with chunked prefill, else max(max-model-len, 2048))")
-    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                   help="prefill whole prompts in steps of their own (default: chunks beside running decodes)")
-    k = p.add_argument_group("kernels")
-    k.add_argument("--attention-backend", default="auto", choices=BACKEND_NAMES,
-                   help="auto (default): the fastest that serves the configuration (cpu: C++ kernel reading "
-                        "pages in place); torch: the gather + SDPA reference")
-    k.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
-                   help="eager torch ops instead of the compiled fused CPU ops and bf16 small-batch linear")
-    q = p.add_argument_group("KV cache format")
-    q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *FORMAT_NAMES],
-                   help="how K/V pages are stored: auto (default) keeps the model dtype; fp8_e4m3, fp8_e5m2, "
-                        "int8, int4, kivi2, kivi4, outlier and sparse compress them")
-    q.add_argument("--kv-cache-dtype-k", default=None, choices=FORMAT_NAMES, help="keys only (default: as above)")
-    q.add_argument("--kv-cache-dtype-v", default=None, choices=FORMAT_NAMES, help="values only (default: as above)")
-    q.add_argument("--kv-group-size", type=int, default=32,
-                   help="channels per scale for int4, kivi values and outlier (4..128, default 32)")
-    q.add_argument("--kv-residual", type=int, default=None,
-                   help="recent tokens kept in full precision (default: 128 with kivi, else 0)")
-    q.add_argument("--kv-outliers", type=int, default=4, help="exact entries per token-head for 'outlier' (default 4)")
-    q.add_argument("--kv-sparse-threshold", type=float, default=0.5,
-                   help="'sparse' drops entries below this times the token-head RMS (default 0.5)")
-    q.add_argument("--kv-sparse-capacity", type=float, default=0.5,
-                   help="'sparse' stores at most this fraction of head_dim per token-head (default 0.5)")
+    """One option per EngineConfig field, named after it, with the field's help and default."""
+    g = p.add_argument_group("engine (EngineConfig)")
+    for f, dest in _engine_flags():
+        flag = "--" + dest.replace("_", "-")
+        default = f.default
+        if f.type == "bool":
+            g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
+                           help=f.metadata["help"])
+            continue
+        shown = "" if default is None else f" (default: {default})"
+        g.add_argument(flag, dest=dest, type=_PARSERS[str(f.type)], default=default,
+                       choices=f.metadata.get("choices"), help=f.metadata["help"] + shown)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -63,16 +49,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def llm_from_args(args: argparse.Namespace, cache_mode: str | None = None, **overrides: Any) -> Any:
     from kvserve import LLM
-    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device,
-                  kv_cache_memory=_memory(str(args.kv_cache_memory)), block_size=args.block_size,
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  cache_mode=cache_mode or args.cache_mode, kv_cache_dtype=args.kv_cache_dtype,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_chunked_prefill=args.enable_chunked_prefill, attention_backend=args.attention_backend,
-                  cpu_kernels=args.cpu_kernels,
-                  kv_cache_dtype_k=args.kv_cache_dtype_k, kv_cache_dtype_v=args.kv_cache_dtype_v,
-                  kv_group_size=args.kv_group_size, kv_residual=args.kv_residual, kv_outliers=args.kv_outliers,
-                  kv_sparse_threshold=args.kv_sparse_threshold, kv_sparse_capacity=args.kv_sparse_capacity)
+    kwargs = {f.name: getattr(args, dest) for f, dest in _engine_flags()}
+    if cache_mode is not None:
+        kwargs["cache_mode"] = cache_mode
     return LLM(**{**kwargs, **overrides})
 
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,42 +38,54 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _opt(default: object, help: str, **cli: object) -> Any:
+    """A field with the help text its command-line option shows (kvserve.cli derives them)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineConfig:
-    model: str | Path | ModelConfig | None = None  # None: bundled SmolLM2-135M-Instruct
-    dtype: str = "bfloat16"
-    device: str = "auto"
-    kv_cache_memory: str | float = "2GiB"  # bytes ("2GiB") or a fraction of free memory (0.5)
-    block_size: int = 16
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # tokens per step; default 512 with chunked prefill,
-                                               # else max(max_model_len, 2048)
-    enable_chunked_prefill: bool = True        # decodes first, then prompt chunks, in one budget per step
-    max_model_len: int | None = None           # default: the model's context length
-    cache_mode: str = "paged"                  # "paged" | "contiguous" | "no-cache"
-    enable_prefix_caching: bool = True         # reuse K/V of shared prompt prefixes (paged mode)
-    preemption_mode: str = "recompute"         # "recompute" | "swap" | "auto" (cheaper of the two)
-    host_swap_memory: str = "1GiB"             # host tier for swapped blocks
-    disk_swap_memory: str = "0"                # memory-mapped file tier, used when the host tier is full
-    swap_dir: str | None = None                # where the file tier lives (default: the temp dir)
-    offload_memory: str = "0"                  # host memory for cold blocks of sequences longer
-                                               # than the device pool (brought in for attention)
+    model: str | Path | ModelConfig | None = _opt(
+        None, "a .gguf file, a Hugging Face model directory, or random:<preset> (default: the bundled "
+              "SmolLM2-135M-Instruct)")
+    dtype: str = _opt("bfloat16", "model dtype", choices=sorted(_DTYPES))
+    device: str = _opt("auto", "auto (cuda if present), cpu, cuda or cuda:N")
+    kv_cache_memory: str | float = _opt("2GiB", "KV pool size: bytes like 2GiB, or a fraction of free memory like 0.5")
+    block_size: int = _opt(16, "tokens per KV block")
+    max_num_seqs: int = _opt(32, "sequences per batch")
+    max_num_batched_tokens: int | None = _opt(
+        None, "tokens per step (default: 512 with chunked prefill, else max(max_model_len, 2048))")
+    enable_chunked_prefill: bool = _opt(
+        True, "cut prompts into chunks that run beside the decodes of running sequences, in one token "
+              "budget per step (off: prefill whole prompts in steps of their own)")
+    max_model_len: int | None = _opt(None, "context length (default: the model's)")
+    cache_mode: str = _opt("paged", "paged; contiguous and no-cache are baselines", choices=CACHE_MODES)
+    enable_prefix_caching: bool = _opt(True, "reuse the K/V of shared prompt prefixes (paged mode)")
+    preemption_mode: str = _opt("recompute", "when blocks run out: recompute, swap, or auto (the cheaper)",
+                                choices=PREEMPTION_MODES)
+    host_swap_memory: str = _opt("1GiB", "host tier for swapped blocks")
+    disk_swap_memory: str = _opt("0", "memory-mapped file tier, used when the host tier is full")
+    swap_dir: str | None = _opt(None, "where the file tier lives (default: the temp dir)")
+    offload_memory: str = _opt("0", "host memory for the cold blocks of sequences longer than the device pool")
     # KV cache format (kvserve.cache.kv_format): "auto" stores K/V in the model dtype as computed;
     # a format name compresses the pages. Keys and values may differ.
-    kv_cache_dtype: str = "auto"
-    kv_cache_dtype_k: str | None = None        # default: kv_cache_dtype
-    kv_cache_dtype_v: str | None = None
-    kv_group_size: int = 32                    # channels per scale/zero-point (int4, kivi values, outlier)
-    kv_residual: int | None = None             # recent tokens kept in full precision (default: 128 with
-                                               # kivi, else 0)
-    kv_outliers: int = 4                       # exact entries per token and head ("outlier")
-    kv_sparse_threshold: float = 0.5           # "sparse" drops |x| < threshold * rms(token-head)
-    kv_sparse_capacity: float = 0.5            # "sparse" stores at most this fraction of head_dim
-    # Attention kernels: "auto" picks the fastest backend that serves this configuration
-    # (kvserve.attention.selector); "torch" is the gather + SDPA reference.
-    attention_backend: str = "auto"
-    cpu_kernels: bool = True                   # fused C++ ops on CPU (built once, cached); False: eager torch
-    seed: int = 0
+    kv_cache_dtype: str = _opt("auto", "how K/V pages are stored: auto keeps the model dtype; fp8_e4m3, fp8_e5m2, "
+                                       "int8, int4, kivi2, kivi4, outlier and sparse compress them",
+                               choices=("auto", *FORMAT_NAMES))
+    kv_cache_dtype_k: str | None = _opt(None, "keys only (default: kv_cache_dtype)", choices=FORMAT_NAMES)
+    kv_cache_dtype_v: str | None = _opt(None, "values only (default: kv_cache_dtype)", choices=FORMAT_NAMES)
+    kv_group_size: int = _opt(32, "channels per scale/zero-point for int4, kivi values and outlier (4..128)")
+    kv_residual: int | None = _opt(None, "recent tokens kept in full precision (default: 128 with kivi, else 0)")
+    kv_outliers: int = _opt(4, "exact entries per token and head for 'outlier'")
+    kv_sparse_threshold: float = _opt(0.5, "'sparse' drops entries below this times the token-head RMS")
+    kv_sparse_capacity: float = _opt(0.5, "'sparse' stores at most this fraction of head_dim per token-head")
+    attention_backend: str = _opt(
+        "auto", "auto: the fastest backend that serves the configuration (cpu: a C++ kernel reading pages "
+                "in place); torch: the gather + SDPA reference", choices=BACKEND_NAMES)
+    cpu_kernels: bool = _opt(True, "fused C++ ops and the bf16 small-batch linear on CPU (built once, cached); "
+                                   "off: eager torch")
+    # Sampling has its own --seed; this one seeds random weights and unseeded requests.
+    seed: int = _opt(0, "seeds random-weight models and requests without a seed", flag="engine-seed")
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
