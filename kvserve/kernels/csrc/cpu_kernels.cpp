@@ -242,8 +242,6 @@ Pages make_pages(int64_t kind, const at::Tensor& data, const at::Tensor& scale, 
   return Pages{kind, &data, &scale, &zero, &host, group};
 }
 
-constexpr int64_t kSpanKeys = 64;
-
 template <typename T>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& query_start,
                     const at::Tensor& context_lens, const at::Tensor& block_tables,
@@ -276,10 +274,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    // Keys are scored a span of whole blocks at a time (~64 keys): the per-span work of the
-    // online softmax (rescaling each row's accumulator) is paid once per span, not per block.
-    const int64_t span = std::max<int64_t>(1, kSpanKeys / block_size);
-    std::vector<float> qbuf, acc, kbuf(span * block_size * D), vbuf(span * block_size * D), sbuf, m, l;
+    std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), sbuf, m, l;
     std::vector<int64_t> pos;
     for (int64_t it = begin; it < end; ++it) {
       const Item w = items[it];
@@ -287,7 +282,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       const int64_t rows = (w.q1 - w.q0) * G;
       qbuf.assign(rows * D, 0.f);
       acc.assign(rows * D, 0.f);
-      sbuf.assign(rows * span * block_size, 0.f);
+      sbuf.assign(rows * block_size, 0.f);
       m.assign(rows, neg_inf);
       l.assign(rows, 0.f);
       pos.assign(rows, 0);
@@ -301,30 +296,24 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         }
       const int64_t last = pos[rows - 1];  // the furthest key any row of this item sees
       const int64_t nblocks = last / block_size + 1;
-      for (int64_t bi = 0; bi < nblocks; bi += span) {
-        int64_t n = 0;  // keys of this span, block after block (all but the last block are full)
-        for (int64_t bj = bi; bj < std::min(bi + span, nblocks); ++bj) {
-          const int64_t block = tables[w.b * table_stride + bj];
-          const int64_t nb = std::min(block_size, last + 1 - bj * block_size);
-          const int64_t slot = stage ? stage[block] : -1;
-          float* kd = kbuf.data() + n * D;
-          float* vd = vbuf.data() + n * D;
-          if (slot >= 0) {
-            // A block inside the full-precision window: read its staging slot instead.
-            Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
-            Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
-            decode_block<T>(sk, slot, nb, w.h, D, kd);
-            decode_block<T>(sv, slot, nb, w.h, D, vd);
-          } else {
-            decode_block<T>(kp, block, nb, w.h, D, kd);
-            decode_block<T>(vp, block, nb, w.h, D, vd);
-          }
-          n += nb;
+      for (int64_t bi = 0; bi < nblocks; ++bi) {
+        const int64_t block = tables[w.b * table_stride + bi];
+        const int64_t n = std::min(block_size, last + 1 - bi * block_size);
+        const int64_t slot = stage ? stage[block] : -1;
+        if (slot >= 0) {
+          // A block inside the full-precision window: read its staging slot instead.
+          Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
+          Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
+          decode_block<T>(sk, slot, n, w.h, D, kbuf.data());
+          decode_block<T>(sv, slot, n, w.h, D, vbuf.data());
+        } else {
+          decode_block<T>(kp, block, n, w.h, D, kbuf.data());
+          decode_block<T>(vp, block, n, w.h, D, vbuf.data());
         }
         const int64_t k0 = bi * block_size;
         for (int64_t r = 0; r < rows; ++r) {
           const float* qr = qbuf.data() + r * D;
-          float* s = sbuf.data() + r * span * block_size;
+          float* s = sbuf.data() + r * block_size;
           const int64_t visible = std::min(n, pos[r] + 1 - k0);  // causal: keys at or before pos
           if (visible <= 0) continue;
           float mx = m[r];
