@@ -3,38 +3,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from dataclasses import Field, fields
 from typing import Any
 
-from kvserve.config import EngineConfig
+from kvserve.engine_args import add_engine_args, llm_from_args
 from kvserve.sampling_params import SamplingParams
-
-
-# How each EngineConfig field type is read from the command line.
-_PARSERS: dict[str, Callable[[str], Any]] = {
-    "int": int, "int | None": int, "float": float, "str": str, "str | None": str,
-    "str | float": lambda text: _memory(text), "str | Path | ModelConfig | None": str}
-
-
-def _engine_flags() -> list[tuple[Field[Any], str]]:
-    """(field, argparse dest) for every EngineConfig field; a field's metadata may rename its flag."""
-    return [(f, f.metadata.get("flag", f.name).replace("-", "_")) for f in fields(EngineConfig)]
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One option per EngineConfig field, named after it, with the field's help and default."""
-    g = p.add_argument_group("engine (EngineConfig)")
-    for f, dest in _engine_flags():
-        flag = "--" + dest.replace("_", "-")
-        default = f.default
-        if f.type == "bool":
-            g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
-                           help=f.metadata["help"])
-            continue
-        shown = "" if default is None else f" (default: {default})"
-        g.add_argument(flag, dest=dest, type=_PARSERS[str(f.type)], default=default,
-                       choices=f.metadata.get("choices"), help=f.metadata["help"] + shown)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -45,28 +17,6 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
-def llm_from_args(args: argparse.Namespace, cache_mode: str | None = None, **overrides: Any) -> Any:
-    from kvserve import LLM
-    kwargs = {f.name: getattr(args, dest) for f, dest in _engine_flags()}
-    if cache_mode is not None:
-        kwargs["cache_mode"] = cache_mode
-    return LLM(**{**kwargs, **overrides})
-
-
-def kv_format_overrides(spec: str, args: argparse.Namespace) -> dict[str, Any]:
-    """A format as benchmark and eval lists write it: `name`, or `name@residual` for its own
-    full-precision window."""
-    name, _, residual = spec.partition("@")
-    return {"kv_cache_dtype": name, "kv_residual": int(residual) if residual else args.kv_residual}
-
-
-def _memory(text: str) -> str | float:
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:

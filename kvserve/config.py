@@ -39,7 +39,7 @@ def _is_int(value: object) -> bool:
 
 
 def _opt(default: object, help: str, **cli: object) -> Any:
-    """A field with the help text its command-line option shows (kvserve.cli derives them)."""
+    """A field with the help text its command-line option shows (kvserve.engine_args derives them)."""
     return field(default=default, metadata={"help": help, **cli})
 
 

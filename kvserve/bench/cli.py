@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kvserve.bench.metrics import format_table, ratio
-from kvserve.cli import add_engine_args, kv_format_overrides, llm_from_args
+from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.cli import add_engine_args, kv_format_overrides, llm_from_args
+from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
 
 if TYPE_CHECKING:
     from kvserve import LLM

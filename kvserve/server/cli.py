@@ -10,7 +10,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvserve.cli import add_engine_args, llm_from_args
+from kvserve.engine_args import add_engine_args, llm_from_args
 
 
 def add_parser(sub: Any) -> None:
