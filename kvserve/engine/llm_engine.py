@@ -211,7 +211,9 @@ class LLMEngine:
         self.tokens_computed += batch.num_tokens
         logits = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops)
         done = self.scheduler.complete_step(batch)  # a prompt chunk with more to come gets no token
-        logits, ready = logits[done], [batch.seqs[i] for i in done]
+        ready = batch.seqs
+        if len(done) < len(ready):  # only then copy the logits rows that get a token
+            logits, ready = logits[done], [ready[i] for i in done]
         now = time.perf_counter()
         outputs = self._step_beams(ready, logits, now)
         sampled = [i for i, s in enumerate(ready) if s.beam is None]
