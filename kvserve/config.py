@@ -81,7 +81,8 @@ class EngineConfig:
     kv_sparse_capacity: float = _opt(0.5, "'sparse' stores at most this fraction of head_dim per token-head")
     attention_backend: str = _opt(
         "auto", "auto: the fastest backend that serves the configuration (cpu: a C++ kernel reading pages "
-                "in place); torch: the gather + SDPA reference", choices=BACKEND_NAMES)
+                "in place; triton: Triton kernels, on CUDA); torch: the gather + SDPA reference",
+        choices=BACKEND_NAMES)
     cpu_kernels: bool = _opt(True, "fused C++ ops and the bf16 small-batch linear on CPU (built once, cached); "
                                    "off: eager torch")
     # Sampling has its own --seed; this one seeds random weights and unseeded requests.

@@ -1,13 +1,20 @@
 """Shared fixtures: tiny random-weight engines for speed, the real model for parity."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from kvserve import LLM
+# Without a GPU the Triton backend's kernels run in Triton's interpreter (CPU tensors, numpy):
+# slow, so tests keep them to small shapes, and "auto" never picks it on the CPU. Set before
+# anything imports triton, which reads it when a kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvserve import LLM  # noqa: E402
 from kvserve.model.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,

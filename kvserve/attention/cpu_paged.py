@@ -15,25 +15,19 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.metadata import StepMetadata
+from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, page_kind
 from kvserve.cache.kv_format import KVFormat
 from kvserve.cache.kv_pool import KVPool
 from kvserve.kernels import cpu_extension
 
-# Page kinds of the kernel (`Kind` in cpu_kernels.cpp).
-DENSE, ABSMAX, GROUP4 = 0, 1, 2
-_ABSMAX_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
-_PLAIN_FORMATS = ("bf16", "fp16", "fp32")
 
-
-def page_kind(fmt: KVFormat) -> int | None:
-    """The kernel's page kind for a compressed pool's format; None if it cannot read it."""
-    if fmt.name in _ABSMAX_FORMATS:
-        return ABSMAX
-    if fmt.name == "int4":
-        return GROUP4
-    if fmt.name in _PLAIN_FORMATS:
-        return DENSE
-    return None
+def cpu_kind(fmt: KVFormat) -> int | None:
+    """The C++ kernel's page kind for a format (`Kind` in cpu_kernels.cpp); None if it cannot
+    read it. Its grouped decoder is 4-bit only, and it has no per-channel (KIVI key) decoder."""
+    kind = page_kind(fmt)
+    if kind == GROUPED and fmt.bits == 4:
+        return kind
+    return kind if kind in (DENSE, ABSMAX) else None
 
 
 @dataclass(frozen=True)
@@ -58,10 +52,10 @@ class CPUPagedBackend(AttentionBackend):
                                 DENSE, kv.v, e, e, e if kv.host_v is None else kv.host_v, 0)
                                for kv in pool.kv]
         else:
-            self.kinds = [page_kind(f) for f in pool.formats]
+            self.kinds = [cpu_kind(f) for f in pool.formats]
             # Codes the kernel also encodes (bit for bit as kv_format does) when no token is staged.
-            self.encodes = all(k in (ABSMAX, GROUP4) for k in self.kinds)
-            self.group = next((f.group_size for f in pool.formats if f.name == "int4"), 0)
+            self.encodes = all(k in (ABSMAX, GROUPED) for k in self.kinds)
+            self.group = next((f.group_size for f, k in zip(pool.formats, self.kinds) if k == GROUPED), 0)
             self.layer_args = [(*self._source(self.kinds[0], kv.fields[0]), *self._source(self.kinds[1], kv.fields[1]),
                                 self.group) for kv in pool.kv]
 
@@ -70,7 +64,7 @@ class CPUPagedBackend(AttentionBackend):
         if device.type != "cpu":
             return "runs on the CPU only"
         if not isinstance(pool, KVPool):
-            names = [f.name for f in pool.formats if page_kind(f) is None]
+            names = [f.name for f in pool.formats if cpu_kind(f) is None]
             if names:
                 return f"no in-kernel decoder for {', '.join(names)} pages"
         if cpu_extension.load() is None:

@@ -8,18 +8,22 @@ import torch
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.torch_sdpa import TorchSDPABackend
+from kvserve.attention.triton_paged import TritonPagedBackend
 
 logger = logging.getLogger(__name__)
 
-# Fastest first: "auto" takes the first that supports the configuration.
-BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (CPUPagedBackend, TorchSDPABackend)}
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    b.name: b for b in (CPUPagedBackend, TritonPagedBackend, TorchSDPABackend)}
 BACKEND_NAMES = ("auto", *BACKENDS)
+# What "auto" tries, fastest first, per device type. The Triton interpreter runs on the CPU but
+# only for tests: it is never picked there automatically.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "torch"), "cuda": ("triton", "torch")}
 
 
 def make_backend(name: str, pool: Pool, num_heads: int, device: torch.device) -> AttentionBackend:
     if name == "auto":
         reasons = {}
-        for cls in BACKENDS.values():
+        for cls in (BACKENDS[n] for n in AUTO_ORDER.get(device.type, ("torch",))):
             reason = cls.unsupported(pool, device)
             if reason is None:
                 logger.info("attention backend: %s (auto; %s)", cls.name,

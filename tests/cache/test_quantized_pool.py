@@ -11,6 +11,7 @@ from kvserve.cache.kv_format import FORMAT_NAMES, make_format
 from kvserve.cache.quantized_pool import QuantizedKVPool, encode_blocks
 from kvserve.attention import StepMetadata
 from kvserve.attention.selector import BACKENDS
+from tests.backend_cases import heavy_case
 
 HEADS, KV_HEADS, DIM = 4, 2, 64  # GQA, 2 query heads per KV head
 
@@ -93,8 +94,9 @@ class Driver:
         return torch.cat(outs)
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
-@pytest.mark.parametrize("bs", [1, 16, 128])
+@pytest.mark.parametrize("backend,bs", [
+    *((b, bs) for b in BACKENDS for bs in (1, 16)),
+    *(heavy_case(b, 128, backend=b) for b in BACKENDS)])
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_attention_over_compressed_pages_equals_dense_over_decoded(fmt: str, bs: int, backend: str) -> None:
     """Mixed prefill lengths (partial and full blocks), then decode steps across a block edge."""

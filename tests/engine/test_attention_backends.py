@@ -11,56 +11,76 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.attention.selector import BACKENDS
 from kvserve.eval.quality import forced_logprobs
+from tests.backend_cases import heavy_case
 
 WINDOWS = [[(7 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
 FAST = [dict(attention_backend=name, cpu_kernels=True) for name in BACKENDS if name != "torch"]
 REFERENCE = dict(attention_backend="torch", cpu_kernels=False)
+# Backends whose kernels reach offloaded host blocks (a GPU kernel cannot: triton declines them).
+OFFLOADING = [c for c in FAST if c["attention_backend"] != "triton"]
 
 
 def ids(configs: list[dict[str, Any]]) -> list[str]:
     return [c["attention_backend"] for c in configs]
 
 
-@pytest.mark.parametrize("fast", FAST, ids=ids(FAST))
-@pytest.mark.parametrize("pages", [
-    pytest.param({}, id="dense"),
-    pytest.param(dict(kv_cache_dtype="int8"), id="int8"),
-    pytest.param(dict(kv_cache_dtype="fp8_e4m3", kv_residual=20), id="fp8-window"),
-    pytest.param(dict(kv_cache_dtype="int4", kv_group_size=16, kv_residual=20), id="int4-window"),
-    pytest.param(dict(block_size=1), id="block1"),
-    pytest.param(dict(block_size=128), id="block128"),
-])
+PAGES = {"dense": {}, "int8": dict(kv_cache_dtype="int8"),
+         "fp8-window": dict(kv_cache_dtype="fp8_e4m3", kv_residual=20),
+         "int4-window": dict(kv_cache_dtype="int4", kv_group_size=16, kv_residual=20),
+         "kivi4": dict(kv_cache_dtype="kivi4", kv_group_size=16, kv_residual=20),
+         "block1": dict(block_size=1), "block128": dict(block_size=128)}
+# The Triton interpreter is slow: in CI it runs the page kinds (dense, absmax, grouped, channel).
+TRITON_LIGHT = ("dense", "int8", "kivi4")
+
+
+@pytest.mark.parametrize("fast,pages", [
+    pytest.param(fast, pages, id=f"{b}-{name}") if b != "triton" or name in TRITON_LIGHT
+    else heavy_case(fast, pages, backend=b, id=f"{b}-{name}")
+    for fast in FAST for b in [fast["attention_backend"]] for name, pages in PAGES.items()])
 def test_forced_decoding_matches_the_reference(tiny_llm: Callable[..., LLM], fast: dict[str, Any],
                                                pages: dict[str, Any]) -> None:
     """Prefill, then 40 decode steps of three sequences, logits compared at every step."""
+    if fast["attention_backend"] == "cpu" and pages.get("kv_cache_dtype") == "kivi4":
+        pytest.skip("the cpu backend has no KIVI key decoder (auto serves KIVI with torch)")
     want = forced_logprobs(tiny_llm(max_num_seqs=3, **pages, **REFERENCE), WINDOWS, prefill_len=30)
     got = forced_logprobs(tiny_llm(max_num_seqs=3, **pages, **fast), WINDOWS, prefill_len=30)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fast", FAST, ids=ids(FAST))
-def test_sharing_preemption_and_offload_match_the_reference(tiny_llm: Callable[..., LLM],
-                                                            fast: dict[str, Any]) -> None:
-    """n > 1 samples, beam search, prefix hits and preemption in a pool too small for the batch,
-    then a sequence longer than the device pool (its cold blocks read from host memory)."""
+def test_sharing_and_preemption_match_the_reference(tiny_llm: Callable[..., LLM], fast: dict[str, Any]) -> None:
+    """n > 1 samples, beam search, prefix hits and preemption in a pool too small for the batch."""
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 5, [9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8] * 5 + [12, 13]]
     params = [SamplingParams(max_tokens=30, temperature=0.9, n=2, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=12, beam_width=2, ignore_eos=True),
               SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
-    long = SamplingParams(max_tokens=100, temperature=0.8, seed=1, ignore_eos=True)
 
-    def run(**config: Any) -> tuple[list[list[int]], list[int], int]:
+    def run(**config: Any) -> tuple[list[list[int]], int]:
         llm = tiny_llm(max_num_seqs=4, kv_cache_memory=str(9 * 16 * 2 * 2 * 2 * 16 * 4), **config)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        tokens = [o.token_ids for o in outs]
-        offload = tiny_llm(max_num_seqs=1, kv_cache_memory=str(4 * 16 * 2 * 2 * 2 * 16 * 4),
-                           offload_memory="1MiB", **config)
-        single = offload.generate([[5, 6, 7]], long, use_tqdm=False)[0].token_ids
-        return tokens, single, llm.engine.scheduler.num_preemptions
+        return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions
 
     want, got = run(**REFERENCE), run(**fast)
-    assert want[2] > 0  # the small pool really preempted
+    assert want[1] > 0  # the small pool really preempted
     assert got == want
+
+
+@pytest.mark.parametrize("fast", OFFLOADING, ids=ids(OFFLOADING))
+def test_offload_matches_the_reference(tiny_llm: Callable[..., LLM], fast: dict[str, Any]) -> None:
+    """A sequence longer than the device pool: its cold blocks are read from host memory."""
+    long = SamplingParams(max_tokens=100, temperature=0.8, seed=1, ignore_eos=True)
+
+    def run(**config: Any) -> list[int]:
+        offload = tiny_llm(max_num_seqs=1, kv_cache_memory=str(4 * 16 * 2 * 2 * 2 * 16 * 4),
+                           offload_memory="1MiB", **config)
+        return offload.generate([[5, 6, 7]], long, use_tqdm=False)[0].token_ids
+
+    assert run(**fast) == run(**REFERENCE)
+
+
+def test_triton_declines_offloaded_pools(tiny_llm: Callable[..., LLM]) -> None:
+    with pytest.raises(ValueError, match="attention_backend.*host blocks"):
+        tiny_llm(max_num_seqs=1, kv_cache_memory="64KiB", offload_memory="1MiB", attention_backend="triton")
 
 
 @pytest.mark.model
@@ -72,3 +92,14 @@ def test_real_model_greedy_tokens_equal_across_backends(smol: LLM) -> None:
     fast = [o.token_ids for o in smol.generate(prompts, params, use_tqdm=False)]
     reference = LLM(dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=512, **REFERENCE)
     assert [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)] == fast
+
+
+@pytest.mark.model
+def test_real_model_greedy_tokens_with_triton(smol: LLM) -> None:
+    """The Triton kernels on the bundled model (interpreted on a CPU: a short run)."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    triton_llm = LLM(dtype="float32", device="cpu", kv_cache_memory="16MiB", max_model_len=128,
+                     attention_backend="triton")
+    got = [o.token_ids for o in triton_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.token_ids for o in smol.generate(prompts, params, use_tqdm=False)]

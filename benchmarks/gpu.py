@@ -1,0 +1,140 @@
+"""GPU benchmark, self-contained for the `device` tool: `python benchmarks/gpu.py --out DIR`.
+
+Writes a random-weight Llama of the 1B shape (hidden 2048, 16 layers, 32 heads, 8 KV heads) in
+HF format on the spot (no download, nothing carried but this repository), then, in one run on
+the same workload:
+- 128 mixed requests (lognormal prompt and output lengths, token ids drawn at random): kvserve
+  (attention_backend auto, i.e. triton) against HF transformers' continuous batching;
+- one stream of 128 tokens, warmed: kvserve against HF eager `generate`;
+- the share of a decode step the GPU is busy (torch.profiler: kernel time over wall time).
+Each row says how far it is from the machine's limits (weight + KV bytes per decode step over
+the measured read bandwidth). Results: a JSON file and a markdown table in --out, and stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve import LLM
+from kvserve.bench.hf_baseline import run_hf_continuous_batching
+from kvserve.bench.metrics import summarize
+from kvserve.bench.roofline import measure_machine
+from kvserve.bench.throughput import greedy_params, run_kvserve
+from kvserve.bench.workload import WorkloadRequest, lognormal_lengths
+
+SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=49152, max_position_embeddings=4096)
+# --tiny: the same script in seconds on a CPU (the test suite runs it so it cannot rot unseen).
+SHAPE_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
+
+
+def write_model(directory: Path, shape: dict[str, int]) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(**shape, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def workload(n: int, vocab: int, prompt_median: int, output_median: int, seed: int) -> list[WorkloadRequest]:
+    rng = np.random.default_rng(seed)
+    prompts = lognormal_lengths(rng, prompt_median, 0.8, n, 8, 8 * prompt_median)
+    outputs = lognormal_lengths(rng, output_median, 0.8, n, 8, 4 * output_median)
+    return [WorkloadRequest(rng.integers(3, vocab, int(p)).tolist(), int(m)) for p, m in zip(prompts, outputs)]
+
+
+def busy_fraction(llm: LLM, batch: int, steps: int, device: torch.device) -> float:
+    """Device kernel time over wall time across `steps` decode steps of `batch` sequences."""
+    from torch.profiler import ProfilerActivity, profile
+    engine = llm.engine
+    params = greedy_params([WorkloadRequest([], steps + 64)])[0]
+    ids = [engine.add_request(list(range(10 + i, 74 + i)), params) for i in range(batch)]
+    for _ in range(8):  # prefill (chunked) and warm-up
+        engine.step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort(rid)
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+    return kernel_us / 1e6 / wall
+
+
+def hf_one_stream(model: object, prompt: list[int], tokens: int, device: torch.device) -> float:
+    ids = torch.tensor([prompt], device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)  # type: ignore[attr-defined]
+        sync()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,  # type: ignore[attr-defined]
+                       pad_token_id=0)
+        sync()
+    return tokens / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script runs")
+    parser.add_argument("--skip-hf", action="store_true", help="kvserve rows only")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    shape = SHAPE_TINY if args.tiny else SHAPE_1B
+    machine = measure_machine(torch.bfloat16, device)
+    requests = workload(args.requests, shape["vocab_size"], 16 if args.tiny else 256, 8 if args.tiny else 128, 0)
+    stream_len = 16 if args.tiny else 128
+    one = WorkloadRequest(requests[0].prompt_token_ids[:stream_len], stream_len)
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model(Path(tmp) / "llama-random", shape)
+        llm = LLM(model=str(model_dir), dtype="bfloat16", device=str(device),
+                  kv_cache_memory="64MiB" if args.tiny else "40GiB", max_model_len=shape["max_position_embeddings"],
+                  max_num_seqs=256)
+        prompts = [r.prompt_token_ids for r in requests]
+        run_kvserve(llm, prompts[:8], greedy_params(requests[:8]), "warm-up", progress=False)
+        mixed = run_kvserve(llm, prompts, greedy_params(requests), "kvserve mixed")
+        run_kvserve(llm, [one.prompt_token_ids], greedy_params([one]), "warm-up", progress=False)
+        single = run_kvserve(llm, [one.prompt_token_ids], greedy_params([one]), "kvserve one stream")
+        weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+        rows["kvserve"] = {"attention_backend": llm.engine.attention_backend.name,
+                           "mixed_output_tok_s": mixed.output_tok_s, "mixed_wall_s": mixed.wall_s,
+                           "one_stream_tok_s": single.output_tok_s,
+                           "device_busy_fraction": busy_fraction(llm, 64 if not args.tiny else 4, 20, device)}
+        rows["machine"] = {"read_gb_s": machine.read_gb_s, "matmul_gflop_s": machine.matmul_gflop_s,
+                           "one_stream_weight_read_limit_tok_s": machine.read_gb_s * 1e9 / weight_bytes}
+        del llm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not args.skip_hf:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+            timings, wall = run_hf_continuous_batching(model, requests, max_batch=256)
+            hf = summarize("hf continuous batching", timings, wall)
+            rows["hf"] = {"cb_mixed_output_tok_s": hf.output_tok_s, "cb_mixed_wall_s": hf.wall_s,
+                          "eager_one_stream_tok_s": hf_one_stream(model, one.prompt_token_ids, stream_len, device)}
+            rows["ratios"] = {"mixed_vs_hf_cb": rows["kvserve"]["mixed_output_tok_s"] / hf.output_tok_s,
+                              "one_stream_vs_hf_eager": rows["kvserve"]["one_stream_tok_s"]
+                              / rows["hf"]["eager_one_stream_tok_s"]}
+    (args.out / "gpu.json").write_text(json.dumps(rows, indent=2))
+    print(json.dumps(rows, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""How a kernel reads a page: the kind numbers shared by the C++ and Triton kernels.
+
+DENSE: values as stored. ABSMAX: int8 / fp8 codes times one scale per token and head.
+GROUPED: packed `bits`-bit codes with a scale and zero-point per `group` channels of each token
+(int4, KIVI values). CHANNEL: packed codes with a scale and zero-point per block, head and
+channel (KIVI keys). Formats with no kind (outlier, sparse) are decoded by the torch backend.
+"""
+from __future__ import annotations
+
+from kvserve.cache.kv_format import KVFormat
+
+DENSE, ABSMAX, GROUPED, CHANNEL = 0, 1, 2, 3
+_ABSMAX_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
+_PLAIN_FORMATS = ("bf16", "fp16", "fp32")
+_GROUPED_FORMATS = ("int4", "kivi2", "kivi4")
+
+
+def page_kind(fmt: KVFormat) -> int | None:
+    if fmt.name in _PLAIN_FORMATS:
+        return DENSE
+    if fmt.name in _ABSMAX_FORMATS:
+        return ABSMAX
+    if fmt.name in _GROUPED_FORMATS:
+        return GROUPED if fmt.per_token else CHANNEL
+    return None

@@ -1,0 +1,100 @@
+"""The GPU backend: Triton kernels (kvserve/kernels/triton_attention.py) over pages in place.
+
+New K/V are written by the pool (dense: one scatter per layer; compressed: its encoder), then
+one kernel launch per layer attends for every sequence of the step, prefill and decode alike,
+decoding int8 / fp8 / int4 / KIVI pages in registers. Offloaded host blocks are not reachable
+from a GPU kernel: pools with host blocks use the torch backend.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kvserve.attention.backend import AttentionBackend, Pool
+from kvserve.attention.metadata import StepMetadata
+from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, page_kind
+from kvserve.cache.kv_pool import KVPool
+
+
+
+def _kernels() -> ModuleType | None:
+    try:
+        from kvserve.kernels import triton_attention
+    except ImportError:
+        return None
+    return triton_attention
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class TritonMetadata:
+    step: StepMetadata
+    tiles: Any  # triton_attention.Tiles
+
+
+class TritonPagedBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, pool: Pool, num_heads: int) -> None:
+        super().__init__(pool, num_heads)
+        kernels = _kernels()
+        assert kernels is not None, "TritonPagedBackend needs triton (see unsupported())"
+        self.kernels = kernels
+        self.dense = isinstance(pool, KVPool)
+        self.sources = [self._sources(kv) for kv in pool.kv]
+
+    @classmethod
+    def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
+        if device.type != "cuda" and not (device.type == "cpu" and _interpreted()):
+            return "runs on CUDA (on the CPU only under TRITON_INTERPRET=1, for tests)"
+        if _kernels() is None:
+            return "triton is not installed"
+        dim = pool.head_dim
+        if dim < 16 or dim & (dim - 1):
+            return f"head_dim {dim} is not a power of two >= 16"
+        if isinstance(pool, KVPool):
+            if pool.host_layers:
+                return "offloaded host blocks are not reachable from a GPU kernel"
+            return None
+        names = [f.name for f in pool.formats if page_kind(f) is None]
+        return f"no in-register decoder for {', '.join(names)} pages" if names else None
+
+    def prepare(self, step: StepMetadata) -> TritonMetadata:
+        group = self.num_heads // self.pool.num_kv_heads
+        tiles = self.kernels.plan_tiles(step.query_start, step.context_lens, step.block_tables,
+                                        step.max_query_len, group, self.pool.num_kv_heads)
+        return TritonMetadata(step, tiles)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMetadata,
+                scale: float) -> torch.Tensor:
+        kv = self.pool.kv[layer]
+        kv.write(k, v, meta.step)
+        k_src, v_src = self.sources[layer]
+        plan = meta.step.kv_plan
+        stage_of = None if self.dense or plan.stage_of is None else plan.stage_of
+        k_stage, v_stage = (None, None) if stage_of is None else kv.staging
+        return self.kernels.paged_attention(q.contiguous(), meta.tiles, k_src, v_src, stage_of, k_stage, v_stage,
+                                            scale, self.pool.block_size, self.pool.num_kv_heads)
+
+    def _sources(self, kv: Any) -> tuple:
+        source = self.kernels.PageSource
+        if self.dense:
+            return source(DENSE, kv.k, kv.k, kv.k), source(DENSE, kv.v, kv.v, kv.v)
+        out = []
+        for fmt, fields in zip(self.pool.formats, kv.fields):
+            kind = page_kind(fmt)
+            if kind == DENSE:
+                out.append(source(kind, fields["data"], fields["data"], fields["data"]))
+            elif kind == ABSMAX:
+                out.append(source(kind, fields["codes"], fields["scale"], fields["codes"]))
+            else:
+                out.append(source(kind, fields["codes"], fields["scale"], fields["zero"], bits=fmt.bits,
+                                  group=fmt.group_size if kind == GROUPED else 1))
+        return tuple(out)
