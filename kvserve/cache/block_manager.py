@@ -53,6 +53,22 @@ class PrefixStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+class HostBlock(int):
+    """A table entry that lives in host memory: an offloaded block. Its value is the id kernels
+    address it by (the device pool's size + `host_index`), so block tables stay plain integer
+    tensors; Python code asks `isinstance(b, HostBlock)` instead of comparing ids."""
+    host_index: int
+
+    def __new__(cls, host_index: int, num_device_blocks: int) -> "HostBlock":
+        block = super().__new__(cls, num_device_blocks + host_index)
+        block.host_index = host_index
+        return block
+
+
+def on_device(block_id: int) -> bool:
+    return not isinstance(block_id, HostBlock)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_host_blocks: int = 0) -> None:
@@ -67,10 +83,9 @@ class BlockManager:
         # Copy-on-write copies (src, dst) recorded for the step being scheduled (see take_moves).
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_stats = PrefixStats()
-        # Host blocks for offloading: ids num_blocks .. num_blocks + num_host_blocks - 1.
         self.num_host_blocks = num_host_blocks
-        self._host_free = list(range(num_blocks + num_host_blocks - 1, num_blocks - 1, -1))
-        self.pending_offloads: list[tuple[int, int]] = []  # (device block, host block) to copy
+        self._host_free = [HostBlock(i, num_blocks) for i in reversed(range(num_host_blocks))]
+        self.pending_offloads: list[tuple[int, HostBlock]] = []  # (device block, host block) to copy
         self.peak_used = 0
 
     @property
@@ -156,7 +171,7 @@ class BlockManager:
         table = self.tables.get(seq_id, [])
         need = self.blocks_for(max(num_tokens, reserve_tokens)) - len(table)
         last = (num_tokens - 1) // self.block_size
-        shared_last = (0 <= last < len(table) and table[last] < self.num_blocks
+        shared_last = (0 <= last < len(table) and on_device(table[last])
                        and self.blocks[table[last]].ref_count > 1)
         if need + shared_last > len(self._free):
             return False
@@ -183,7 +198,7 @@ class BlockManager:
         device block. Its last block stays: the next token may be written there."""
         table = self.tables[seq_id]
         for i, block_id in enumerate(table[:-1]):
-            if block_id < self.num_blocks and self.blocks[block_id].ref_count == 1 and self._host_free:
+            if on_device(block_id) and self.blocks[block_id].ref_count == 1 and self._host_free:
                 host = self._host_free.pop()
                 self.pending_offloads.append((block_id, host))
                 table[i] = host
@@ -193,7 +208,7 @@ class BlockManager:
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent; writes are copied on demand."""
-        assert all(b < self.num_blocks for b in self.tables[parent_id]), "offloaded sequences do not fork"
+        assert all(map(on_device, self.tables[parent_id])), "offloaded sequences do not fork"
         for block_id in self.tables[parent_id]:
             self._share(block_id)
         self.tables[child_id] = list(self.tables[parent_id])
@@ -210,7 +225,7 @@ class BlockManager:
             chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = block_hash(hashes[-1] if hashes else None, chunk)
             hashes.append(h)
-            if table[i] >= self.num_blocks:  # offloaded: registered before it left the device
+            if not on_device(table[i]):  # offloaded: registered before it left the device
                 continue
             block = self.blocks[table[i]]
             if block.hash is not None:
@@ -228,7 +243,7 @@ class BlockManager:
     def free(self, seq_id: str) -> None:
         # Deepest block first: among blocks freed together, the deeper is evicted first.
         for block_id in reversed(self.tables.pop(seq_id, [])):
-            if block_id >= self.num_blocks:
+            if isinstance(block_id, HostBlock):
                 self._host_free.append(block_id)
             else:
                 self._release(block_id)
@@ -241,7 +256,7 @@ class BlockManager:
         owners: list[str | None] = [None] * self.num_blocks
         for seq_id, table in self.tables.items():
             for block_id in table:
-                if block_id < self.num_blocks and owners[block_id] is None:
+                if on_device(block_id) and owners[block_id] is None:
                     owners[block_id] = seq_id
         states = "".join(
             ("S" if b.ref_count > 1 else "U") if b.ref_count else ("C" if b.hash is not None else "F")
@@ -253,7 +268,7 @@ class BlockManager:
         for seq_id, table in self.tables.items():
             n = self.num_tokens[seq_id]
             for i, block_id in enumerate(table):
-                if block_id >= self.num_blocks:
+                if not on_device(block_id):
                     continue
                 filled[block_id] = max(filled.get(block_id, 0), min(self.block_size, max(0, n - i * self.block_size)))
         cached = sum(self.blocks[b].hash is not None for b in self._free)
@@ -261,4 +276,4 @@ class BlockManager:
                           free=len(self._free) - cached, cached=cached, tokens=sum(filled.values()),
                           allocated_slots=len(filled) * self.block_size,
                           unshared_blocks=sum(len(t) for t in self.tables.values()),
-                          offloaded=sum(b >= self.num_blocks for t in self.tables.values() for b in t))
+                          offloaded=sum(not on_device(b) for t in self.tables.values() for b in t))

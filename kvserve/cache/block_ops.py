@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvserve.cache.block_manager import BlockManager
+    from kvserve.cache.block_manager import BlockManager, HostBlock
     from kvserve.cache.swap_space import SwapSpace
 
 
@@ -15,7 +15,7 @@ class BlockOps:
     be reused below), swaps in, offloads to host blocks, then copy-on-write copies."""
     swap_out: tuple[tuple[int, int, int], ...] = ()  # (device block, tier, slot)
     swap_in: tuple[tuple[int, int, int], ...] = ()   # (tier, slot, device block)
-    offloads: tuple[tuple[int, int], ...] = ()       # (device block, host block id >= num_blocks)
+    offloads: tuple[tuple[int, HostBlock], ...] = ()  # (device block, host block)
     copies: tuple[tuple[int, int], ...] = ()         # (source block, destination block)
 
     @classmethod

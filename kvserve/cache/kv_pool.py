@@ -1,9 +1,12 @@
 """The preallocated KV pool in the model's dtype: per layer, `num_blocks x block_size` token slots."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kvserve.cache.block_manager import HostBlock
 
 
 class DenseLayerKV:
@@ -79,12 +82,12 @@ class KVPool:
             k[dst] = k[src]
             v[dst] = v[src]
 
-    def offload_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy device block `src` into host block `dst` (a block id >= num_blocks), every layer."""
+    def offload_blocks(self, pairs: list[tuple[int, HostBlock]]) -> None:
+        """Copy device block `src` into host block `dst`, every layer."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.layers[0][0].device)
-        dst = torch.tensor([d - self.num_blocks for _, d in pairs])
+        dst = torch.tensor([d.host_index for _, d in pairs])
         for (k, v), (hk, hv) in zip(self.layers, self.host_layers):
             hk[dst] = k[src].cpu()
             hv[dst] = v[src].cpu()

@@ -6,7 +6,7 @@ from types import ModuleType
 import torch
 
 from kvserve.attention import AttentionBackend, StepAttention, StepMetadata
-from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.block_manager import BlockManager, on_device
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
@@ -46,7 +46,7 @@ class ModelRunner:
         tables = [bm.tables[s.seq_id][:bm.blocks_for(end)] for s, end in zip(seqs, ends)]
         step = StepMetadata.build(
             num_scheduled, ends, tables, self.pool.block_size, self.device,
-            offloaded=bool(bm.num_host_blocks) and any(b >= bm.num_blocks for t in tables for b in t),
+            offloaded=bool(bm.num_host_blocks) and not all(on_device(b) for t in tables for b in t),
             kv_plan=self.pool.plan_step(bm, [(s.seq_id, s.num_computed_tokens, end) for s, end in zip(seqs, ends)]))
         logit_index = (step.query_start[1:] - 1).to(self.device)
         return self.model(torch.tensor(input_ids, device=self.device), StepAttention.of(self.backend, step),

@@ -7,7 +7,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.block_manager import BlockManager, on_device
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.engine.sequence import Sequence, SequenceStatus
@@ -208,8 +208,8 @@ class Scheduler:
         seq.num_preemptions += 1
         table = self.block_manager.tables[seq.seq_id]
         # Beams stay on the recompute path: they must come back together (see `_admit`).
-        on_device = all(b < self.block_manager.num_blocks for b in table)
-        swapped = (self.swap is not None and seq.beam is None and on_device
+        resident = all(map(on_device, table))
+        swapped = (self.swap is not None and seq.beam is None and resident
                    and self.prefer_swap(seq.num_tokens) and self.swap.swap_out(seq.seq_id, table))
         self.block_manager.free(seq.seq_id)
         if swapped:

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvserve.cache.block_manager import BlockManager, BlockUsage
+from kvserve.cache.block_manager import BlockManager, BlockUsage, HostBlock
 
 
 def check_invariants(bm: BlockManager) -> None:
@@ -176,3 +176,21 @@ def test_peak_used() -> None:
     assert bm.peak_used == 7
     assert not bm.allocate("e", 16)  # a failed allocation does not move the peak
     assert bm.peak_used == 7
+
+
+def test_offloaded_entries_are_host_blocks_addressed_past_the_device_pool() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False, num_host_blocks=3)
+    assert bm.allocate("a", 7)  # 4 blocks: the whole device pool
+    device = list(bm.tables["a"])
+    assert bm.offload_coldest("a") and bm.offload_coldest("a")
+    table = bm.tables["a"]
+    hosts = [b for b in table if isinstance(b, HostBlock)]
+    # The two oldest blocks moved; kernels read them by id num_blocks + host index.
+    assert table[2:] == device[2:] and len(hosts) == 2 and table[:2] == hosts
+    assert [int(b) for b in hosts] == [4 + b.host_index for b in hosts]
+    assert sorted(b.host_index for b in hosts) == [0, 1]
+    offloads, _ = bm.take_moves()
+    assert offloads == [(device[0], hosts[0]), (device[1], hosts[1])]
+    assert bm.usage().offloaded == 2 and len(bm.free_blocks) == 2
+    bm.free("a")
+    assert len(bm.free_blocks) == 4 and sorted(b.host_index for b in bm._host_free) == [0, 1, 2]
