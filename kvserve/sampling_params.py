@@ -19,6 +19,13 @@ class SamplingParams:
     beam_width: int = 1         # > 1: deterministic beam search, HF `num_beams` semantics
     length_penalty: float = 1.0  # beam score = sum of log-probs / length ** length_penalty
     early_stopping: bool = False  # beam search stops once `beam_width` hypotheses finished
+    # Per output token, its log-probability and the `logprobs` most likely tokens' (-1: the whole
+    # vocabulary as a tensor), under the distribution it was drawn from: softmax(logits /
+    # temperature), temperature 0 counting as 1, before top-k / top-p truncation.
+    logprobs: int | None = None
+    # Teacher forcing: the output is these tokens instead of sampled ones, each still decoded in
+    # its own cached step (with `logprobs`, scores a continuation under the engine's KV cache).
+    forced_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -39,6 +46,21 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("SamplingParams.stop must not contain empty strings")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < -1):
+            raise ValueError(f"SamplingParams.logprobs must be None, -1 (all) or an integer >= 0, got {self.logprobs!r}")
+        if self.logprobs is not None and self.beam_width > 1:
+            raise ValueError("SamplingParams.logprobs is not supported with beam search (beam_width > 1)")
+        if self.forced_token_ids is not None:
+            forced = self.forced_token_ids
+            if not isinstance(forced, list) or any(not isinstance(t, int) or isinstance(t, bool) or t < 0
+                                                   for t in forced):
+                raise ValueError("SamplingParams.forced_token_ids must be a list of token ids (integers >= 0)")
+            if len(forced) < self.max_tokens:
+                raise ValueError(f"SamplingParams.forced_token_ids holds {len(forced)} tokens, fewer than "
+                                 f"max_tokens ({self.max_tokens})")
+            if self.n > 1 or self.beam_width > 1:
+                raise ValueError("SamplingParams.forced_token_ids needs n == 1 and beam_width == 1")
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ from kvserve.config import EngineConfig, parse_bytes
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.logprobs import token_logprobs
 from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
@@ -218,9 +219,14 @@ class LLMEngine:
         outputs = self._step_beams(ready, logits, now)
         sampled = [i for i, s in enumerate(ready) if s.beam is None]
         seqs, rows = self._fork_samples([ready[i] for i in sampled])
-        tokens = self.runner.sample(seqs, logits[[sampled[r] for r in rows]])
-        for seq, token in zip(seqs, tokens):
+        rows_logits = logits[[sampled[r] for r in rows]]
+        tokens = [s.params.forced_token_ids[len(s.output_token_ids)] if s.params.forced_token_ids is not None else t
+                  for s, t in zip(seqs, self.runner.sample(seqs, rows_logits))]
+        logprobs = token_logprobs(rows_logits, [s.params for s in seqs], tokens)
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
             try:
+                if logprob is not None:
+                    seq.output_logprobs.append(logprob)
                 self._append_token(seq, token, now)
                 delta = self._detokenize(seq)
                 self._check_stop(seq, token)
@@ -296,6 +302,7 @@ class LLMEngine:
         child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params, seed,
                          prompt=parent.prompt, index=index, beam=parent.beam,
                          output_token_ids=list(parent.output_token_ids),
+                         output_logprobs=list(parent.output_logprobs),
                          num_computed_tokens=parent.num_computed_tokens,
                          arrival_time=parent.arrival_time, first_scheduled_time=parent.first_scheduled_time,
                          first_token_time=parent.first_token_time)

@@ -5,6 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.sampling_params import SamplingParams
 
@@ -14,6 +16,16 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One output position under the distribution its token was drawn from (see
+    `SamplingParams.logprobs`)."""
+    token_id: int
+    logprob: float
+    top: dict[int, float]       # the `logprobs` most likely tokens, most likely first
+    full: torch.Tensor | None   # [vocab] fp32 log-probabilities, when logprobs == -1
 
 
 @dataclass
@@ -27,6 +39,7 @@ class Sequence:
     num_forks: int = 0    # sequences still to fork from this one once its prompt is prefilled
     beam: BeamGroup | None = None  # shared by the beams of a beam-search request
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0   # tokens whose K/V are in the pool
     num_preemptions: int = 0
@@ -81,10 +94,12 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int
+    logprobs: list[TokenLogprobs] | None  # one per token of token_ids, when asked for
 
     @classmethod
     def of(cls, seq: Sequence, delta_text: str) -> "RequestOutput":
         return cls(seq.request_id, seq.index, seq.prompt, seq.prompt_token_ids, seq.text,
                    list(seq.output_token_ids), delta_text, seq.finished, seq.finish_reason,
                    seq.error, seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
-                   seq.num_preemptions)
+                   seq.num_preemptions,
+                   None if seq.params.logprobs is None else list(seq.output_logprobs))

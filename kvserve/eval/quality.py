@@ -16,42 +16,25 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cache.block_ops import BlockOps
 from kvserve.engine.llm import LLM
-from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.sampling_params import SamplingParams
 
 
 @torch.inference_mode()
 def forced_logprobs(llm: LLM, windows: list[list[int]], prefill_len: int) -> torch.Tensor:
     """log-softmax [W, L - prefill_len, vocab] (fp32) of the next token at positions prefill_len - 1
-    .. L - 2 of every window, the windows decoded together as one batch."""
-    engine = llm.engine
-    bm, runner = engine.block_manager, engine.runner
+    .. L - 2 of every window: each window's first prefill_len tokens are its prompt, the rest are
+    forced through the scheduler one cached decode step at a time, the windows run together."""
+    bm = llm.engine.block_manager
     length = len(windows[0])
-    seqs = [Sequence(f"eval-{i}", w[:prefill_len], SamplingParams(max_tokens=length), 0)
-            for i, w in enumerate(windows)]
-    for seq in seqs:
-        if bm.allocate_prompt(seq.seq_id, seq.token_ids) is None:
-            raise ValueError("kv_cache_memory: the evaluation windows do not fit the KV pool together")
-        seq.num_computed_tokens = 0  # recompute cached prefixes too: every config sees the same work
-        seq.status = SequenceStatus.RUNNING
-    out = []
-    try:
-        for t in range(prefill_len, length):
-            out.append(torch.log_softmax(runner.forward(seqs, [s.num_new_tokens for s in seqs],
-                                                       BlockOps.collect(bm, None)), dim=-1).cpu())
-            if t == length - 1:
-                break
-            for seq, window in zip(seqs, windows):
-                seq.num_computed_tokens = seq.num_tokens
-                seq.output_token_ids.append(window[t])
-                if not bm.allocate(seq.seq_id, seq.num_tokens):
-                    raise ValueError("kv_cache_memory: the evaluation windows do not fit the KV pool together")
-    finally:
-        for seq in seqs:
-            bm.free(seq.seq_id)
-    return torch.stack(out, dim=1)
+    if len(windows) * bm.blocks_for(length) > bm.num_blocks:
+        raise ValueError("kv_cache_memory: the evaluation windows do not fit the KV pool together")
+    params = [SamplingParams(max_tokens=length - prefill_len, temperature=0, ignore_eos=True, logprobs=-1,
+                             forced_token_ids=list(w[prefill_len:])) for w in windows]
+    outs = llm.generate([list(w[:prefill_len]) for w in windows], params, use_tqdm=False)
+    if any(o.num_preemptions for o in outs):  # a recomputed context would not be the cache under test
+        raise ValueError("kv_cache_memory: the evaluation windows do not fit the KV pool together")
+    return torch.stack([torch.stack([t.full for t in o.logprobs]) for o in outs])
 
 
 @dataclass
