@@ -1,6 +1,7 @@
 """Per-request decoding settings, validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -30,31 +31,37 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"SamplingParams.n must be a positive integer, got {self.n!r}")
-        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or self.beam_width < 1:
-            raise ValueError(f"SamplingParams.beam_width must be a positive integer, got {self.beam_width!r}")
+        for name in ("max_tokens", "n", "beam_width"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"SamplingParams.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.beam_width > 1 and self.n > 1:
             raise ValueError("SamplingParams.n must be 1 with beam search (beam_width > 1)")
+        for name in ("temperature", "top_p", "length_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables), got {self.top_k}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if any(not s for s in self.stop):
-            raise ValueError("SamplingParams.stop must not contain empty strings")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or self.logprobs < -1):
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("SamplingParams.stop must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("SamplingParams.stop_token_ids must be a list of token ids (integers >= 0)")
+        for name in ("ignore_eos", "early_stopping"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < -1):
             raise ValueError(f"SamplingParams.logprobs must be None, -1 (all) or an integer >= 0, got {self.logprobs!r}")
         if self.logprobs is not None and self.beam_width > 1:
             raise ValueError("SamplingParams.logprobs is not supported with beam search (beam_width > 1)")
         if self.forced_token_ids is not None:
             forced = self.forced_token_ids
-            if not isinstance(forced, list) or any(not isinstance(t, int) or isinstance(t, bool) or t < 0
-                                                   for t in forced):
+            if not isinstance(forced, list) or any(not _is_int(t) or t < 0 for t in forced):
                 raise ValueError("SamplingParams.forced_token_ids must be a list of token ids (integers >= 0)")
             if len(forced) < self.max_tokens:
                 raise ValueError(f"SamplingParams.forced_token_ids holds {len(forced)} tokens, fewer than "
@@ -65,3 +72,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    """An integer and not a bool (True is an int to Python, never a count or a token id here)."""
+    return isinstance(value, int) and not isinstance(value, bool)

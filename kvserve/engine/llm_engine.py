@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import random
 import time
+from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvserve.attention import make_backend
@@ -17,8 +20,8 @@ from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.logprobs import token_logprobs
+from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
@@ -136,7 +139,13 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
             return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+        if not isinstance(prompt, Iterable):
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+        ids = list(prompt)
+        # numpy / torch integers are fine; floats and bools (an int to Python) are not token ids.
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_)) for t in ids):
+            raise ValueError("prompt: token ids must be integers")
+        return None, [int(t) for t in ids]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -146,11 +155,15 @@ class LLMEngine:
                       request_id: str | None = None) -> Sequence:
         """Validates a request without touching engine state, so a bad one never disturbs others."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: must be SamplingParams, got {type(params).__name__}")
         text, ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt: empty prompt")
         if any(not 0 <= t < self.model_config.vocab_size for t in ids):
             raise ValueError(f"prompt: token ids must be in [0, {self.model_config.vocab_size})")
+        if params.forced_token_ids is not None and max(params.forced_token_ids, default=0) >= self.model_config.vocab_size:
+            raise ValueError(f"forced_token_ids: token ids must be in [0, {self.model_config.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} prompt tokens leave no room to generate within the "
                              f"context length max_model_len={self.max_model_len}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -99,6 +100,16 @@ def test_bad_input_is_rejected_without_disturbing_running_requests(tiny_llm: Cal
         (lambda: SamplingParams(max_tokens=0), "max_tokens"),
         (lambda: SamplingParams(top_p=0.0), "top_p"),
         (lambda: SamplingParams(top_p=1.5), "top_p"),
+        # Found by a hostile tester: each once crashed the batch or was silently accepted.
+        (lambda: engine.add_request([1, 2.5], GREEDY), "prompt: token ids must be integers"),
+        (lambda: engine.add_request([True, False], GREEDY), "prompt: token ids must be integers"),
+        (lambda: engine.add_request(7, GREEDY), "prompt: must be a string or a list"),
+        (lambda: SamplingParams(temperature=float("nan")), "temperature"),
+        (lambda: SamplingParams(temperature="0.5"), "temperature"),  # type: ignore[arg-type]
+        (lambda: SamplingParams(top_k=1.5), "top_k"),  # type: ignore[arg-type]
+        (lambda: SamplingParams(seed=True), "seed"),
+        (lambda: SamplingParams(stop_token_ids=[2.0]), "stop_token_ids"),  # type: ignore[list-item]
+        (lambda: engine.add_request([1, 2], {"max_tokens": 3}), "params: must be SamplingParams"),  # type: ignore[arg-type]
     ]
     for call, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -120,6 +131,17 @@ def test_generate_rejects_all_when_one_prompt_is_empty(tiny_llm: Callable[..., L
     with pytest.raises(ValueError, match="empty prompt"):
         llm.generate([[1, 2], []], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("bad", [[1, 2.5], [True, False]])
+def test_engine_survives_a_batch_with_a_non_integer_token(tiny_llm: Callable[..., LLM], bad: list[Any]) -> None:
+    """Once, a float or bool id passed validation, crashed the batch and left 4 blocks held, and
+    every later call failed the same way."""
+    llm = tiny_llm()
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        llm.generate([[1, 2, 3], bad], GREEDY, use_tqdm=False)
+    assert llm.engine.kv_usage().used == 0 and not llm.engine.has_unfinished()
+    assert token_ids(llm, PROMPTS[:2]) == token_ids(tiny_llm(), PROMPTS[:2])
 
 
 def test_bad_engine_config_errors(tiny_llm: Callable[..., LLM]) -> None:
