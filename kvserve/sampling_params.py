@@ -24,6 +24,9 @@ class SamplingParams:
     # vocabulary as a tensor), under the distribution it was drawn from: softmax(logits /
     # temperature), temperature 0 counting as 1, before top-k / top-p truncation.
     logprobs: int | None = None
+    # The same for every prompt token after the first (what `echo` scores); the prompt is then
+    # computed in full, never taken from the prefix cache.
+    prompt_logprobs: int | None = None
     # Teacher forcing: the output is these tokens instead of sampled ones, each still decoded in
     # its own cached step (with `logprobs`, scores a continuation under the engine's KV cache).
     forced_token_ids: list[int] | None = None
@@ -55,10 +58,12 @@ class SamplingParams:
         for name in ("ignore_eos", "early_stopping"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < -1):
-            raise ValueError(f"SamplingParams.logprobs must be None, -1 (all) or an integer >= 0, got {self.logprobs!r}")
-        if self.logprobs is not None and self.beam_width > 1:
-            raise ValueError("SamplingParams.logprobs is not supported with beam search (beam_width > 1)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise ValueError(f"SamplingParams.{name} must be None, -1 (all) or an integer >= 0, got {value!r}")
+            if value is not None and self.beam_width > 1:
+                raise ValueError(f"SamplingParams.{name} is not supported with beam search (beam_width > 1)")
         if self.forced_token_ids is not None:
             forced = self.forced_token_ids
             if not isinstance(forced, list) or any(not _is_int(t) or t < 0 for t in forced):

@@ -133,12 +133,14 @@ class BlockManager:
     def _note_peak(self) -> None:
         self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
 
-    def allocate_prompt(self, seq_id: str, token_ids: list[int], reserve_tokens: int = 0) -> int | None:
-        """Give a new sequence its blocks, reusing its longest cached prefix. Returns how many
-        tokens are already in the pool, or None (changing nothing) if blocks are short."""
+    def allocate_prompt(self, seq_id: str, token_ids: list[int], reserve_tokens: int = 0,
+                        use_cache: bool = True) -> int | None:
+        """Give a new sequence its blocks, reusing its longest cached prefix (unless not
+        `use_cache`). Returns how many tokens are already in the pool, or None (changing
+        nothing) if blocks are short."""
         hits: list[int] = []
         hashes: list[bytes] = []
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_cache:
             parent = None
             # The last prompt token is always computed: its logits give the first output token.
             for i in range((len(token_ids) - 1) // self.block_size):

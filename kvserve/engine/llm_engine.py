@@ -20,7 +20,7 @@ from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.logprobs import token_logprobs
+from kvserve.engine.logprobs import prompt_span, token_logprobs
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from kvserve.kernels import cpu_extension
@@ -192,7 +192,9 @@ class LLMEngine:
             beam = BeamGroup(params.beam_width, params.length_penalty, params.early_stopping,
                              params.max_tokens, None if params.ignore_eos else self.eos_token_id)
         return Sequence(request_id, ids, params, seed, prompt=text,
-                        num_forks=max(params.n, params.beam_width) - 1, beam=beam)
+                        num_forks=max(params.n, params.beam_width) - 1, beam=beam,
+                        # The first prompt token has no context to score it.
+                        prompt_logprobs=[] if params.prompt_logprobs is None else [None])
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self._requests:
@@ -223,7 +225,9 @@ class LLMEngine:
         if not batch.seqs:
             return []
         self.tokens_computed += batch.num_tokens
-        logits = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops)
+        logits, prompt_logits = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops)
+        if prompt_logits.shape[0]:
+            self._score_prompts(batch.seqs, batch.num_scheduled, prompt_logits)
         done = self.scheduler.complete_step(batch)  # a prompt chunk with more to come gets no token
         ready = batch.seqs
         if len(done) < len(ready):  # only then copy the logits rows that get a token
@@ -235,7 +239,8 @@ class LLMEngine:
         rows_logits = logits[[sampled[r] for r in rows]]
         tokens = [s.params.forced_token_ids[len(s.output_token_ids)] if s.params.forced_token_ids is not None else t
                   for s, t in zip(seqs, self.runner.sample(seqs, rows_logits))]
-        logprobs = token_logprobs(rows_logits, [s.params for s in seqs], tokens)
+        logprobs = token_logprobs(rows_logits, [s.params.logprobs for s in seqs],
+                                  [s.params.temperature for s in seqs], tokens)
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             try:
                 if logprob is not None:
@@ -253,6 +258,18 @@ class LLMEngine:
                     del self._requests[seq.request_id]
             outputs.append(RequestOutput.of(seq, delta))
         return outputs
+
+    def _score_prompts(self, seqs: list[Sequence], num_scheduled: list[int], logits: torch.Tensor) -> None:
+        """Prompt logprobs of the positions this step ran (rows in `prompt_span` order)."""
+        owners, targets = [], []
+        for seq, n in zip(seqs, num_scheduled):
+            lo, hi = prompt_span(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            owners += [seq] * (hi - lo)
+            targets += seq.prompt_token_ids[lo + 1:hi + 1]
+        scored = token_logprobs(logits, [s.params.prompt_logprobs for s in owners],
+                                [s.params.temperature for s in owners], targets)
+        for seq, logprob in zip(owners, scored):
+            seq.prompt_logprobs.append(logprob)
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         """The step computed every token but the new one; blocks it filled join the prefix cache."""
@@ -315,7 +332,7 @@ class LLMEngine:
         child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params, seed,
                          prompt=parent.prompt, index=index, beam=parent.beam,
                          output_token_ids=list(parent.output_token_ids),
-                         output_logprobs=list(parent.output_logprobs),
+                         output_logprobs=list(parent.output_logprobs), prompt_logprobs=list(parent.prompt_logprobs),
                          num_computed_tokens=parent.num_computed_tokens,
                          arrival_time=parent.arrival_time, first_scheduled_time=parent.first_scheduled_time,
                          first_token_time=parent.first_token_time)

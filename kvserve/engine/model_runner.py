@@ -11,6 +11,7 @@ from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
+from kvserve.engine.logprobs import prompt_span
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
 from kvserve.model.cpu_linear import cpu_linear_kind, replace_linears
@@ -29,10 +30,12 @@ class ModelRunner:
             replace_linears(model, self.linear_kind, kernels)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], num_scheduled: list[int], ops: BlockOps) -> torch.Tensor:
+    def forward(self, seqs: list[Sequence], num_scheduled: list[int],
+                ops: BlockOps) -> tuple[torch.Tensor, torch.Tensor]:
         """Applies the step's block moves, then runs the next `num_scheduled[i]` uncomputed tokens
-        of each sequence (all of them, or a prompt chunk); returns the logits after each one's
-        last token run [len(seqs), vocab]."""
+        of each sequence (all of them, or a prompt chunk). Returns the logits after each one's
+        last token run [len(seqs), vocab], and after each position `prompt_span` names, in batch
+        order [R, vocab] (empty unless a sequence asks for prompt logprobs)."""
         if ops.swap_out or ops.swap_in:
             assert self.swap is not None, "swaps scheduled without a swap space"
             self.swap.apply(self.pool, ops.swap_out, ops.swap_in)
@@ -40,17 +43,24 @@ class ModelRunner:
             self.pool.offload_blocks(list(ops.offloads))
         self.pool.copy_blocks(list(ops.copies))
         bm = self.block_manager
-        ends = [s.num_computed_tokens + n for s, n in zip(seqs, num_scheduled)]
-        input_ids = [t for s, end in zip(seqs, ends) for t in s.token_ids[s.num_computed_tokens:end]]
+        starts = [s.num_computed_tokens for s in seqs]
+        ends = [start + n for start, n in zip(starts, num_scheduled)]
+        input_ids = [t for s, start, end in zip(seqs, starts, ends) for t in s.token_ids[start:end]]
         # Only the blocks holding context: a contiguous reservation's unused tail is not read.
         tables = [bm.tables[s.seq_id][:bm.blocks_for(end)] for s, end in zip(seqs, ends)]
         step = StepMetadata.build(
             num_scheduled, ends, tables, self.pool.block_size, self.device,
             offloaded=bool(bm.num_host_blocks) and not all(on_device(b) for t in tables for b in t),
-            kv_plan=self.pool.plan_step(bm, [(s.seq_id, s.num_computed_tokens, end) for s, end in zip(seqs, ends)]))
-        logit_index = (step.query_start[1:] - 1).to(self.device)
-        return self.model(torch.tensor(input_ids, device=self.device), StepAttention.of(self.backend, step),
-                          logit_index, self.ops)
+            kv_plan=self.pool.plan_step(bm, [(s.seq_id, start, end) for s, start, end in zip(seqs, starts, ends)]))
+        rows = step.query_start[1:] - 1
+        # Row of position p of sequence i: query_start[i] + p - start_i.
+        spans = [(i, *prompt_span(s, start, end)) for i, (s, start, end) in enumerate(zip(seqs, starts, ends))]
+        extra = [torch.arange(lo, hi) + int(step.query_start[i]) - starts[i] for i, lo, hi in spans if hi > lo]
+        if extra:
+            rows = torch.cat([rows, *extra])
+        logits = self.model(torch.tensor(input_ids, device=self.device), StepAttention.of(self.backend, step),
+                            rows.to(self.device), self.ops)
+        return logits[:len(seqs)], logits[len(seqs):]
 
     @staticmethod
     def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

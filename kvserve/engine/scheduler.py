@@ -135,7 +135,9 @@ class Scheduler:
             # waits for them, recomputing its last token (LLMEngine._step_beams).
             if sum(1 + s.num_forks for s in group) > slots or budget <= 0 or (need > budget and not chunked):
                 break
-            cached = [self.block_manager.allocate_prompt(s.seq_id, s.token_ids, self.reserve_tokens)
+            # Prompt logprobs need every prompt position's logits: no prefix taken from the cache.
+            cached = [self.block_manager.allocate_prompt(s.seq_id, s.token_ids, self.reserve_tokens,
+                                                         use_cache=s.params.prompt_logprobs is None)
                       for s in group]
             if None in cached:
                 for seq, got in zip(group, cached):

@@ -40,6 +40,8 @@ class Sequence:
     beam: BeamGroup | None = None  # shared by the beams of a beam-search request
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs
+    # With params.prompt_logprobs: one per prompt token scored so far, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0   # tokens whose K/V are in the pool
     num_preemptions: int = 0
@@ -95,6 +97,7 @@ class RequestOutput:
     finish_time: float | None
     num_preemptions: int
     logprobs: list[TokenLogprobs] | None  # one per token of token_ids, when asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None  # one per prompt token (None for the first)
 
     @classmethod
     def of(cls, seq: Sequence, delta_text: str) -> "RequestOutput":
@@ -102,4 +105,5 @@ class RequestOutput:
                    list(seq.output_token_ids), delta_text, seq.finished, seq.finish_reason,
                    seq.error, seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
                    seq.num_preemptions,
-                   None if seq.params.logprobs is None else list(seq.output_logprobs))
+                   None if seq.params.logprobs is None else list(seq.output_logprobs),
+                   None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs))

@@ -88,3 +88,57 @@ def test_forced_logprobs_equal_hf_log_softmax(smol: LLM, hf_smol: Any) -> None:
     ref = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
     got = torch.stack([t.full for t in out.logprobs])
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+
+
+def full_recompute_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """log-softmax after every token of `tokens`, from a forced run of the same engine: token 0
+    as the prompt, the rest forced one cached step at a time (independent of prompt scoring)."""
+    out = llm.generate([tokens[:1]], SamplingParams(max_tokens=len(tokens) - 1, temperature=0, logprobs=-1,
+                                                    forced_token_ids=tokens[1:]), use_tqdm=False)[0]
+    return torch.stack([t.full for t in out.logprobs])
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_prompt_logprobs_score_every_prompt_token(tiny_llm: Callable[..., LLM], chunk: int | None) -> None:
+    """Prefill (whole, or in chunks of 16 among other requests) scores prompt token t with the
+    distribution after tokens 0..t-1, as decoding them one at a time does."""
+    prompt = [(7 * j + 3) % 128 for j in range(40)]
+    config = {} if chunk is None else dict(max_num_batched_tokens=chunk, max_num_seqs=4)
+    llm = tiny_llm(**config)
+    reference = full_recompute_logprobs(tiny_llm(), prompt)
+    # A twin request warms the prefix cache first: prompt scoring must not take its blocks.
+    llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    outs = llm.generate([prompt, PROMPTS[1]], [SamplingParams(max_tokens=3, prompt_logprobs=-1),
+                                               SamplingParams(max_tokens=5)], use_tqdm=False)
+    scored = outs[0].prompt_logprobs
+    assert scored[0] is None and len(scored) == len(prompt)
+    assert [t.token_id for t in scored[1:]] == prompt[1:]
+    torch.testing.assert_close(torch.stack([t.full for t in scored[1:]]), reference, atol=1e-4, rtol=1e-4)
+    assert outs[1].prompt_logprobs is None
+
+
+def test_prompt_logprobs_survive_preemption(tiny_llm: Callable[..., LLM]) -> None:
+    """A pool too small for the batch preempts and recomputes: each prompt token is scored once."""
+    prompts = [[(5 * i + 11 * j) % 128 for j in range(50)] for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    llm = tiny_llm(kv_cache_memory=str(9 * 16 * 2 * 2 * 2 * 16 * 4), max_num_seqs=4)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    alone = tiny_llm().generate(prompts, params, use_tqdm=False)
+    for out, ref in zip(outs, alone):
+        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs) == 50
+        assert [t.logprob for t in out.prompt_logprobs[1:]] == pytest.approx(
+            [t.logprob for t in ref.prompt_logprobs[1:]], abs=1e-4)
+
+
+@pytest.mark.model
+def test_prompt_logprobs_equal_hf_log_softmax(smol: LLM, hf_smol: Any) -> None:
+    prompt = smol.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    out = smol.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_smol(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    got = [t.logprob for t in out.prompt_logprobs[1:]]
+    want = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1).tolist()
+    assert got == pytest.approx(want, abs=1e-3)
+    for t, row in zip(out.prompt_logprobs[1:], ref[:-1]):
+        assert list(t.top) == row.topk(5).indices.tolist()
