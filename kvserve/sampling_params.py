@@ -27,6 +27,10 @@ class SamplingParams:
     # The same for every prompt token after the first (what `echo` scores); the prompt is then
     # computed in full, never taken from the prefix cache.
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0    # OpenAI's: -2..2, over the tokens generated so far
+    frequency_penalty: float = 0.0   # OpenAI's: -2..2, per appearance in the output so far
+    repetition_penalty: float = 1.0  # HF's: > 0, over prompt and output; 1 disables
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100)
     # Teacher forcing: the output is these tokens instead of sampled ones, each still decoded in
     # its own cached step (with `logprobs`, scores a continuation under the engine's KV cache).
     forced_token_ids: list[int] | None = None
@@ -47,6 +51,24 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict)
+                or any(not _is_int(t) or t < 0 for t in self.logit_bias)
+                or any(not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100
+                       for b in self.logit_bias.values())):
+            raise ValueError("SamplingParams.logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
+        if self.beam_width > 1 and (self.presence_penalty or self.frequency_penalty
+                                    or self.repetition_penalty != 1 or self.logit_bias):
+            raise ValueError("SamplingParams.beam_width: penalties and logit_bias are not supported with beam search")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not _is_int(self.seed):

@@ -20,6 +20,7 @@ from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.penalties import apply_penalties
 from kvserve.engine.logprobs import prompt_span, token_logprobs
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
@@ -162,8 +163,11 @@ class LLMEngine:
             raise ValueError("prompt: empty prompt")
         if any(not 0 <= t < self.model_config.vocab_size for t in ids):
             raise ValueError(f"prompt: token ids must be in [0, {self.model_config.vocab_size})")
-        if params.forced_token_ids is not None and max(params.forced_token_ids, default=0) >= self.model_config.vocab_size:
-            raise ValueError(f"forced_token_ids: token ids must be in [0, {self.model_config.vocab_size})")
+        vocab = self.model_config.vocab_size
+        for name, listed in (("forced_token_ids", params.forced_token_ids), ("logit_bias", params.logit_bias),
+                             ("stop_token_ids", params.stop_token_ids)):
+            if listed and max(listed) >= vocab:
+                raise ValueError(f"{name}: token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} prompt tokens leave no room to generate within the "
                              f"context length max_model_len={self.max_model_len}")
@@ -236,7 +240,8 @@ class LLMEngine:
         outputs = self._step_beams(ready, logits, now)
         sampled = [i for i, s in enumerate(ready) if s.beam is None]
         seqs, rows = self._fork_samples([ready[i] for i in sampled])
-        rows_logits = logits[[sampled[r] for r in rows]]
+        rows_logits = apply_penalties(logits[[sampled[r] for r in rows]], [s.params for s in seqs],
+                                      [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs])
         tokens = [s.params.forced_token_ids[len(s.output_token_ids)] if s.params.forced_token_ids is not None else t
                   for s, t in zip(seqs, self.runner.sample(seqs, rows_logits))]
         logprobs = token_logprobs(rows_logits, [s.params.logprobs for s in seqs],

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
+from kvserve import LLM
 from kvserve.engine.sampler import _top_k_top_p, sample
 from kvserve.sampling_params import SamplingParams
 
@@ -211,3 +214,36 @@ def test_large_seed_accepted_by_params_can_be_sampled() -> None:
     logits = flat_logits(1, 10, seed=0)
     first = sample(logits, [params], [seed], [0])
     assert torch.equal(first, sample(logits, [params], [seed], [0]))
+
+
+def test_penalties_worked_by_hand() -> None:
+    from kvserve.engine.penalties import apply_penalties
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0], [1.0, 1.0, 1.0, 1.0]])
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(repetition_penalty=2.0),
+              SamplingParams(logit_bias={2: 5.0, 0: -100.0})]
+    prompts, outputs = [[3], [1, 2], [0]], [[0, 0, 2], [0], [1]]
+    out = apply_penalties(logits, params, prompts, outputs)
+    # Row 0: token 0 appeared twice in the output (-0.5 - 2 * 0.25), token 2 once (-0.5 - 0.25);
+    # the prompt's token 3 does not count.
+    assert out[0].tolist() == [1.0, -1.0, -0.25, 3.0]
+    # Row 1: tokens 0 (output), 1 and 2 (prompt) seen: 2 / 2, -1 * 2, 0.5 / 2; token 3 unseen.
+    assert out[1].tolist() == [1.0, -2.0, 0.25, 3.0]
+    assert out[2].tolist() == [-99.0, 1.0, 6.0, 1.0]
+    assert torch.equal(logits[0], torch.tensor([2.0, -1.0, 0.5, 3.0]))  # the input is untouched
+
+
+def test_logit_bias_steers_generation_and_logprobs_follow(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm()
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0, logit_bias={77: 100.0},
+                                                   logprobs=0, ignore_eos=True), use_tqdm=False)[0]
+    assert out.token_ids == [77] * 5
+    assert all(t.logprob > -1e-3 for t in out.logprobs)  # the distribution sampled from: biased
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=3.0), dict(frequency_penalty=float("nan")),
+                                 dict(repetition_penalty=0.0), dict(logit_bias={1: 200.0}),
+                                 dict(logit_bias={-1: 1.0}), dict(logit_bias={"a": 1.0})])
+def test_bad_penalties_name_the_field(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="SamplingParams.(presence_penalty|frequency_penalty|repetition_penalty|logit_bias)"):
+        SamplingParams(**bad)
