@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -12,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from kvserve.engine.sequence import RequestOutput
+from kvserve.engine.sequence import RequestOutput, TokenLogprobs
 from kvserve.server.async_engine import AsyncEngine, Done, Draining, QueueFull
 from kvserve.server.kv_state import kv_state
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, error_body,
@@ -80,11 +81,17 @@ def build_app(aengine: AsyncEngine, retry_after_s: int = 1, model_name: str | No
                           max(engine.max_model_len - len(ids), 1))
         return await _generate(req, [ids], max_tokens, chat=True)
 
+    def token_text(token: int) -> str:
+        return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+
     async def _generate(req: _Common, prompts: list[list[int]], max_tokens: int, chat: bool) -> Response:
         if (bad := req.unsupported()) is not None:
             return _error(400, bad[1], bad[0])
+        echo = isinstance(req, CompletionRequest) and req.echo
+        score_only = isinstance(req, CompletionRequest) and req.score_only
         try:
-            params = req.sampling_params(max_tokens)
+            # Scoring a prompt still runs the engine's one-token minimum; that token is dropped.
+            params = req.sampling_params(1 if score_only else max_tokens)
         except ValueError as err:
             return _error(400, str(err), param_of(str(err)))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -98,7 +105,8 @@ def build_app(aengine: AsyncEngine, retry_after_s: int = 1, model_name: str | No
         except ValueError as err:
             param = param_of(str(err))
             return _error(400, str(err), "messages" if chat and param == "prompt" else param)
-        reply = _Reply(request_id, model_name, chat, rids, params.n if params.beam_width == 1 else 1)
+        reply = _Reply(request_id, model_name, chat, rids, params.n if params.beam_width == 1 else 1,
+                       _Rendering(token_text, echo, score_only))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_stream(reply, sink, include_usage), media_type="text/event-stream")
@@ -127,7 +135,7 @@ def build_app(aengine: AsyncEngine, retry_after_s: int = 1, model_name: str | No
                 for item in items:
                     reply.take(item)
                     if isinstance(item, RequestOutput) and item.finish_reason != "error":
-                        if item.delta_text or item.finished:
+                        if item.delta_text or item.finished or reply.has_new_logprobs(item):
                             events.append(_sse(reply.chunk_of(item)))
                 if events:
                     yield "".join(events)
@@ -147,12 +155,47 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+@dataclass(frozen=True)
+class _Rendering:
+    """How outputs become OpenAI text and logprobs: token strings, and completions' echo."""
+    token_text: Callable[[int], str]
+    echo: bool = False
+    score_only: bool = False  # echo with max_tokens 0: the prompt alone, its one engine token dropped
+
+    def text(self, out: RequestOutput) -> str:
+        prompt = (out.prompt if out.prompt is not None else "".join(map(self.token_text, out.prompt_token_ids)))
+        return (prompt if self.echo else "") + ("" if self.score_only else out.text)
+
+    def entries(self, out: RequestOutput, start: int, echo: bool) -> list[tuple[int, TokenLogprobs | None]]:
+        """(token, its logprobs) from output token `start` on, the prompt's first when `echo`."""
+        head = list(zip(out.prompt_token_ids, out.prompt_logprobs or [])) if echo else []
+        tail = [] if self.score_only else list(zip(out.token_ids[start:], (out.logprobs or [])[start:]))
+        return head + tail
+
+    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int) -> dict[str, Any]:
+        tokens = [self.token_text(t) for t, _ in entries]
+        offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
+                "top_logprobs": [{self.token_text(k): v for k, v in lp.top.items()} if lp else None
+                                 for _, lp in entries],
+                "text_offset": offsets}
+
+    def chat_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
+        def item(token: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [{**item(t, lp.logprob), "top_logprobs": [item(k, v) for k, v in lp.top.items()]}
+                            for t, lp in entries if lp is not None]}
+
+
 class _Reply:
     """Collects one HTTP request's outputs (one engine request per prompt, n samples each) into
     OpenAI's response and chunk shapes."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, engine_ids: list[str], n: int) -> None:
-        self.id, self.model, self.chat, self.n = request_id, model, chat, n
+    def __init__(self, request_id: str, model: str, chat: bool, engine_ids: list[str], n: int,
+                 rendering: _Rendering) -> None:
+        self.id, self.model, self.chat, self.n, self.rendering = request_id, model, chat, n, rendering
+        self.sent: dict[int, int] = {}  # per choice, output tokens whose logprobs were streamed
         self.created = int(time.time())
         self.prompt_index = {rid: i for i, rid in enumerate(engine_ids)}
         self.pending = set(engine_ids)
@@ -178,7 +221,7 @@ class _Reply:
 
     def usage(self) -> dict[str, int]:
         prompt = sum(self.prompt_tokens.values())
-        completion = sum(len(o.token_ids) for o in self.finals.values())
+        completion = 0 if self.rendering.score_only else sum(len(o.token_ids) for o in self.finals.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def chunk_base(self) -> dict[str, Any]:
@@ -190,17 +233,39 @@ class _Reply:
         choice["delta" if self.chat else "text"] = delta
         return {**self.chunk_base(), "choices": [choice]}
 
+    def has_new_logprobs(self, out: RequestOutput) -> bool:
+        return out.logprobs is not None and len(out.logprobs) > self.sent.get(self.index(out), 0)
+
     def chunk_of(self, out: RequestOutput) -> dict[str, Any]:
-        delta: dict[str, Any] | str = {"content": out.delta_text} if self.chat else out.delta_text
-        return self.chunk(self.index(out), delta, out.finish_reason if out.finished else None)
+        index = self.index(out)
+        first = index not in self.sent
+        start = self.sent.get(index, 0)
+        r = self.rendering
+        text = out.delta_text
+        if first and r.echo:  # the prompt goes out with the choice's first chunk
+            text = r.text(out)[:len(r.text(out)) - len(out.text)] + text
+        chunk = self.chunk(index, {"content": text} if self.chat else text,
+                           out.finish_reason if out.finished else None)
+        if out.logprobs is not None:
+            entries = r.entries(out, start, first and r.echo)
+            chunk["choices"][0]["logprobs"] = (r.chat_logprobs(entries) if self.chat
+                                               else r.completion_logprobs(entries, 0))
+        self.sent[index] = len(out.logprobs or [])
+        return chunk
 
     def body(self) -> dict[str, Any]:
         choices = []
         for index in range(self.num_choices):
             out = self.finals.get(index)
-            text = out.text if out else ""
+            r = self.rendering
+            text = r.text(out) if out else ""
             choice: dict[str, Any] = {"index": index, "logprobs": None,
                                       "finish_reason": out.finish_reason if out else "abort"}
+            if out is not None and out.logprobs is not None:
+                entries = r.entries(out, 0, r.echo)
+                choice["logprobs"] = r.chat_logprobs(entries) if self.chat else r.completion_logprobs(entries, 0)
+            if out is not None and r.score_only:
+                choice["finish_reason"] = "length"
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:

@@ -27,27 +27,41 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension (HF semantics)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     ignore_eos: bool = False  # vLLM's extension, for load tests of fixed length
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a request asking for something the engine does not do."""
-        if self.presence_penalty or self.frequency_penalty:
-            field = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            return field, f"{field} is not supported; leave it at 0"
         return None
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) for SamplingParams: how many top alternatives per token."""
+        return None, None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        try:
+            bias = None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias: keys must be token ids") from None
+        logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(max_tokens=max_tokens, n=self.n, temperature=self.temperature,
                               top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
                               stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+# OpenAI's limits: completions' logprobs up to 5 (we allow vLLM's 20), chat's top_logprobs up to 20.
+MAX_TOP_LOGPROBS = 20
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16  # OpenAI's default for completions
-    logprobs: int | None = None
-    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # the prompt's text (and its logprobs) before the completion's
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -55,12 +69,13 @@ class CompletionRequest(_Common):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported by this engine yet"
-        if self.echo:
-            return "echo", "echo is not supported"
-        return super().unsupported()
+    @property
+    def score_only(self) -> bool:
+        """`echo` with max_tokens 0: score the prompt, generate nothing (lm-eval's way)."""
+        return self.echo and self.max_tokens == 0
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
 
 class ChatMessage(BaseModel):
@@ -80,12 +95,15 @@ class ChatCompletionRequest(_Common):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs are not supported by this engine yet"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         return super().unsupported()
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
 
 def error_body(message: str, param: str | None = None, type_: str = "invalid_request_error",

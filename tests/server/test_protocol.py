@@ -28,10 +28,24 @@ def test_wrong_types_are_rejected() -> None:
 
 
 def test_unsupported_options_are_named() -> None:
-    assert CompletionRequest(prompt="a", logprobs=2).unsupported()[0] == "logprobs"
-    assert ChatCompletionRequest(messages=[{"role": "user", "content": "a"}],
-                                 frequency_penalty=1.0).unsupported()[0] == "frequency_penalty"
-    assert ChatCompletionRequest(messages=[{"role": "user", "content": "a"}]).unsupported() is None
+    chat = [{"role": "user", "content": "a"}]
+    assert ChatCompletionRequest(messages=chat, top_logprobs=2).unsupported()[0] == "top_logprobs"
+    assert ChatCompletionRequest(messages=chat).unsupported() is None
+
+
+def test_scoring_fields_become_sampling_params() -> None:
+    chat = [{"role": "user", "content": "a"}]
+    p = CompletionRequest(prompt="a", logprobs=2, echo=True, frequency_penalty=0.5, presence_penalty=-1.0,
+                          logit_bias={"5": 3.0}, repetition_penalty=1.2).sampling_params(4)
+    assert (p.logprobs, p.prompt_logprobs) == (2, 2)
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert p.logit_bias == {5: 3.0}
+    assert CompletionRequest(prompt="a", logprobs=0).sampling_params(4).prompt_logprobs is None
+    assert ChatCompletionRequest(messages=chat, logprobs=True, top_logprobs=3).sampling_params(4).logprobs == 3
+    assert ChatCompletionRequest(messages=chat, logprobs=True).sampling_params(4).logprobs == 0
+    assert ChatCompletionRequest(messages=chat).sampling_params(4).logprobs is None
+    with pytest.raises(ValueError, match="logit_bias"):
+        CompletionRequest(prompt="a", logit_bias={"x": 1.0}).sampling_params(4)
 
 
 def test_chat_content_parts_are_joined() -> None:
