@@ -11,13 +11,14 @@ import torch
 
 from kvserve.bench.metrics import format_table, ratio
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
+from kvserve.texts import DATA_HELP
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks against HF transformers, run side by side")
     kinds = bench.add_subparsers(dest="bench", required=True)
 
-    tp = kinds.add_parser("throughput", help="offline throughput on a WikiText-2 workload vs HF generate")
+    tp = kinds.add_parser("throughput", help="offline throughput on a text-sliced workload vs HF and llama.cpp")
     tp.add_argument("--num-requests", type=int, default=64)
     tp.add_argument("--seed", type=int, default=0, help="workload seed")
     tp.add_argument("--prompt-len-median", type=int, default=128)
@@ -25,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--sigma", type=float, default=0.8, help="lognormal spread of lengths")
     tp.add_argument("--max-prompt-len", type=int, default=1024)
     tp.add_argument("--max-output-len", type=int, default=512)
-    tp.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
+    tp.add_argument("--data", default=None, help=DATA_HELP)
     tp.add_argument("--skip-hf", action="store_true", help="leave out HF transformers (static and continuous)")
     tp.add_argument("--skip-llama-cpp", action="store_true",
                     help="leave out llama.cpp (llama-cpp-python, one request at a time: its Python API serves one)")
@@ -35,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tp.set_defaults(func=run, max_model_len=2048)
 
     mem = kinds.add_parser("memory", help="prefix caching, n-sample sharing, swap vs recompute")
-    mem.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
+    mem.add_argument("--data", default=None, help=DATA_HELP)
     mem.add_argument("--out", default="bench_out")
     add_engine_args(mem)
     mem.set_defaults(func=run, max_model_len=2048, max_num_seqs=8)
@@ -45,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--seed", type=int, default=0, help="workload seed")
     sv.add_argument("--prompt-len-median", type=int, default=128)
     sv.add_argument("--output-len-median", type=int, default=64)
-    sv.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
+    sv.add_argument("--data", default=None, help=DATA_HELP)
     sv.add_argument("--out", default="bench_out")
     add_engine_args(sv)
     sv.set_defaults(func=run, max_model_len=2048)
@@ -56,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kf.add_argument("--num-requests", type=int, default=32)
     kf.add_argument("--prompt-len-median", type=int, default=256)
     kf.add_argument("--output-len-median", type=int, default=32)
-    kf.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
+    kf.add_argument("--data", default=None, help=DATA_HELP)
     kf.add_argument("--out", default="bench_out")
     add_engine_args(kf)
     kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="128MiB", max_num_seqs=48, seed=0)
@@ -93,15 +94,17 @@ def run_attention(args: argparse.Namespace, out: Path) -> None:
     (out / "attention.md").write_text(text + "\n")
 
 
-def _workload(args: argparse.Namespace, tokenizer: Any, **shape: Any) -> tuple[list[Any], list[list[int]], list[Any]]:
-    """The run's WikiText-2 requests, their prompts, and greedy params of fixed output length."""
+def _workload(args: argparse.Namespace, tokenizer: Any,
+              **shape: Any) -> tuple[list[Any], list[list[int]], list[Any], str]:
+    """The run's requests (slices of the --data text), their prompts, greedy params of fixed
+    output length, and the text's name."""
     from kvserve.bench.throughput import greedy_params
-    from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH, load_wikitext_ids, make_workload
+    from kvserve.bench.workload import load_text_ids, make_workload
 
-    ids = load_wikitext_ids(tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
+    name, ids = load_text_ids(tokenizer, args.data)
     requests = make_workload(ids, args.num_requests, args.seed, args.prompt_len_median, args.output_len_median,
                              **shape)
-    return requests, [r.prompt_token_ids for r in requests], greedy_params(requests)
+    return requests, [r.prompt_token_ids for r in requests], greedy_params(requests), name
 
 
 def run_throughput(args: argparse.Namespace, out: Path) -> None:
@@ -112,8 +115,8 @@ def run_throughput(args: argparse.Namespace, out: Path) -> None:
 
     llm = llm_from_args(args, "paged")
     model_config = llm.engine.model_config
-    requests, prompts, params = _workload(args, llm.tokenizer, sigma=args.sigma, max_prompt_len=args.max_prompt_len,
-                                          max_output_len=args.max_output_len)
+    requests, prompts, params, _ = _workload(args, llm.tokenizer, sigma=args.sigma,
+                                             max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len)
     summaries = [run_kvserve(llm, prompts, params, "kvserve-paged")]
     backend = llm.engine.attention_backend.name
     if not args.skip_contiguous:
@@ -218,12 +221,12 @@ def run_memory(args: argparse.Namespace, out: Path) -> None:
 
     from kvserve import LLM
     from kvserve.bench import memory
-    from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH, load_wikitext_ids
+    from kvserve.bench.workload import load_text_ids
 
     make_llm = partial(LLM, model=args.model, dtype=args.dtype, device=args.device,
                        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len)
-    ids = load_wikitext_ids(make_llm(kv_cache_memory="16MiB").tokenizer, args.data or DEFAULT_WIKITEXT_PATH)
+    _, ids = load_text_ids(make_llm(kv_cache_memory="16MiB").tokenizer, args.data)
     sections = []
     for title, experiment in (("(a) shared system prompt", memory.shared_system_prompt),
                               ("(b) parallel samples", memory.parallel_samples),
@@ -253,7 +256,7 @@ def run_serve(args: argparse.Namespace, out: Path) -> None:
     from kvserve.bench.serve_load import ServerProcess, run_concurrent_streams
 
     llm = llm_from_args(args, "paged")
-    requests, prompts, params = _workload(args, llm.tokenizer, max_prompt_len=512, max_output_len=256)
+    requests, prompts, params, text_name = _workload(args, llm.tokenizer, max_prompt_len=512, max_output_len=256)
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up, as the server's first requests
     t0 = time.perf_counter()
     offline = llm.generate(prompts, params)
@@ -276,7 +279,7 @@ def run_serve(args: argparse.Namespace, out: Path) -> None:
     tokens = sum(r.get("tokens", 0) for r in results if not r["error"])
     leaked = sum(c in "US" for c in state["states"])
     ttft = sorted(r["ttft"] for r in results if not r["error"])
-    lines = [f"{len(requests)} concurrent streaming completions (WikiText-2 prompts, median "
+    lines = [f"{len(requests)} concurrent streaming completions ({text_name} prompts, median "
              f"{args.prompt_len_median} tokens; lognormal outputs, median {args.output_len_median}, "
              f"ignore_eos), dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, torch threads "
              f"{torch.get_num_threads()}", "",
@@ -301,7 +304,7 @@ def run_kv_formats(args: argparse.Namespace, out: Path) -> None:
     for i, fmt in enumerate(args.formats.split(",")):
         llm = llm_from_args(args, "paged", **kv_format_overrides(fmt, args))
         if i == 0:  # the tokenizer comes with the first engine
-            _, prompts, params = _workload(args, llm.tokenizer, sigma=0.5, max_prompt_len=1024, max_output_len=512)
+            _, prompts, params, _ = _workload(args, llm.tokenizer, sigma=0.5, max_prompt_len=1024, max_output_len=512)
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
         summary = run_kvserve(llm, prompts, params, f"kvserve {fmt}")
         summary.extra["capacity_tokens"] = float(llm.engine.block_manager.num_blocks * args.block_size)

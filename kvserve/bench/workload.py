@@ -1,19 +1,14 @@
-"""Synthetic request workloads built from WikiText-2 token ids."""
+"""Synthetic request workloads built from a text's token ids (kvserve.texts)."""
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-# The data lives beside the repo checkout (../shared), not inside it.
-DEFAULT_WIKITEXT_PATH = (
-    Path(__file__).resolve().parents[2].parent / "shared/data/wikitext-2-raw/wiki.test.raw"
-)
+from kvserve.texts import load_text
 
 
 class Encoder(Protocol):
@@ -26,16 +21,11 @@ class WorkloadRequest:
     max_tokens: int
 
 
-def load_wikitext_ids(
-    tokenizer: Encoder,
-    path: str | os.PathLike[str] = DEFAULT_WIKITEXT_PATH,
-    max_chars: int = 200_000,
-) -> list[int]:
-    # ~200k chars gives ~50k tokens: plenty of distinct slices, and tokenizing
-    # the full file would dominate benchmark start-up.
-    with open(path, encoding="utf-8") as f:
-        text = f.read(max_chars)
-    return tokenizer.encode(text, add_special_tokens=False)
+def load_text_ids(tokenizer: Encoder, spec: str | None = None, max_chars: int = 200_000) -> tuple[str, list[int]]:
+    """(the text's name, token ids of its first `max_chars` characters). ~200k characters give
+    ~50k tokens: plenty of distinct slices, where tokenizing a whole file would dominate start-up."""
+    text = load_text(spec, max_chars)
+    return text.name, tokenizer.encode(text.text, add_special_tokens=False)
 
 
 def lognormal_lengths(

@@ -3,6 +3,7 @@ QuantizedCache side by side on the same windows."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
+from kvserve.texts import DATA_HELP, load_text
 
 if TYPE_CHECKING:
     from kvserve import LLM
@@ -19,14 +21,14 @@ DEFAULT_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi4", "kivi2", "ou
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("eval", help="perplexity, KL, greedy agreement and passkey per KV-cache format",
-                       description="Runs WikiText-2 windows through the engine's real cache path for every "
+                       description="Runs windows of a text (--data) through the engine's real cache path for every "
                                    "format, against the reference cache (the model dtype), and HF "
                                    "transformers' QuantizedCache at the same bits. Writes a table and a "
                                    "plot of quality vs bytes per token.")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help="comma-separated kv_cache_dtype values, each optionally name@residual for its own "
                         f"full-precision window (default: {','.join(DEFAULT_FORMATS)})")
-    p.add_argument("--windows", type=int, default=4, help="WikiText-2 windows (default 4)")
+    p.add_argument("--windows", type=int, default=4, help="text windows (default 4)")
     p.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
     p.add_argument("--greedy-prompts", type=int, default=8, help="prompts for greedy agreement (default 8)")
@@ -36,7 +38,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--passkey-trials", type=int, default=5, help="keys per length (default 5)")
     p.add_argument("--hf-bits", default="4,2", help="HF QuantizedCache bits to run (default 4,2; '' skips)")
     p.add_argument("--hf-backend", default="quanto", help="quanto (default) or hqq")
-    p.add_argument("--data", default=None, help="WikiText-2 raw file (default ../shared/data/...)")
+    p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--out", default="bench_out", help="folder for eval.md, eval.json and eval.png")
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p)
@@ -44,7 +46,6 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from kvserve.bench.workload import DEFAULT_WIKITEXT_PATH
     from kvserve.eval import quality
 
     out = Path(args.out)
@@ -59,7 +60,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     reference = make_llm("auto")
     tok = reference.tokenizer
-    text = Path(args.data or DEFAULT_WIKITEXT_PATH).read_text(encoding="utf-8")
+    source = load_text(args.data)
+    text = source.text
     # Enough text for the windows from the front and the greedy prompts from the back (at least
     # 499 tokens apart each, at no more than 8 characters a token).
     chars = max(40 * args.window_len * args.windows, 8 * 499 * (args.greedy_prompts + 1))
@@ -73,7 +75,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     greedy_prompts = [ids[-(i + 1) * 499 - 256:-(i + 1) * 499] for i in range(args.greedy_prompts)]
     greedy = quality.SamplingParams(max_tokens=args.greedy_tokens, temperature=0, ignore_eos=True)
     passkeys = {n: quality.passkey_prompts(tok, n, args.passkey_trials, args.seed)
-                for n in map(int, args.passkey_lengths.split(",")) if n}
+                for n in (int(x) for x in args.passkey_lengths.split(",") if x)}
 
     ref_logprobs = quality.forced_logprobs(reference, windows, prefill)
     ref_greedy = [o.token_ids for o in reference.generate(greedy_prompts, greedy, use_tqdm=False)]
@@ -98,9 +100,27 @@ def cmd_eval(args: argparse.Namespace) -> None:
     for name in formats:
         rows.append(measure(make_llm(name), name))
 
+    notes = []
     if bits := [int(b) for b in args.hf_bits.split(",") if b]:
-        rows += _hf_rows(args, windows, prefill, bits, model_cfg)
-    _report(args, rows, out, prefill)
+        missing = _hf_backend_missing(args.hf_backend)
+        if missing is None:
+            rows += _hf_rows(args, windows, prefill, bits, model_cfg)
+        else:
+            notes.append(f"HF QuantizedCache rows skipped: {missing}")
+            print(notes[-1], flush=True)
+    _report(args, rows, out, prefill, source.name, notes)
+
+
+def _hf_backend_missing(backend: str) -> str | None:
+    """Why HF's QuantizedCache cannot run here (its backend is an optional extra), or None."""
+    module = {"quanto": "optimum.quanto", "hqq": "hqq"}.get(backend)
+    if module is None:
+        return f"--hf-backend {backend!r} is not quanto or hqq"
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package (optimum) is absent
+        found = False
+    return None if found else f"{module} is not installed (pip install {'optimum-quanto' if backend == 'quanto' else 'hqq'})"
 
 
 def _hf_rows(args: argparse.Namespace, windows: list[list[int]], prefill: int, bits_list: list[int],
@@ -139,7 +159,8 @@ def _format_row(row: dict[str, Any]) -> str:
     return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
 
 
-def _report(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path, prefill: int) -> None:
+def _report(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path, prefill: int, text_name: str,
+            notes: list[str]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -147,7 +168,7 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path, pre
     base = rows[0]  # the reference cache
     cols = ["bytes_per_token", "perplexity", "kl", "top1", "greedy_agree",
             *[k for k in rows[0] if k.startswith("passkey@")]]
-    lines = [f"WikiText-2 test, {args.windows} windows of {args.window_len} tokens (stride {args.stride}): "
+    lines = [f"{text_name}, {args.windows} windows of {args.window_len} tokens (stride {args.stride}): "
              f"{prefill} prefilled, {args.window_len - prefill} decoded token by token into the cache; "
              f"perplexity over the decoded targets. Reference cache: the model dtype ({args.dtype}); "
              f"KL(reference || format) and top-1 agreement per decoded position. Greedy: {args.greedy_prompts} "
@@ -163,6 +184,7 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path, pre
                          f"in the same run; top-1 agreement with it {r['top1_vs_hf_full']:.3f}")
         if "kept_fraction" in r:
             lines.append(f"\n{r['cache']}: kept fraction {r['kept_fraction']}")
+    lines += [f"\n{note}" for note in notes]
     text = "\n".join(lines)
     print(text)
     (out / "eval.md").write_text(text + "\n")
@@ -176,7 +198,7 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path, pre
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("KV bytes per token (all layers, K+V)")
-    ax.set_ylabel("WikiText-2 perplexity (decoded half)")
+    ax.set_ylabel(f"perplexity (decoded half), {text_name}")
     ax.set_title("KV-cache format: quality vs memory")
     fig.tight_layout()
     fig.savefig(out / "eval.png", dpi=120)

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.workload import WorkloadRequest, load_wikitext_ids, make_workload
+from kvserve.bench.workload import WorkloadRequest, load_text_ids, make_workload
 
 IDS = list(range(50_000))
 
@@ -52,7 +52,7 @@ class _CharTokenizer:
         return [ord(c) for c in text]
 
 
-def test_load_wikitext_ids_truncates(tmp_path: Path) -> None:
+def test_load_text_ids_truncates(tmp_path: Path) -> None:
     path = tmp_path / "wiki.raw"
     path.write_text("abcdef", encoding="utf-8")
-    assert load_wikitext_ids(_CharTokenizer(), path, max_chars=4) == [97, 98, 99, 100]
+    assert load_text_ids(_CharTokenizer(), str(path), max_chars=4) == (path.name, [97, 98, 99, 100])

@@ -1,0 +1,59 @@
+"""The texts benchmarks and `kvserve eval` read, found without a download.
+
+- `wikitext2`: the WikiText-2 raw test split. It is not redistributed with kvserve (its
+  licenses, CC BY-SA 3.0 and GFDL, and its keeper ask that it stay out of the project): it is
+  read from $KVSERVE_WIKITEXT, or from the checkout's `../shared/data/wikitext-2-raw/`.
+- `python-docs`: the Python language reference's prose that ships inside every CPython
+  (`pydoc_data.topics`, PSF license; about 465,000 characters of English with code samples).
+- any other value: a path to a UTF-8 text file.
+
+The default is `wikitext2` where it is found, else `python-docs`; every report names the text.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+TEXT_NAMES = ("wikitext2", "python-docs")
+_CHECKOUT_WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared/data/wikitext-2-raw/wiki.test.raw"
+DATA_HELP = ("text to read: wikitext2 (WikiText-2 test split, from $KVSERVE_WIKITEXT or ../shared), "
+             "python-docs (the Python reference prose inside CPython), or a file path; "
+             "default: wikitext2 where found, else python-docs")
+
+
+@dataclass(frozen=True)
+class Text:
+    name: str   # what reports call it
+    text: str
+
+
+def wikitext_path() -> Path | None:
+    env = os.environ.get("KVSERVE_WIKITEXT")
+    path = Path(env) if env else _CHECKOUT_WIKITEXT
+    return path if path.is_file() else None
+
+
+def load_text(spec: str | None = None, max_chars: int | None = None) -> Text:
+    """`spec` as in the module docstring; the first `max_chars` characters (all when None)."""
+    if spec is None:
+        spec = "wikitext2" if wikitext_path() is not None else "python-docs"
+    if spec == "wikitext2":
+        path = wikitext_path()
+        if path is None:
+            raise ValueError("--data: WikiText-2 is not redistributed with kvserve; set KVSERVE_WIKITEXT to its "
+                             "wiki.test.raw, or use --data python-docs or a file path")
+        return Text("WikiText-2 (test)", _read(path, max_chars))
+    if spec == "python-docs":
+        from pydoc_data.topics import topics
+        text = "\n\n".join(topics[key] for key in sorted(topics))
+        return Text("Python reference docs (pydoc_data)", text if max_chars is None else text[:max_chars])
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--data: {spec!r} is not a file, nor one of {', '.join(TEXT_NAMES)}")
+    return Text(path.name, _read(path, max_chars))
+
+
+def _read(path: Path, max_chars: int | None) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read() if max_chars is None else f.read(max_chars)

@@ -1,0 +1,74 @@
+"""Texts found without a download; and the commands that read them run from a bare copy of the
+package (no ../shared, no optimum-quanto), as a `pip install`ed kvserve would."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvserve
+from kvserve.texts import load_text, wikitext_path
+
+
+def test_python_docs_is_english_prose_inside_cpython() -> None:
+    text = load_text("python-docs")
+    assert text.name.startswith("Python reference docs") and len(text.text) > 200_000
+    assert "The \"assert\" statement" in text.text
+    assert load_text("python-docs", max_chars=100).text == text.text[:100]
+
+
+def test_wikitext_comes_from_the_environment_and_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "wiki.test.raw"
+    path.write_text(" = Valkyria Chronicles III = \n", encoding="utf-8")
+    monkeypatch.setenv("KVSERVE_WIKITEXT", str(path))
+    assert wikitext_path() == path
+    assert load_text(None) == load_text("wikitext2")
+    assert load_text(None).name == "WikiText-2 (test)" and "Valkyria" in load_text(None).text
+    monkeypatch.setenv("KVSERVE_WIKITEXT", str(tmp_path / "absent"))
+    assert load_text(None).name.startswith("Python reference docs")  # the default falls back, named
+    with pytest.raises(ValueError, match="--data: WikiText-2 is not redistributed"):
+        load_text("wikitext2")
+
+
+def test_a_path_names_itself_and_a_bad_one_names_the_option(tmp_path: Path) -> None:
+    path = tmp_path / "my.txt"
+    path.write_text("hello", encoding="utf-8")
+    assert load_text(str(path)).name == "my.txt"
+    with pytest.raises(ValueError, match="--data: .*not a file"):
+        load_text(str(tmp_path / "nope.txt"))
+
+
+@pytest.mark.model
+def test_eval_and_bench_run_from_a_bare_copy_of_the_package(tmp_path: Path) -> None:
+    """A copy of kvserve/ alone on the path, run from an empty folder; a stand-in `optimum`
+    package without quanto hides the real one."""
+    site = tmp_path / "site"
+    shutil.copytree(Path(kvserve.__file__).parent, site / "kvserve",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (site / "optimum").mkdir()
+    (site / "optimum" / "__init__.py").write_text("")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site), "KVSERVE_WIKITEXT": ""}
+
+    def run(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "kvserve", *args], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    probe = subprocess.run([sys.executable, "-c", "import kvserve; print(kvserve.__file__)"], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip().startswith(str(site))  # the copy, not the checkout
+    out = run("eval", "--formats", "int8", "--windows", "1", "--window-len", "32", "--stride", "32",
+              "--greedy-prompts", "1", "--greedy-tokens", "4", "--passkey-lengths", "", "--out", "ev")
+    report = (work / "ev" / "eval.md").read_text()
+    assert report.startswith("Python reference docs (pydoc_data), 1 windows") and "kvserve int8" in report
+    assert "HF QuantizedCache rows skipped: optimum.quanto is not installed" in report
+    run("bench", "throughput", "--num-requests", "2", "--skip-hf", "--skip-llama-cpp", "--skip-contiguous",
+        "--out", "bt")
+    assert (work / "bt" / "throughput.md").exists()
