@@ -12,8 +12,11 @@ class SamplingParams:
     temperature: float = 1.0    # 0 means greedy
     top_k: int = 0              # 0 disables
     top_p: float = 1.0
-    seed: int | None = None     # same seed, same output, whatever else is in the batch;
-                                # sample i of n uses seed + i
+    # Sample i of n uses seed + i. The random draw depends on (seed, position) alone, so in fp32
+    # a seeded request gives the same tokens in any batch. In bf16 it may not: the logits
+    # themselves move slightly with the batch (the matmuls block and sum differently), and a
+    # near-tie can flip after some tokens. Run fp32 where batch-invariance matters.
+    seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False

@@ -43,6 +43,12 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     return digest.digest()
 
 
+def salt_root(salt: str | None) -> bytes | None:
+    """The parent hash of a salted sequence's first block: sequences with different salts never
+    share a cached block, so one tenant cannot learn from hits what another one sent."""
+    return None if salt is None else hashlib.sha256(b"cache_salt:" + salt.encode()).digest()
+
+
 @dataclass
 class PrefixStats:
     prompt_tokens: int = 0
@@ -80,6 +86,7 @@ class BlockManager:
         self.tables: dict[str, list[int]] = {}
         self.num_tokens: dict[str, int] = {}
         self._hashes: dict[str, list[bytes]] = {}  # each sequence's registered full-block hashes
+        self._roots: dict[str, bytes] = {}          # salted sequences' first parent hash
         # Copy-on-write copies (src, dst) recorded for the step being scheduled (see take_moves).
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_stats = PrefixStats()
@@ -134,14 +141,15 @@ class BlockManager:
         self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
 
     def allocate_prompt(self, seq_id: str, token_ids: list[int], reserve_tokens: int = 0,
-                        use_cache: bool = True) -> int | None:
+                        use_cache: bool = True, salt: str | None = None) -> int | None:
         """Give a new sequence its blocks, reusing its longest cached prefix (unless not
-        `use_cache`). Returns how many tokens are already in the pool, or None (changing
-        nothing) if blocks are short."""
+        `use_cache`) among blocks cached under the same `salt`. Returns how many tokens are
+        already in the pool, or None (changing nothing) if blocks are short."""
         hits: list[int] = []
         hashes: list[bytes] = []
+        root = salt_root(salt)
         if self.enable_prefix_caching and use_cache:
-            parent = None
+            parent = root
             # The last prompt token is always computed: its logits give the first output token.
             for i in range((len(token_ids) - 1) // self.block_size):
                 chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -160,6 +168,8 @@ class BlockManager:
         self.tables[seq_id] = hits + [self._take_free() for _ in range(need)]
         self.num_tokens[seq_id] = len(token_ids)
         self._hashes[seq_id] = hashes
+        if root is not None:
+            self._roots[seq_id] = root
         cached = len(hits) * self.block_size
         self.prefix_stats.prompt_tokens += len(token_ids)
         self.prefix_stats.cached_tokens += cached
@@ -216,6 +226,8 @@ class BlockManager:
         self.tables[child_id] = list(self.tables[parent_id])
         self.num_tokens[child_id] = self.num_tokens[parent_id]
         self._hashes[child_id] = list(self._hashes[parent_id])
+        if parent_id in self._roots:
+            self._roots[child_id] = self._roots[parent_id]
 
     def register_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         """Put the sequence's newly filled blocks (their K/V written) into the prefix cache."""
@@ -225,7 +237,7 @@ class BlockManager:
         table = self.tables[seq_id]
         for i in range(len(hashes), num_computed // self.block_size):
             chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = block_hash(hashes[-1] if hashes else None, chunk)
+            h = block_hash(hashes[-1] if hashes else self._roots.get(seq_id), chunk)
             hashes.append(h)
             if not on_device(table[i]):  # offloaded: registered before it left the device
                 continue
@@ -251,6 +263,7 @@ class BlockManager:
                 self._release(block_id)
         self.num_tokens.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
 
     def block_states(self) -> tuple[str, list[str | None]]:
         """Per device block, its state as one letter (F free, U in use, S shared, C cached) and

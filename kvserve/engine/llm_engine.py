@@ -149,12 +149,15 @@ class LLMEngine:
         return None, [int(t) for t in ids]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        return self.add_sequence(self.make_sequence(prompt, params, request_id))
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        return self.add_sequence(self.make_sequence(prompt, params, request_id, cache_salt))
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None) -> Sequence:
-        """Validates a request without touching engine state, so a bad one never disturbs others."""
+                      request_id: str | None = None, cache_salt: str | None = None) -> Sequence:
+        """Validates a request without touching engine state, so a bad one never disturbs others.
+        `cache_salt`: prefix-cache hits only among requests carrying the same salt (a tenant's)."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: must be SamplingParams, got {type(params).__name__}")
@@ -196,7 +199,7 @@ class LLMEngine:
             beam = BeamGroup(params.beam_width, params.length_penalty, params.early_stopping,
                              params.max_tokens, None if params.ignore_eos else self.eos_token_id)
         return Sequence(request_id, ids, params, seed, prompt=text,
-                        num_forks=max(params.n, params.beam_width) - 1, beam=beam,
+                        num_forks=max(params.n, params.beam_width) - 1, beam=beam, cache_salt=cache_salt,
                         # The first prompt token has no context to score it.
                         prompt_logprobs=[] if params.prompt_logprobs is None else [None])
 
@@ -335,7 +338,7 @@ class LLMEngine:
     def _fork(self, parent: Sequence, index: int, seed: int) -> Sequence:
         """A running copy of `parent` (same tokens and progress) sharing all of its blocks."""
         child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params, seed,
-                         prompt=parent.prompt, index=index, beam=parent.beam,
+                         prompt=parent.prompt, index=index, beam=parent.beam, cache_salt=parent.cache_salt,
                          output_token_ids=list(parent.output_token_ids),
                          output_logprobs=list(parent.output_logprobs), prompt_logprobs=list(parent.prompt_logprobs),
                          num_computed_tokens=parent.num_computed_tokens,

@@ -137,7 +137,8 @@ class Scheduler:
                 break
             # Prompt logprobs need every prompt position's logits: no prefix taken from the cache.
             cached = [self.block_manager.allocate_prompt(s.seq_id, s.token_ids, self.reserve_tokens,
-                                                         use_cache=s.params.prompt_logprobs is None)
+                                                         use_cache=s.params.prompt_logprobs is None,
+                                                         salt=s.cache_salt)
                       for s in group]
             if None in cached:
                 for seq, got in zip(group, cached):

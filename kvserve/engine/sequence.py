@@ -38,6 +38,7 @@ class Sequence:
     index: int = 0        # which of the request's n samples this is
     num_forks: int = 0    # sequences still to fork from this one once its prompt is prefilled
     beam: BeamGroup | None = None  # shared by the beams of a beam-search request
+    cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs
     # With params.prompt_logprobs: one per prompt token scored so far, None for the first.

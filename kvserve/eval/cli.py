@@ -120,7 +120,8 @@ def _hf_backend_missing(backend: str) -> str | None:
         found = importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # the parent package (optimum) is absent
         found = False
-    return None if found else f"{module} is not installed (pip install {'optimum-quanto' if backend == 'quanto' else 'hqq'})"
+    package = "optimum-quanto" if backend == "quanto" else "hqq"
+    return None if found else f"{module} is not installed (pip install {package})"
 
 
 def _hf_rows(args: argparse.Namespace, windows: list[list[int]], prefill: int, bits_list: list[int],

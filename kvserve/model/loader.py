@@ -58,7 +58,12 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, devic
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model: {path} is neither a .gguf file nor a model directory")
-        path = convert_gguf(path)
+        try:
+            path = convert_gguf(path)
+        except Exception as err:  # gguf's reader fails on a damaged file with whatever it hit
+            if str(err).startswith("model:"):  # ours: it names the file already
+                raise
+            raise ValueError(f"model: {path} is not a readable GGUF file ({type(err).__name__}: {err})") from err
     return _load_hf_dir(path, dtype, device)
 
 
@@ -96,12 +101,18 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> Loaded
     shards = sorted(path.glob("*.safetensors"))
     if not config_file.exists() or not shards:
         raise FileNotFoundError(f"model: {path} needs config.json and *.safetensors")
-    cfg = ModelConfig.from_json(config_file)
+    try:
+        cfg = ModelConfig.from_json(config_file)
+    except (KeyError, TypeError, ValueError) as err:  # ValueError covers JSONDecodeError
+        raise ValueError(f"model: {config_file} is not a valid model config ({type(err).__name__}: {err})") from err
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
-        state.update(load_file(shard))
+        try:
+            state.update(load_file(shard))
+        except Exception as err:  # safetensors raises its own error types on a damaged file
+            raise ValueError(f"model: {shard} is not a readable safetensors file ({err})") from err
     state = fuse_hf_state({k: v.to(dtype) for k, v in state.items()})
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

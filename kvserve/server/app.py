@@ -1,6 +1,8 @@
 """The HTTP API: OpenAI completions and chat, models, health, metrics and the KV dashboard."""
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -12,10 +14,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.sequence import RequestOutput, TokenLogprobs
 from kvserve.server.async_engine import AsyncEngine, Done, Draining, QueueFull
 from kvserve.server.kv_state import kv_state
+from kvserve.server.settings import ServerSettings
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, error_body,
                                      param_of)
 
@@ -25,24 +31,81 @@ def _error(status: int, message: str, param: str | None = None, type_: str = "in
     return JSONResponse(error_body(message, param, type_), status_code=status, headers=headers)
 
 
-def build_app(aengine: AsyncEngine, retry_after_s: int = 1, model_name: str | None = None) -> FastAPI:
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """The field a pydantic error is about: its location without "body" and without the union
+    member pydantic tried ("prompt.str", "prompt.list[int].0" -> "prompt")."""
+    parts: list[str] = []
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS):
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "nullable"}
+# Routes any client may call without the API key (load balancers probe /health).
+_OPEN_PATHS = ("/health", "/")  # "/" is the dashboard page: it holds no data, it fetches it
+
+
+class _Guard:
+    """Host, API key and body size, checked before any route runs. Plain ASGI (not FastAPI's
+    `BaseHTTPMiddleware`), so handlers still see their client's disconnect."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings) -> None:
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (refusal := self.refusal(scope)) is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope: Scope) -> JSONResponse | None:
+        settings, headers = self.settings, Headers(scope=scope)
+        # DNS rebinding: a page on another origin reaches a local server under its own name.
+        if not settings.host_allowed(headers.get("host")):
+            return _error(400, f"Host {headers.get('host')!r} is not served here (see --allowed-hosts)")
+        if settings.api_key is not None and scope["path"] not in _OPEN_PATHS:
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+                return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer ...)", None,
+                                               "invalid_request_error", "invalid_api_key"), status_code=401)
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > settings.max_request_bytes:
+            return _error(413, f"request body of {int(length)} bytes exceeds the server's limit of "
+                               f"{settings.max_request_bytes} (--max-request-bytes)")
+        return None
+
+
+def build_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
     engine = aengine.engine
     tokenizer = engine.tokenizer
-    model_name = model_name or engine.model_name
+    model_name = settings.model_name or engine.model_name
     app = FastAPI(title="kvserve", description="OpenAI-compatible server of the kvserve engine")
+
+    app.add_middleware(_Guard, settings=settings)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own errors (a body it cannot parse, an unknown route) in OpenAI's shape.
+        return _error(exc.status_code, str(exc.detail), None,
+                      "invalid_request_error" if exc.status_code < 500 else "internal_error")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0]
         if err.get("type") == "json_invalid":
             return _error(400, f"request body is not valid JSON: {err.get('msg')}")
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        param = _param(tuple(err.get("loc", ())))
         return _error(400, f"{param or 'body'}: {err.get('msg')}", param)
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        # 503 while draining for shutdown: load balancers stop sending here.
+        return Response(status_code=503 if aengine.draining else 200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -56,35 +119,50 @@ def build_app(aengine: AsyncEngine, retry_after_s: int = 1, model_name: str | No
 
     @app.get("/kv/state")
     async def state() -> dict[str, Any]:
-        return await aengine.call(kv_state)
+        return await aengine.call(lambda e: kv_state(e, settings.expose_request_ids))
 
     @app.get("/", response_class=HTMLResponse)
     async def dashboard() -> str:
         return resources.files("kvserve.server").joinpath("dashboard.html").read_text()
 
+    def unknown_model(req: _Common) -> JSONResponse | None:
+        if req.model is None or req.model == model_name:
+            return None
+        return JSONResponse(error_body(f"the model {req.model!r} does not exist; this server serves "
+                                       f"{model_name!r} (GET /v1/models)", "model", "invalid_request_error",
+                                       "model_not_found"), status_code=404)
+
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        if (missing := unknown_model(req)) is not None:
+            return missing
         prompts = req.prompts()
+        if not prompts:
+            return _error(400, "prompt: must hold at least one prompt", "prompt")
         if tokenizer is None and any(isinstance(p, str) for p in prompts):
             return _error(400, "this model has no tokenizer; send token ids as the prompt", "prompt")
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-        return await _generate(req, prompts, req.max_tokens, chat=False)
+        # Off the event loop: a huge prompt must not stall /health and every other client.
+        prompts = await asyncio.to_thread(lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
+        return await _generate(req, prompts, req.max_tokens, False, request)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Response:
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        if (missing := unknown_model(req)) is not None:
+            return missing
         if tokenizer is None or not tokenizer.chat_template:
             return _error(400, "this model has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer.encode(text)
+        ids = await asyncio.to_thread(lambda: tokenizer.encode(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)))
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
                           max(engine.max_model_len - len(ids), 1))
-        return await _generate(req, [ids], max_tokens, chat=True)
+        return await _generate(req, [ids], max_tokens, True, request)
 
     def token_text(token: int) -> str:
         return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
 
-    async def _generate(req: _Common, prompts: list[list[int]], max_tokens: int, chat: bool) -> Response:
+    async def _generate(req: _Common, prompts: list[list[int]], max_tokens: int, chat: bool,
+                        request: Request) -> Response:
         if (bad := req.unsupported()) is not None:
             return _error(400, bad[1], bad[0])
         echo = isinstance(req, CompletionRequest) and req.echo
@@ -96,10 +174,10 @@ def build_app(aengine: AsyncEngine, retry_after_s: int = 1, model_name: str | No
             return _error(400, str(err), param_of(str(err)))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            rids, sink = await aengine.submit(prompts, params, request_id)
+            rids, sink = await aengine.submit(prompts, params, request_id, req.cache_salt)
         except QueueFull as err:
             return _error(429, f"server busy: {err}; retry later", None, "rate_limit_error",
-                          {"Retry-After": str(retry_after_s)})
+                          {"Retry-After": str(settings.retry_after_s)})
         except Draining as err:
             return _error(503, str(err), None, "service_unavailable")
         except ValueError as err:
@@ -111,10 +189,19 @@ def build_app(aengine: AsyncEngine, retry_after_s: int = 1, model_name: str | No
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_stream(reply, sink, include_usage), media_type="text/event-stream")
         try:
+            checked = time.monotonic()
             while reply.pending:
-                reply.take(await sink.get())
+                try:
+                    reply.take(await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S))
+                except asyncio.TimeoutError:
+                    pass
+                # A client that hung up would otherwise keep its request running to max_tokens.
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
         finally:
-            if reply.pending:  # the handler was cancelled
+            if reply.pending:  # the client went away, or the handler was cancelled
                 aengine.abort(list(reply.pending))
         if reply.error:
             return _error(500, reply.error, None, "internal_error")
@@ -149,6 +236,10 @@ def build_app(aengine: AsyncEngine, retry_after_s: int = 1, model_name: str | No
                 aengine.abort(list(reply.pending))
 
     return app
+
+
+# How often a non-streaming handler with nothing to send checks that its client is still there.
+DISCONNECT_POLL_S = 0.5
 
 
 def _sse(obj: dict[str, Any]) -> str:

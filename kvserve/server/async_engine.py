@@ -80,13 +80,18 @@ class AsyncEngine:
         self._inbox.put((fn, None))
         self._wake.set()
 
-    async def submit(self, prompts: list[list[int]], params: SamplingParams,
-                     request_id: str) -> tuple[list[str], asyncio.Queue]:
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                     cache_salt: str | None = None) -> tuple[list[str], asyncio.Queue]:
         """Queues one engine request per prompt, all or none. Their outputs, then one `Done` per
         request, arrive on the returned queue. Raises ValueError, QueueFull or Draining."""
         sink: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+
+        if len(prompts) > self.max_waiting:  # it could never be queued: not a matter of retrying
+            self.metrics.rejected.labels(reason="invalid").inc()
+            raise ValueError(f"prompt: {len(prompts)} prompts in one request exceed the server's queue "
+                             f"(--max-waiting {self.max_waiting}); send at most {self.max_waiting}")
 
         def add(engine: LLMEngine) -> list[str]:
             if self._draining:
@@ -95,7 +100,7 @@ class AsyncEngine:
                 self.metrics.rejected.labels(reason="queue_full").inc()
                 raise QueueFull(f"{len(engine.scheduler.waiting)} requests are waiting "
                                 f"(max_waiting={self.max_waiting})")
-            seqs = [engine.make_sequence(p, params, rid) for p, rid in zip(prompts, ids)]
+            seqs = [engine.make_sequence(p, params, rid, cache_salt) for p, rid in zip(prompts, ids)]
             for seq in seqs:
                 engine.add_sequence(seq)
                 self._sinks[seq.request_id] = (loop, sink)
@@ -120,18 +125,38 @@ class AsyncEngine:
         """Stop admitting; running and queued requests go on."""
         self._draining = True
 
-    def shutdown(self, timeout: float) -> None:
-        """Stop admitting, let running requests finish for up to `timeout` seconds, abort the
-        rest, and stop the thread."""
-        self._draining = True
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Blocks (off the event loop) until no request is queued or running, or `timeout`
+        seconds pass; returns whether it went idle."""
         deadline = time.monotonic() + timeout
-        while self._thread.is_alive() and time.monotonic() < deadline:
+        while self._thread.is_alive():
             idle: Future = Future()
             self._inbox.put((lambda e: not e.has_unfinished(), idle))
             self._wake.set()
             if idle.result():
-                break
+                return True
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.05)
+        return True
+
+    def abort_all(self, message: str) -> None:
+        """Ends every request with an error its handler reports (a stream: an error event, then
+        [DONE]); for a shutdown that cannot wait any longer."""
+        def abort(engine: LLMEngine) -> None:
+            for rid in list(self._sinks):
+                self._end(rid, "abort", RuntimeError(message))
+        self.call_soon(abort)
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop admitting, let running requests finish for up to `timeout` seconds, abort the
+        rest, and stop the thread."""
+        self._draining = True
+        self.wait_idle(timeout)
         self._stop = True
         self._wake.set()
         self._thread.join()

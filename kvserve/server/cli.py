@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +30,16 @@ def add_parser(sub: Any) -> None:
                         "(default 30)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients see in /v1/models and responses (default: from the file)")
+    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (the API, /metrics, "
+                        "/kv/state and the dashboard: open it as /#key=KEY); default $KVSERVE_API_KEY, else open")
+    p.add_argument("--expose-request-ids", action="store_true",
+                   help="list request ids in /kv/state and the dashboard (default: numbered, not named)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header names to answer ('*': any); default: the loopback names "
+                        "when bound to loopback, the bound address otherwise, any for 0.0.0.0")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                   help="largest request body accepted; larger ones get 413 (default 4 MiB)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -46,11 +57,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from kvserve.server.app import build_app
     from kvserve.server.async_engine import AsyncEngine
     from kvserve.server.metrics import Metrics
+    from kvserve.server.settings import ServerSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     llm = llm_from_args(args)
     aengine = AsyncEngine(llm.engine, Metrics(), args.max_waiting)
-    app = build_app(aengine, args.retry_after, args.served_model_name)
+    settings = ServerSettings(args.retry_after, args.served_model_name, args.api_key, args.expose_request_ids,
+                              ServerSettings.hosts_for(args.host, args.allowed_hosts), args.max_request_bytes)
+    app = build_app(aengine, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
@@ -64,11 +78,24 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            aengine.begin_drain()  # refuse requests on kept-alive connections too
-            super().handle_exit(sig, frame)
+            if aengine.draining:  # a second signal: stop now
+                super().handle_exit(sig, frame)
+                return
+            # Keep listening while running requests finish, so that new ones get 503 rather than
+            # a refused connection; then end what is left with an error event, then exit.
+            aengine.begin_drain()
+            threading.Thread(target=self.drain, args=(sig,), daemon=True).start()
 
+        def drain(self, sig: int) -> None:
+            if not aengine.wait_idle(args.shutdown_timeout):
+                aengine.abort_all(f"the server shut down before this request finished "
+                                  f"(--shutdown-timeout {args.shutdown_timeout:g} s)")
+                aengine.wait_idle(5.0)
+            super().handle_exit(sig, None)
+
+    # The drain above already waited for requests; uvicorn's own wait only lets handlers write.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+                            timeout_graceful_shutdown=5)
     # uvicorn re-raises the signal after its graceful shutdown, under the handler found at start:
     # with this one, a drained server exits with status 0 instead of dying by SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

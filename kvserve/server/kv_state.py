@@ -7,9 +7,10 @@ from typing import Any
 from kvserve.engine.llm_engine import LLMEngine
 
 
-def kv_state(engine: LLMEngine) -> dict[str, Any]:
+def kv_state(engine: LLMEngine, expose_request_ids: bool = False) -> dict[str, Any]:
     """Runs on the engine thread. Owners are indices into `sequences` (-1: none), which keeps
-    the payload small for pools of thousands of blocks."""
+    the payload small for pools of thousands of blocks. Without `expose_request_ids` the
+    sequences are numbered, not named: a request id is one client's business."""
     states, owners = engine.block_manager.block_states()
     swap_owners: list[tuple[str, list[str | None]]] = []
     if engine.swap is not None:
@@ -30,7 +31,7 @@ def kv_state(engine: LLMEngine) -> dict[str, Any]:
         "owners": [index.get(o, -1) for o in owners],  # type: ignore[arg-type]
         "swap": [{"name": name, "owners": [index.get(o, -1) for o in tier]}  # type: ignore[arg-type]
                  for name, tier in swap_owners],
-        "sequences": names,
+        "sequences": names if expose_request_ids else [f"sequence {i}" for i in range(len(names))],
         "running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(sched.swapped),
         "tokens_generated": engine.tokens_generated,
         "prefix_cache_hit_rate": engine.block_manager.prefix_stats.hit_rate,

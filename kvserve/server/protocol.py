@@ -30,6 +30,7 @@ class _Common(BaseModel):
     repetition_penalty: float = 1.0  # vLLM's extension (HF semantics)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     ignore_eos: bool = False  # vLLM's extension, for load tests of fixed length
+    cache_salt: str | None = None  # vLLM's extension: prefix-cache hits only within one salt (tenant)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a request asking for something the engine does not do."""
@@ -92,8 +93,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     # None: up to the end of the context, as vLLM does.
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 

@@ -214,3 +214,23 @@ def test_forked_samples_count_against_max_num_seqs(tiny_llm: Callable[..., LLM])
         engine.step()
         most = max(most, len(engine.scheduler.running))
     assert most == 4
+
+
+def test_cache_salt_keeps_tenants_prefix_hits_apart(tiny_llm: Callable[..., LLM]) -> None:
+    """The prefix-hit side channel: one tenant must not learn from hits what another sent."""
+    llm = tiny_llm()
+    engine = llm.engine
+    prompt = list(range(1, 70))  # 4 full blocks of 16
+
+    def cached_by(salt: str | None) -> int:
+        before = engine.block_manager.prefix_stats.cached_tokens
+        engine.add_request(prompt, SamplingParams(max_tokens=2), cache_salt=salt)
+        while engine.has_unfinished():
+            engine.step()
+        return engine.block_manager.prefix_stats.cached_tokens - before
+
+    assert cached_by("tenant-a") == 0
+    assert cached_by("tenant-b") == 0 and cached_by(None) == 0  # another salt, or none: no hit
+    assert cached_by("tenant-a") == 64 and cached_by(None) == 64  # each within its own salt
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request(prompt, SamplingParams(max_tokens=2), cache_salt="")

@@ -77,3 +77,24 @@ def test_random_presets_with_fewer_layers() -> None:
     assert len(loaded.model.model.layers) == 1 and loaded.tokenizer is None
     with pytest.raises(ValueError, match="number of layers"):
         load_model("random:llama-2-7b:x", torch.float32, CPU)
+
+
+def test_damaged_model_files_name_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once: IndexError, KeyError or JSONDecodeError with no file named, and a server traceback."""
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=r"broken\.gguf is not a readable GGUF file"):
+        load_model(gguf, torch.float32, CPU)
+    cfg = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=1, head_dim=8, max_position=64)
+    save_file(hf_state_dict(load_model(cfg, torch.float32, CPU).model), tmp_path / "model.safetensors")
+    config = tmp_path / "config.json"
+    for text in ("{not json", json.dumps({"hidden_size": 32})):
+        config.write_text(text)
+        with pytest.raises(ValueError, match=r"config\.json is not a valid model config"):
+            load_model(tmp_path, torch.float32, CPU)
+    config.write_text(json.dumps(cfg.to_hf_dict()))
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file"):
+        load_model(tmp_path, torch.float32, CPU)

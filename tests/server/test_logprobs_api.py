@@ -17,15 +17,21 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
 
 
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
 def hf_logprobs(hf: Any, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
-def test_echo_with_max_tokens_0_scores_the_prompt_like_hf(client: openai.OpenAI, smol: LLM, hf_smol: Any) -> None:
+def test_echo_with_max_tokens_0_scores_the_prompt_like_hf(client: openai.OpenAI, model: str, smol: LLM,
+                                                         hf_smol: Any) -> None:
     text = "The capital of France is Paris. The capital of Italy is Rome."
     ids = smol.tokenizer.encode(text)
-    out = client.completions.create(model="smollm2", prompt=text, max_tokens=0, echo=True, logprobs=3,
+    out = client.completions.create(model=model, prompt=text, max_tokens=0, echo=True, logprobs=3,
                                     temperature=0)
     choice = out.choices[0]
     assert choice.text == text and out.usage.completion_tokens == 0
@@ -40,9 +46,10 @@ def test_echo_with_max_tokens_0_scores_the_prompt_like_hf(client: openai.OpenAI,
         assert sorted(top.values(), reverse=True) == pytest.approx(values, abs=1e-3)
 
 
-def test_completion_logprobs_of_generated_tokens(client: openai.OpenAI, smol: LLM, hf_smol: Any) -> None:
+def test_completion_logprobs_of_generated_tokens(client: openai.OpenAI, model: str, smol: LLM,
+                                                 hf_smol: Any) -> None:
     prompt = "Once upon a time"
-    out = client.completions.create(model="smollm2", prompt=prompt, max_tokens=6, logprobs=2, temperature=0)
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=2, temperature=0)
     ids = smol.tokenizer.encode(prompt)
     lp = out.choices[0].logprobs
     generated = smol.tokenizer.encode(out.choices[0].text)
@@ -52,9 +59,9 @@ def test_completion_logprobs_of_generated_tokens(client: openai.OpenAI, smol: LL
         ref[len(ids) - 1:].gather(1, torch.tensor(generated[:6])[:, None]).squeeze(1).tolist(), abs=1e-3)
 
 
-def test_chat_top_logprobs_equal_hf(client: openai.OpenAI, smol: LLM, hf_smol: Any) -> None:
+def test_chat_top_logprobs_equal_hf(client: openai.OpenAI, model: str, smol: LLM, hf_smol: Any) -> None:
     messages = [{"role": "user", "content": "Name a color."}]
-    out = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=5, temperature=0,
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0,
                                          logprobs=True, top_logprobs=4)
     content = out.choices[0].logprobs.content
     assert len(content) == 5 and "".join(c.token for c in content) == out.choices[0].message.content
@@ -71,8 +78,8 @@ def test_chat_top_logprobs_equal_hf(client: openai.OpenAI, smol: LLM, hf_smol: A
         assert bytes(entry.bytes).decode() == entry.token
 
 
-def test_streamed_logprobs_equal_the_whole_reply(client: openai.OpenAI) -> None:
-    args: dict[str, Any] = dict(model="smollm2", prompt="Count: one, two,", max_tokens=8, logprobs=1, temperature=0)
+def test_streamed_logprobs_equal_the_whole_reply(client: openai.OpenAI, model: str) -> None:
+    args: dict[str, Any] = dict(model=model, prompt="Count: one, two,", max_tokens=8, logprobs=1, temperature=0)
     whole = client.completions.create(**args).choices[0].logprobs
     tokens, logprobs = [], []
     for chunk in client.completions.create(stream=True, **args):

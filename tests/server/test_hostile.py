@@ -1,0 +1,165 @@
+"""The faults a hostile tester found in the server (issue 10, part 4), each as a test."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from kvserve.bench.serve_load import ServerProcess
+from kvserve.server.settings import ServerSettings
+
+
+def in_use(state: dict) -> int:  # type: ignore[type-arg]
+    return sum(c in "US" for c in state["states"])
+
+
+def wait_idle(server: ServerProcess, timeout: float = 30) -> dict:  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = server.kv_state()
+        if state["running"] == 0 and state["waiting"] == 0 and in_use(state) == 0:
+            return state
+        time.sleep(0.1)
+    raise AssertionError(f"not idle after {timeout} s: {state}")
+
+
+def post(server: ServerProcess, path: str, body: object, **kw: object) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json",
+                                                                       **kw.pop("headers", {})},  # type: ignore[dict-item]
+                      timeout=60, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": [], "max_tokens": 2}, 400, "prompt"),                    # was 200 with no choices
+    ({"prompt": "hi", "model": "gpt-4o"}, 404, "model"),                  # was accepted silently
+    ({"prompt": 5, "max_tokens": 2}, 400, "prompt"),                      # was param "prompt.str"
+    ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", 400, None),           # was FastAPI's {"detail": ...}
+])
+def test_bad_completions_get_openai_errors(server: ServerProcess, body: object, status: int,
+                                           param: str | None) -> None:
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    if status == 404:
+        assert error["code"] == "model_not_found"
+
+
+def test_max_completion_tokens_is_named_as_sent(server: ServerProcess) -> None:
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                              "max_completion_tokens": -3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+
+
+def test_more_prompts_than_the_queue_holds_is_400_not_429(make_server: Callable[..., ServerProcess]) -> None:
+    srv = make_server("--max-waiting", "8")
+    r = post(srv, "/v1/completions", {"prompt": ["a"] * 9, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "retry-after" not in r.headers
+    assert post(srv, "/v1/completions", {"prompt": ["a"] * 8, "max_tokens": 1}).status_code == 200
+
+
+def test_a_non_streaming_client_that_hangs_up_is_aborted(server: ServerProcess) -> None:
+    body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 1500, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 30
+        while server.kv_state()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.kv_state()["running"] == 1
+    # 1500 tokens would take minutes; the hang-up ends it within a poll or two.
+    state = wait_idle(server, timeout=20)
+    assert state["running"] == 0
+
+
+def test_huge_prompts_get_413_and_health_stays_responsive(server: ServerProcess) -> None:
+    big = json.dumps({"prompt": "word " * 1_000_000, "max_tokens": 1})  # 5 MB
+    stalls: list[float] = []
+
+    def probe() -> None:
+        for _ in range(20):
+            start = time.monotonic()
+            httpx.get(f"{server.url}/health", timeout=30)
+            stalls.append(time.monotonic() - start)
+            time.sleep(0.05)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    r = post(server, "/v1/completions", big)
+    t.join()
+    assert r.status_code == 413 and "max-request-bytes" in r.json()["error"]["message"]
+    assert max(stalls) < 2.0
+
+
+def test_dns_rebinding_hosts_are_refused(server: ServerProcess) -> None:
+    r = httpx.get(f"{server.url}/v1/models", headers={"host": "evil.example:8000"}, timeout=30)
+    assert r.status_code == 400 and "Host" in r.json()["error"]["message"]
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", f"[::1]:{server.port}"):
+        assert httpx.get(f"{server.url}/v1/models", headers={"host": host}, timeout=30).status_code == 200
+
+
+def test_host_rules() -> None:
+    assert ServerSettings.hosts_for("0.0.0.0", None) == ("*",)
+    assert ServerSettings.hosts_for("10.1.2.3", None) == ("10.1.2.3",)
+    assert ServerSettings.hosts_for("127.0.0.1", "a.example, b.example") == ("a.example", "b.example")
+    s = ServerSettings(allowed_hosts=("api.example",))
+    assert s.host_allowed("api.example:443") and s.host_allowed("API.example")
+    assert not s.host_allowed("api.example.evil.com") and not s.host_allowed(None)
+    with pytest.raises(ValueError, match="ServerSettings.api_key"):
+        ServerSettings(api_key="")
+
+
+def test_request_ids_stay_private_and_the_api_key_guards_everything(
+        make_server: Callable[..., ServerProcess]) -> None:
+    srv = make_server("--api-key", "s3cret")
+    auth = {"authorization": "Bearer s3cret"}
+    assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
+    for path in ("/v1/models", "/metrics", "/kv/state"):
+        r = httpx.get(f"{srv.url}{path}", timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{srv.url}{path}", headers={"authorization": "Bearer wrong"}, timeout=30).status_code == 401
+        assert httpx.get(f"{srv.url}{path}", headers=auth, timeout=30).status_code == 200
+    assert post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 401
+    # A request in flight shows in the pool map as a number, not by its id.
+    done = threading.Event()
+    threading.Thread(target=lambda: (post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 300,
+                                                                   "ignore_eos": True}, headers=auth),
+                                     done.set())).start()
+    deadline = time.monotonic() + 30
+    while not done.is_set() and time.monotonic() < deadline:
+        state = httpx.get(f"{srv.url}/kv/state", headers=auth, timeout=30).json()
+        if state["sequences"]:
+            assert all(s.startswith("sequence ") for s in state["sequences"])
+            assert not any("cmpl" in s for s in state["sequences"])
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("never saw the request in /kv/state")
+    done.wait(120)
+
+
+def test_sigterm_past_the_timeout_ends_streams_cleanly_and_answers_503_meanwhile(
+        make_server: Callable[..., ServerProcess]) -> None:
+    srv = make_server("--shutdown-timeout", "3")
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{srv.url}/v1/completions",
+                         json={"prompt": "Once", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            srv.proc.terminate()
+            time.sleep(0.5)
+            # Draining: still listening, but no new work; /health tells load balancers to go.
+            refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+            assert refused.status_code == 503
+            assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 503
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][6:])
+    assert "shut down" in error["error"]["message"]
+    assert srv.proc.wait(60) == 0
