@@ -1,6 +1,7 @@
 """The engine: takes requests, steps the scheduler and model, and reports outputs."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -26,6 +27,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
+from kvserve.profiling import label
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -228,11 +230,14 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One forward pass; returns an output for every sequence that got a token."""
-        batch = self.scheduler.schedule()
+        # Labels for torch.profiler (kvserve doctor splits a step by them); free when it is off.
+        with label("kvserve.schedule"):
+            batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         self.tokens_computed += batch.num_tokens
-        logits, prompt_logits = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops)
+        with label("kvserve.forward"):
+            logits, prompt_logits = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops)
         if prompt_logits.shape[0]:
             self._score_prompts(batch.seqs, batch.num_scheduled, prompt_logits)
         done = self.scheduler.complete_step(batch)  # a prompt chunk with more to come gets no token
@@ -243,12 +248,13 @@ class LLMEngine:
         outputs = self._step_beams(ready, logits, now)
         sampled = [i for i, s in enumerate(ready) if s.beam is None]
         seqs, rows = self._fork_samples([ready[i] for i in sampled])
-        rows_logits = apply_penalties(logits[[sampled[r] for r in rows]], [s.params for s in seqs],
-                                      [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs])
-        tokens = [s.params.forced_token_ids[len(s.output_token_ids)] if s.params.forced_token_ids is not None else t
-                  for s, t in zip(seqs, self.runner.sample(seqs, rows_logits))]
-        logprobs = token_logprobs(rows_logits, [s.params.logprobs for s in seqs],
-                                  [s.params.temperature for s in seqs], tokens)
+        with label("kvserve.sample"):
+            rows_logits = apply_penalties(logits[[sampled[r] for r in rows]], [s.params for s in seqs],
+                                          [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs])
+            tokens = [s.params.forced_token_ids[len(s.output_token_ids)] if s.params.forced_token_ids is not None
+                      else t for s, t in zip(seqs, self.runner.sample(seqs, rows_logits))]
+            logprobs = token_logprobs(rows_logits, [s.params.logprobs for s in seqs],
+                                      [s.params.temperature for s in seqs], tokens)
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             try:
                 if logprob is not None:
@@ -333,7 +339,7 @@ class LLMEngine:
                           finish_reason="stop" if best.token_ids[-1] == first.beam.eos_token_id else "length")
         if self.tokenizer is not None:
             result.text = self.tokenizer.decode(best.token_ids, skip_special_tokens=True)
-        return RequestOutput.of(result, result.text)
+        return dataclasses.replace(RequestOutput.of(result, result.text), beam_score=best.score)
 
     def _fork(self, parent: Sequence, index: int, seed: int) -> Sequence:
         """A running copy of `parent` (same tokens and progress) sharing all of its blocks."""

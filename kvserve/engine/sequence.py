@@ -99,6 +99,7 @@ class RequestOutput:
     num_preemptions: int
     logprobs: list[TokenLogprobs] | None  # one per token of token_ids, when asked for
     prompt_logprobs: list[TokenLogprobs | None] | None  # one per prompt token (None for the first)
+    beam_score: float | None = None  # beam search: the hypothesis' sum of log-probs / length ** penalty
 
     @classmethod
     def of(cls, seq: Sequence, delta_text: str) -> "RequestOutput":

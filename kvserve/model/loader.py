@@ -64,6 +64,8 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, devic
             if str(err).startswith("model:"):  # ours: it names the file already
                 raise
             raise ValueError(f"model: {path} is not a readable GGUF file ({type(err).__name__}: {err})") from err
+        # Named after the file the user gave, not the cache directory it was converted into.
+        return replace(_load_hf_dir(path, dtype, device), name=Path(text).expanduser().stem)
     return _load_hf_dir(path, dtype, device)
 
 

@@ -20,6 +20,8 @@ from kvserve.bench.serve_load import ServerProcess
 
 pytestmark = pytest.mark.model
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+# The served id: the bundled GGUF's name (an unknown model name gets 404, as from OpenAI).
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def chat_prompt(llm: LLM, content: str) -> str:
 
 def test_completions_equal_offline_generate(client: openai.OpenAI, smol: LLM) -> None:
     expected = smol.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
-    got = client.completions.create(model="any", prompt=PROMPTS, max_tokens=16, temperature=0)
+    got = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=16, temperature=0)
     assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [o.text for o in expected]
     assert got.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
     assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
@@ -44,7 +46,7 @@ def test_chat_equals_offline_generate(client: openai.OpenAI, smol: LLM) -> None:
     question = "What is the capital of France?"
     expected = smol.generate(chat_prompt(smol, question), SamplingParams(max_tokens=20, temperature=0),
                              use_tqdm=False)[0]
-    got = client.chat.completions.create(model="any", messages=[{"role": "user", "content": question}],
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
                                          max_tokens=20, temperature=0)
     assert got.choices[0].message.content == expected.text
     assert got.choices[0].message.role == "assistant"
@@ -52,8 +54,8 @@ def test_chat_equals_offline_generate(client: openai.OpenAI, smol: LLM) -> None:
 
 
 def test_streaming_completion_and_chat_match_non_streaming(client: openai.OpenAI) -> None:
-    full = client.completions.create(model="any", prompt=PROMPTS[0], max_tokens=12, temperature=0)
-    stream = client.completions.create(model="any", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                        stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
@@ -61,8 +63,8 @@ def test_streaming_completion_and_chat_match_non_streaming(client: openai.OpenAI
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
     messages = [{"role": "user", "content": "Name three colours."}]
-    full_chat = client.chat.completions.create(model="any", messages=messages, max_tokens=12, temperature=0)
-    deltas = list(client.chat.completions.create(model="any", messages=messages, max_tokens=12,
+    full_chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    deltas = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
                                                  temperature=0, stream=True))
     assert deltas[0].choices[0].delta.role == "assistant"
     assert "".join(d.choices[0].delta.content or "" for d in deltas) == full_chat.choices[0].message.content
@@ -71,14 +73,14 @@ def test_streaming_completion_and_chat_match_non_streaming(client: openai.OpenAI
 def test_n_samples_with_seed_equal_offline(client: openai.OpenAI, smol: LLM) -> None:
     params = SamplingParams(max_tokens=10, n=3, temperature=0.9, seed=7)
     expected = [o.text for o in smol.generate(PROMPTS[0], params, use_tqdm=False)]
-    got = client.completions.create(model="any", prompt=PROMPTS[0], max_tokens=10, n=3, temperature=0.9, seed=7)
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, n=3, temperature=0.9, seed=7)
     assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
 
 
 def test_models_and_health(server: ServerProcess, client: openai.OpenAI) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200
     models = client.models.list().data
-    assert len(models) == 1 and models[0].id
+    assert len(models) == 1 and models[0].id == MODEL
 
 
 LONG = "word " * 3000

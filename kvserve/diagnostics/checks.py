@@ -1,0 +1,205 @@
+"""The doctor's correctness checks (the article's section 5.2): each compares two ways of computing
+the same distributions through the real engine and says pass, warn or fail, with advice.
+
+Every comparison is in log-probabilities over the tokens that matter (reference log-prob above
+-10: the tail of a 49k vocabulary in bf16 is noise), plus top-1 agreement. Tolerances come from
+the model dtype. In fp32 two ways of computing must agree to 1e-3. In bf16 / fp16 two correct
+ways already differ by their rounding (a decode step's matmuls sum in another order than a
+prefill's), so the check asks the engine's way to stay about as close to an fp32 recomputation
+(the truth) as the reference way in the same dtype is: KL(truth || cached) at most twice
+KL(truth || reference) (+1e-4), and top-1 agreement with the truth at most 0.03 lower.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvserve.engine.llm import LLM
+from kvserve.sampling_params import SamplingParams
+
+MakeLLM = Callable[..., LLM]
+# (max |delta log-prob|, min top-1 agreement) per model dtype.
+TOLERANCE = {torch.float32: (1e-3, 0.999), torch.float16: (0.05, 0.97), torch.bfloat16: (0.3, 0.95)}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str                     # "pass", "warn" or "fail"
+    measured: dict[str, float]
+    threshold: str
+    advice: str = ""
+    correctness: bool = True        # a failed correctness check makes `kvserve doctor` exit 1
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def compare(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
+    """got, want [N, vocab] log-probs: the largest difference where `want` > -10, and top-1."""
+    relevant = want > -10
+    diff = (got - want).abs().masked_fill(~relevant, 0).max().item()
+    top1 = (got.argmax(-1) == want.argmax(-1)).double().mean().item()
+    return {"max_abs_logprob_diff": diff, "top1_agreement": top1}
+
+
+def kl(truth: torch.Tensor, got: torch.Tensor) -> float:
+    return (truth.exp() * (truth - got)).sum(-1).mean().item()
+
+
+def against_truth(name: str, got: torch.Tensor, baseline: torch.Tensor, truth: torch.Tensor | None,
+                  dtype: torch.dtype, advice: str, slack: float = 1.0,
+                  extra: dict[str, float] | None = None) -> Check:
+    """`got` (the engine's way) against `baseline` (the reference way, same dtype): directly in
+    fp32 (`truth` None), else each against the fp32 `truth` (see the module docstring)."""
+    if truth is None:
+        return judged(name, {**compare(got, baseline), **(extra or {})}, dtype, advice, slack)
+    kl_got, kl_base = kl(truth, got), kl(truth, baseline)
+    top_got = (got.argmax(-1) == truth.argmax(-1)).double().mean().item()
+    top_base = (baseline.argmax(-1) == truth.argmax(-1)).double().mean().item()
+    ok = kl_got <= 2 * slack * kl_base + 1e-4 * slack and top_got >= top_base - 0.03 * slack
+    measured = {"kl_vs_fp32": kl_got, "reference_kl_vs_fp32": kl_base, "top1_vs_fp32": top_got,
+                "reference_top1_vs_fp32": top_base, **compare(got, baseline), **(extra or {})}
+    return Check(name, "pass" if ok else "fail", measured,
+                 f"KL to an fp32 recompute <= {2 * slack:g} x the reference's + {1e-4 * slack:g}, top-1 >= the "
+                 f"reference's - {0.03 * slack:g} ({str(dtype).removeprefix('torch.')})", "" if ok else advice)
+
+
+def judged(name: str, measured: dict[str, float], dtype: torch.dtype, advice: str, slack: float = 1.0) -> Check:
+    tol, top1 = TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
+    tol *= slack
+    ok = measured["max_abs_logprob_diff"] <= tol and measured["top1_agreement"] >= top1
+    return Check(name, "pass" if ok else "fail", measured,
+                 f"max |delta log-prob| <= {tol:g} and top-1 >= {top1:g} ({str(dtype).removeprefix('torch.')})",
+                 "" if ok else advice)
+
+
+def cached(llm: LLM, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Distributions after each forced token, decoded one cached step at a time: [N, vocab]."""
+    params = SamplingParams(max_tokens=len(continuation), temperature=0, logprobs=-1, ignore_eos=True,
+                            forced_token_ids=list(continuation))
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    return torch.stack([t.full for t in out.logprobs])
+
+
+def recomputed(llm: LLM, tokens: list[int], start: int) -> torch.Tensor:
+    """The same distributions from one forward over all of `tokens` (prompt scoring, no cache
+    reuse): rows for positions start - 1 .. len - 2, i.e. predicting tokens start .. len - 1."""
+    out = llm.generate([tokens], SamplingParams(max_tokens=1, prompt_logprobs=-1), use_tqdm=False)[0]
+    return torch.stack([t.full for t in out.prompt_logprobs[start:]])
+
+
+def prompt_scores(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=-1), use_tqdm=False)
+    return [torch.stack([t.full for t in o.prompt_logprobs[1:]]) for o in outs]
+
+
+def cache_vs_recompute(llm: LLM, tokens: list[int], prompt_len: int, label: str,
+                       truth: torch.Tensor | None, slack: float = 1.0) -> Check:
+    """`truth`: the fp32 recomputation of the same positions (None when the engine runs fp32)."""
+    got = cached(llm, tokens[:prompt_len], tokens[prompt_len:])
+    want = recomputed(llm, tokens, prompt_len)
+    return against_truth(f"cache vs recompute ({label})", got, want, truth, llm.engine.config.torch_dtype,
+                         "decoding from the cache differs from recomputing: the K/V written while decoding "
+                         "is not what the model computes. Isolate the kernel with --attention-backend torch "
+                         "--no-cpu-kernels; for a compressed format, raise --kv-residual or use int8", slack)
+
+
+def prefix_hit_vs_miss(llm: LLM, tokens: list[int], prompt_len: int, truth: torch.Tensor | None) -> Check:
+    engine = llm.engine
+    if not engine.config.enable_prefix_caching:
+        return Check("prefix hit vs miss", "pass", {}, "prefix caching is off", correctness=False)
+    miss = cached(llm, tokens[:prompt_len], tokens[prompt_len:])
+    before = engine.block_manager.prefix_stats.cached_tokens
+    hit = cached(llm, tokens[:prompt_len], tokens[prompt_len:])
+    reused = engine.block_manager.prefix_stats.cached_tokens - before
+    check = against_truth("prefix hit vs miss", hit, miss, truth, engine.config.torch_dtype,
+                          "a prompt served from the prefix cache decodes differently from a fresh one: "
+                          "run with --no-enable-prefix-caching until fixed",
+                          extra={"cached_tokens_reused": float(reused)})
+    if reused == 0:
+        return Check(check.name, "warn", check.measured, "the second run must reuse cached blocks",
+                     f"the prompt ({prompt_len} tokens) is shorter than a block ({engine.block_manager.block_size}), "
+                     "so nothing was reused", correctness=False)
+    return check
+
+
+def preempted_vs_undisturbed(llm: LLM, make_llm: MakeLLM, tokens: list[int], prompt_len: int,
+                             truth: torch.Tensor | None) -> Check:
+    """Three copies of the request in a pool that holds about two: some are preempted and
+    resumed (by the configured mode), each must match the undisturbed run."""
+    engine = llm.engine
+    want = cached(llm, tokens[:prompt_len], tokens[prompt_len:])
+    bm = engine.block_manager
+    block_bytes = engine.pool.nbytes // bm.num_blocks
+    blocks = bm.blocks_for(len(tokens))
+    small = make_llm(kv_cache_memory=str(block_bytes * (2 * blocks + 1)), max_num_seqs=3,
+                     enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=len(tokens) - prompt_len, temperature=0, logprobs=-1, ignore_eos=True,
+                            forced_token_ids=tokens[prompt_len:])
+    outs = small.generate([tokens[:prompt_len]] * 3, params, use_tqdm=False)
+    preemptions = small.engine.scheduler.num_preemptions
+    advice = (f"a sequence resumed after preemption ({engine.config.preemption_mode}) decodes differently: "
+              "try --preemption-mode recompute")
+    results = [against_truth("preempted vs undisturbed", torch.stack([t.full for t in o.logprobs]), want, truth,
+                             engine.config.torch_dtype, advice, extra={"preemptions": float(preemptions)})
+               for o in outs]
+    check = next((r for r in results if r.status == "fail"), results[0])
+    if preemptions == 0:
+        return Check(check.name, "warn", check.measured, "the small pool must preempt",
+                     "no preemption happened, so resumption was not tested", correctness=False)
+    return check
+
+
+def mask_future_tokens(llm: LLM, tokens: list[int]) -> Check:
+    """Changing the last token must leave the distribution at every earlier position unchanged
+    (all of prompt scoring's rows: the last token's own position is not among them)."""
+    changed = tokens[:-1] + [(tokens[-1] + 1) % llm.engine.model_config.vocab_size]
+    a, b = prompt_scores(llm, [tokens, changed])
+    measured = compare(b, a)
+    return judged("mask: later tokens are invisible", measured, llm.engine.config.torch_dtype,
+                  "an earlier position sees a later token: the attention mask is off; "
+                  "compare with --attention-backend torch")
+
+
+def batch_invariance(llm: LLM, tokens: list[int], others: list[list[int]]) -> Check:
+    alone = prompt_scores(llm, [tokens])[0]
+    packed = prompt_scores(llm, [tokens, *others])[0]
+    return judged("alone vs packed in a batch", compare(packed, alone), llm.engine.config.torch_dtype,
+                  "a sequence's distributions depend on what else is in its batch beyond rounding: "
+                  "a masking or slot-mapping bug; compare with --attention-backend torch")
+
+
+def beam_rescoring(llm: LLM, prompt: list[int], width: int = 2, tokens: int = 8) -> Check:
+    """Each returned beam's score equals its tokens' log-probs, recomputed, over length ** penalty."""
+    params = SamplingParams(max_tokens=tokens, beam_width=width, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    scores = prompt_scores(llm, [prompt + out.token_ids])[0][len(prompt) - 1:]
+    total = scores.gather(1, torch.tensor(out.token_ids)[:, None]).sum().item()
+    rescored = total / len(out.token_ids) ** params.length_penalty
+    diff = abs(rescored - out.beam_score)
+    tol = TOLERANCE.get(llm.engine.config.torch_dtype, TOLERANCE[torch.bfloat16])[0] * len(out.token_ids)
+    ok = diff <= tol
+    return Check("beam score vs recompute", "pass" if ok else "fail",
+                 {"reported": out.beam_score, "recomputed": rescored, "abs_diff": diff},
+                 f"|reported - recomputed| <= {tol:g}",
+                 "" if ok else "beam search scores tokens with other log-probs than the model gives them: "
+                               "a beam's cache or its score bookkeeping is wrong")
+
+
+def format_quality(make_llm: MakeLLM, reference: torch.Tensor, tokens: list[int], prompt_len: int,
+                   fmt: str) -> Check:
+    """KL and top-1 of one KV format against the model-dtype cache on the same forced tokens."""
+    try:
+        llm = make_llm(kv_cache_dtype=fmt)
+    except ValueError as err:  # e.g. a group size this model's head_dim does not allow
+        return Check(f"format {fmt}", "warn", {}, "the format builds for this model", str(err), correctness=False)
+    got = cached(llm, tokens[:prompt_len], tokens[prompt_len:])
+    kl = (reference.exp() * (reference - got)).sum(-1).mean().item()
+    top1 = (got.argmax(-1) == reference.argmax(-1)).double().mean().item()
+    measured = {"kl": kl, "top1_agreement": top1, "bytes_per_token": llm.engine.kv_bytes_per_token}
+    ok = kl <= 0.05 and top1 >= 0.9
+    return Check(f"format {fmt}", "pass" if ok else "warn", measured, "KL <= 0.05 and top-1 >= 0.9",
+                 "" if ok else f"{fmt} loses noticeable quality here: keep recent tokens exact with "
+                               "--kv-residual, or use int8 / fp8", correctness=False)

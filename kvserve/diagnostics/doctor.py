@@ -1,0 +1,167 @@
+"""`kvserve doctor`: the article's checklist (sections 5.2 and 5.3) run on the configured engine.
+
+"Quality dropped after enabling the cache" -> the correctness checks, each comparing the cache
+with a recomputation through the same engine; "the cache gives no speed-up" -> where a decode
+step's time goes and how close it runs to the machine's limits. Every weak result comes with
+the option that addresses it. Exit status 1 when a correctness check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.diagnostics import checks, performance
+from kvserve.diagnostics.checks import Check
+from kvserve.engine_args import add_engine_args, llm_from_args
+from kvserve.texts import DATA_HELP, load_text
+
+DEFAULT_FORMATS = ("int8", "fp8_e4m3", "int4", "kivi4")
+# The synthetic text of a model without a tokenizer: a fixed, varied token sequence.
+_PROMPT_LEN = 32
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("doctor", help="check the KV cache's correctness and find where the time goes",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=256, help="tokens decoded per consistency check (default 256)")
+    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+                   help=f"KV formats to compare with the model dtype ('' skips; default {','.join(DEFAULT_FORMATS)})")
+    p.add_argument("--skip-performance", action="store_true", help="correctness checks only")
+    p.add_argument("--data", default=None, help=DATA_HELP)
+    p.add_argument("--json", action="store_true", help="print the report as JSON (checks, performance)")
+    p.add_argument("--out", default=None, help="also write doctor.json and doctor.md into this folder")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_doctor, kv_cache_memory="256MiB")
+
+
+def cmd_doctor(args: argparse.Namespace) -> None:
+    report = run_doctor(args)
+    text = json.dumps(report, indent=2) if args.json else format_report(report)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "doctor.json").write_text(json.dumps(report, indent=2))
+        (out / "doctor.md").write_text(format_report(report) + "\n")
+    if any(c["status"] == "fail" and c["correctness"] for c in report["checks"]):
+        raise SystemExit(1)
+
+
+def sample_tokens(llm: Any, n: int, spec: str | None) -> tuple[str, list[int]]:
+    """n token ids of real text (or a fixed varied sequence for a model without a tokenizer)."""
+    if llm.tokenizer is None:
+        vocab = llm.engine.model_config.vocab_size
+        return "synthetic ids", [(7 * i * i + 3 * i + 11) % vocab for i in range(n)]
+    text = load_text(spec, max_chars=16 * n + 1000)
+    ids = llm.tokenizer.encode(text.text, add_special_tokens=False)
+    if len(ids) < n:
+        raise ValueError(f"--data: {text.name} holds {len(ids)} tokens, fewer than --tokens {n}")
+    return text.name, ids[:n]
+
+
+def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
+    def make_llm(**overrides: Any) -> Any:
+        return llm_from_args(args, **overrides)
+
+    llm = make_llm()
+    engine = llm.engine
+    n = min(args.tokens + _PROMPT_LEN, engine.max_model_len - 1)
+    source, tokens = sample_tokens(llm, n, args.data)
+    prompt_len = min(_PROMPT_LEN, n // 2)
+    compressed = engine.config.kv_cache_dtype not in ("auto", engine.config.dtype) or \
+        engine.config.kv_cache_dtype_k is not None or engine.config.kv_cache_dtype_v is not None
+    dense = make_llm(kv_cache_dtype="auto", kv_cache_dtype_k=None, kv_cache_dtype_v=None) if compressed else llm
+    short = tokens[:max(prompt_len + 16, min(n, 96))]
+    truth = truth_short = None
+    if engine.config.torch_dtype != torch.float32:  # half precision is judged against fp32 (see checks)
+        fp32 = make_llm(dtype="float32", kv_cache_dtype="auto", kv_cache_dtype_k=None, kv_cache_dtype_v=None)
+        truth = checks.recomputed(fp32, tokens, prompt_len)
+        truth_short = truth[:len(short) - prompt_len]
+        del fp32
+    found: list[Check] = [checks.cache_vs_recompute(dense, tokens, prompt_len, "model dtype pages", truth)]
+    if compressed:
+        # Compressed pages: recompute reads the same codes, so the two still agree closely.
+        found.append(checks.cache_vs_recompute(llm, tokens, prompt_len, "configured KV format", truth, slack=10))
+    found += [checks.prefix_hit_vs_miss(llm, tokens, prompt_len, truth),
+              checks.preempted_vs_undisturbed(llm, make_llm, short, prompt_len, truth_short),
+              checks.mask_future_tokens(llm, short),
+              checks.batch_invariance(llm, short, [tokens[i:i + 40] for i in (5, 17, 29)]),
+              checks.beam_rescoring(llm, short[:prompt_len])]
+    formats = [f for f in args.formats.split(",") if f]
+    if formats:
+        reference = checks.cached(dense, tokens[:prompt_len], tokens[prompt_len:])
+        found += [checks.format_quality(make_llm, reference, tokens, prompt_len, f) for f in formats]
+    found.append(capacity(engine))
+    report: dict[str, Any] = {"model": engine.model_name, "dtype": engine.config.dtype,
+                              "kv_cache_dtype": engine.config.kv_cache_dtype,
+                              "attention_backend": engine.attention_backend.name, "text": source,
+                              "checks": [asdict(c) for c in found]}
+    if not args.skip_performance:
+        report["performance"] = perf = {
+            "decode": performance.decode_profile(llm, min(8, engine.config.max_num_seqs), short, steps=10),
+            "batching": performance.batch_efficiency(
+                llm, [tokens[i:i + 16 + 8 * i] for i in range(8)], [8 + 4 * (i % 3) for i in range(8)])}
+        report["performance"]["advice"] = performance_advice(perf)
+    return report
+
+
+def capacity(engine: Any) -> Check:
+    """Whether max_num_seqs sequences of max_model_len fit the pool (the planner's question)."""
+    bm = engine.block_manager
+    tokens = bm.num_blocks * bm.block_size
+    want = engine.config.max_num_seqs * engine.max_model_len
+    measured = {"pool_tokens": float(tokens), "max_num_seqs_x_max_model_len": float(want),
+                "host_offload_tokens": float(bm.num_host_blocks * bm.block_size)}
+    if want <= tokens:
+        return Check("KV pool capacity", "pass", measured, "max_num_seqs x max_model_len fit", correctness=False)
+    need = want * engine.kv_bytes_per_token / 2**20
+    return Check("KV pool capacity", "warn", measured, "max_num_seqs x max_model_len fit",
+                 f"long sequences will preempt others: the pool holds {tokens} tokens; {engine.config.max_num_seqs} "
+                 f"sequences of {engine.max_model_len} need {want} (--kv-cache-memory {need:.0f}MiB), or lower "
+                 f"--max-num-seqs, use a compressed --kv-cache-dtype, or --offload-memory for single long ones "
+                 f"(kvserve memory plans it)", correctness=False)
+
+
+def performance_advice(perf: dict[str, Any]) -> str:
+    split = perf["decode"]["split_ms"]
+    top = max(split, key=split.get)
+    advice = {
+        "linears_and_layer_ops": "the step reads the weights: batch more sequences per step (--max-num-seqs) "
+                                 "to spend each weight read on more tokens",
+        "attention": "attention over the KV pages dominates (long contexts): a compressed --kv-cache-dtype "
+                     "reads fewer bytes; check --attention-backend is a fast one (not torch)",
+        "sampler": "sampling dominates: penalties, logprobs or top-p over a large vocabulary cost per row",
+        "scheduler": "scheduling dominates: a very large batch of short steps; raise --max-num-batched-tokens",
+        "python_overhead": "Python bookkeeping dominates a small step: batch more (--max-num-seqs), keep "
+                           "--cpu-kernels on"}[top]
+    if perf["batching"]["steps_with_a_stalled_stream"] > 0.1:
+        advice += "; running streams waited for prefills: keep --enable-chunked-prefill on"
+    return f"{top} takes the largest share of a decode step: {advice}"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"kvserve doctor: {report['model']} ({report['dtype']}, KV {report['kv_cache_dtype']}, "
+             f"attention {report['attention_backend']}; text: {report['text']})", ""]
+    for c in report["checks"]:
+        measured = ", ".join(f"{k} {v:.4g}" for k, v in c["measured"].items())
+        lines.append(f"[{c['status'].upper():4}] {c['name']}: {measured or '-'} (want {c['threshold']})")
+        if c["advice"]:
+            lines.append(f"       -> {c['advice']}")
+    if "performance" in report:
+        d = report["performance"]["decode"]
+        b = report["performance"]["batching"]
+        split = ", ".join(f"{k} {v:.2f}" for k, v in d["split_ms"].items())
+        lines += ["", f"decode step of {d['batch']} sequences: {d['step_ms']:.2f} ms ({split} ms)",
+                  f"reads {d['bytes_per_step'] / 1e6:.1f} MB per step: {d['bandwidth_pct']:.0f}% of the "
+                  f"{d['read_gb_s']:.1f} GB/s measured now; {d['compute_pct']:.1f}% of the matmul peak",
+                  f"batching: {100 * b['mean_batch_fill']:.0f}% of max_num_seqs filled on average; "
+                  f"{100 * b['steps_with_a_stalled_stream']:.0f}% of steps left a running stream without a token",
+                  f"-> {report['performance']['advice']}"]
+    failed = [c["name"] for c in report["checks"] if c["status"] == "fail" and c["correctness"]]
+    lines += ["", f"correctness: {'FAIL (' + ', '.join(failed) + ')' if failed else 'all checks pass'}"]
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""`kvserve doctor`: passes on real engines, and each correctness check fails when its fault is
+planted (a cache that skips an update, a mask that lets a token see the next one, a beam score
+off by a constant)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
+from kvserve.cache.kv_pool import DenseLayerKV
+from kvserve.cli import build_parser
+from kvserve.diagnostics import doctor
+from kvserve.engine.beam_search import BeamGroup, Hypothesis
+
+TINY = ["--model", "random:tiny", "--dtype", "float32", "--tokens", "48", "--skip-performance",
+        "--attention-backend", "torch", "--no-cpu-kernels"]
+
+
+def run(*extra: str) -> dict[str, Any]:
+    return doctor.run_doctor(build_parser().parse_args(["doctor", *TINY, *extra]))
+
+
+def statuses(report: dict[str, Any]) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in report["checks"]}
+
+
+def test_every_check_passes_on_a_sound_engine() -> None:
+    report = run("--formats", "int8,int4", "--kv-group-size", "16")
+    got = statuses(report)
+    correctness = [c for c in report["checks"] if c["correctness"]]
+    assert len(correctness) == 6 and all(c["status"] == "pass" for c in correctness), got
+    assert {"format int8", "format int4", "KV pool capacity"} <= set(got)
+    preempted = next(c for c in report["checks"] if c["name"] == "preempted vs undisturbed")
+    assert preempted["measured"]["preemptions"] > 0  # the check really exercised a preemption
+
+
+def test_a_cache_that_skips_an_update_fails_cache_vs_recompute(monkeypatch: pytest.MonkeyPatch) -> None:
+    write = DenseLayerKV.write
+
+    def skip_decode_writes(self: DenseLayerKV, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
+        if meta.slot_mapping.numel() > 1:  # prefills are written, single decode tokens are lost
+            write(self, k, v, meta)
+
+    monkeypatch.setattr(DenseLayerKV, "write", skip_decode_writes)
+    got = statuses(run("--formats", ""))
+    assert got["cache vs recompute (model dtype pages)"] == "fail"
+    assert got["mask: later tokens are invisible"] == "pass"  # prompt scoring alone is unaffected
+
+
+def test_a_mask_off_by_one_fails_the_mask_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    prepare = TorchSDPABackend.prepare
+
+    def leaky(self: TorchSDPABackend, step: Any) -> SDPAMetadata:
+        meta = prepare(self, step)
+        # Each query also sees the key right after its own position.
+        mask = meta.mask | torch.roll(meta.mask, 1, dims=-1)
+        return SDPAMetadata(meta.step, meta.query_index, mask)
+
+    monkeypatch.setattr(TorchSDPABackend, "prepare", leaky)
+    got = statuses(run("--formats", ""))
+    assert got["mask: later tokens are invisible"] == "fail"
+
+
+def test_a_beam_score_bug_fails_beam_rescoring(monkeypatch: pytest.MonkeyPatch) -> None:
+    add = BeamGroup._add_finished
+
+    def inflated(self: BeamGroup, hyp: Hypothesis) -> None:
+        add(self, Hypothesis(hyp.score + 0.5, hyp.token_ids))
+
+    monkeypatch.setattr(BeamGroup, "_add_finished", inflated)
+    got = statuses(run("--formats", ""))
+    assert got["beam score vs recompute"] == "fail"
+    assert got["cache vs recompute (model dtype pages)"] == "pass"
+
+
+def test_cli_exits_1_on_a_failed_check_and_reports_json(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    add = BeamGroup._add_finished
+    monkeypatch.setattr(BeamGroup, "_add_finished",
+                        lambda self, hyp: add(self, Hypothesis(hyp.score - 3.0, hyp.token_ids)))
+    args = build_parser().parse_args(["doctor", *TINY, "--formats", "", "--json"])
+    with pytest.raises(SystemExit) as exit_info:
+        args.func(args)
+    assert exit_info.value.code == 1
+    report = json.loads(capsys.readouterr().out)
+    beam = next(c for c in report["checks"] if c["name"] == "beam score vs recompute")
+    assert beam["status"] == "fail" and beam["advice"] and set(beam) >= {"measured", "threshold"}
+
+
+def test_performance_section_splits_the_step() -> None:
+    report = doctor.run_doctor(build_parser().parse_args(
+        ["doctor", "--model", "random:tiny", "--dtype", "float32", "--tokens", "48", "--formats", ""]))
+    perf = report["performance"]
+    split = perf["decode"]["split_ms"]
+    assert set(split) == {"linears_and_layer_ops", "attention", "sampler", "scheduler", "python_overhead"}
+    assert all(v >= 0 for v in split.values()) and split["attention"] > 0 and split["linears_and_layer_ops"] > 0
+    assert sum(split.values()) == pytest.approx(perf["decode"]["step_ms"], rel=0.05)
+    assert 0 < perf["batching"]["mean_batch_fill"] <= 1 and perf["advice"]
+    assert "decode step of" in doctor.format_report(report)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_bundled_model_passes(kv: str) -> None:
+    """The default engine (bf16, judged against fp32) and a compressed format."""
+    report = doctor.run_doctor(build_parser().parse_args(
+        ["doctor", "--tokens", "64", "--formats", "", "--skip-performance", "--kv-cache-dtype", kv]))
+    failed = [c for c in report["checks"] if c["correctness"] and c["status"] == "fail"]
+    assert not failed, failed
