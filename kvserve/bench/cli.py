@@ -51,6 +51,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(sv)
     sv.set_defaults(func=run, max_model_len=2048)
 
+    sk = kinds.add_parser("soak", help="server memory (RSS) over a long mixed run with clients hanging up")
+    sk.add_argument("--duration", type=float, default=720, help="seconds of load (default 720)")
+    sk.add_argument("--concurrency", type=int, default=16, help="clients at once (default 16)")
+    sk.add_argument("--hangup", type=float, default=0.3, help="share of requests abandoned mid-way (default 0.3)")
+    sk.add_argument("--sample", type=float, default=30, help="seconds between RSS samples (default 30)")
+    sk.add_argument("--num-requests", type=int, default=400, help="distinct requests drawn from (default 400)")
+    sk.add_argument("--seed", type=int, default=0, help="workload seed")
+    sk.add_argument("--prompt-len-median", type=int, default=128)
+    sk.add_argument("--output-len-median", type=int, default=32)
+    sk.add_argument("--data", default=None, help=DATA_HELP)
+    sk.add_argument("--out", default="bench_out")
+    add_engine_args(sk)
+    sk.set_defaults(func=run, max_model_len=2048)
+
     kf = kinds.add_parser("kv-formats", help="concurrency and throughput per KV format at one KV budget")
     kf.add_argument("--formats", default="auto,int8,int4,kivi2@32",
                     help="kv_cache_dtype values, each optionally name@residual (default auto,int8,int4,kivi2@32)")
@@ -81,7 +95,8 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     {"throughput": run_throughput, "scaling": run_scaling, "memory": run_memory,
-     "serve": run_serve, "kv-formats": run_kv_formats, "attention": run_attention}[args.bench](args, out)
+     "serve": run_serve, "kv-formats": run_kv_formats, "attention": run_attention,
+     "soak": run_soak_bench}[args.bench](args, out)
 
 
 def run_attention(args: argparse.Namespace, out: Path) -> None:
@@ -294,6 +309,37 @@ def run_serve(args: argparse.Namespace, out: Path) -> None:
     text = "\n".join(lines)
     print(text)
     (out / "serve_load.md").write_text(text + "\n")
+
+
+def run_soak_bench(args: argparse.Namespace, out: Path) -> None:
+    """`kvserve serve` under a long mixed load; its RSS over time, flat or not."""
+    from kvserve import LLM
+    from kvserve.bench.serve_load import ServerProcess
+    from kvserve.bench.soak import run_soak
+
+    tokenizer = LLM(model=args.model, dtype=args.dtype, kv_cache_memory="16MiB").tokenizer
+    requests, _, _, text_name = _workload(args, tokenizer, max_prompt_len=512, max_output_len=128)
+    engine_args = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(args.kv_cache_memory),
+                   "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+                   "--max-waiting", str(4 * args.concurrency), *(["--model", args.model] if args.model else [])]
+    server = ServerProcess(*engine_args)
+    try:
+        result = run_soak(server.url, server.proc.pid, requests, args.concurrency, args.duration, args.hangup,
+                          args.sample, args.seed)
+        state = server.kv_state()
+    finally:
+        server.stop()
+    lines = [f"soak: {args.duration:.0f} s, {args.concurrency} clients, {100 * args.hangup:.0f}% hanging up, "
+             f"{text_name} prompts (median {args.prompt_len_median}, outputs median {args.output_len_median}); "
+             f"requests {result['counts']}; KV blocks in use afterwards: {sum(c in 'US' for c in state['states'])}",
+             "", "| seconds | server RSS MiB |", "|---|---|",
+             *(f"| {t:.0f} | {m:,.0f} |" for t, m in result["rss_mib"]), "",
+             f"RSS growth from the first sample after a fifth of the run to the end: "
+             f"{100 * result['growth_after_warmup']:+.1f}%"]
+    text = "\n".join(lines)
+    print(text)
+    (out / "soak.md").write_text(text + "\n")
+    (out / "soak.json").write_text(json.dumps(result, indent=2))
 
 
 def run_kv_formats(args: argparse.Namespace, out: Path) -> None:
