@@ -204,6 +204,8 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> F
             if reply.pending:  # the client went away, or the handler was cancelled
                 aengine.abort(list(reply.pending))
         if reply.error:
+            if reply.shutdown:
+                return _error(503, reply.error, None, "service_unavailable")
             return _error(500, reply.error, None, "internal_error")
         return JSONResponse(reply.body())
 
@@ -227,7 +229,7 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> F
                 if events:
                     yield "".join(events)
             if reply.error:
-                yield _sse(error_body(reply.error, None, "internal_error"))
+                yield _sse(error_body(reply.error, None, "service_unavailable" if reply.shutdown else "internal_error"))
             if include_usage:
                 yield _sse({**reply.chunk_base(), "choices": [], "usage": reply.usage()})
             yield "data: [DONE]\n\n"
@@ -294,12 +296,14 @@ class _Reply:
         self.finals: dict[int, RequestOutput] = {}
         self.prompt_tokens: dict[str, int] = {}
         self.error: str | None = None
+        self.shutdown = False  # the error is the server shutting down, not a fault
 
     def take(self, item: Any) -> None:
         if isinstance(item, Done):
             self.pending.discard(item.request_id)
         elif isinstance(item, Exception):
             self.error = str(item)
+            self.shutdown = isinstance(item, Draining)
         else:
             self.prompt_tokens[item.request_id] = len(item.prompt_token_ids)
             if item.finish_reason == "error":

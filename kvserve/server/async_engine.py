@@ -149,7 +149,7 @@ class AsyncEngine:
         [DONE]); for a shutdown that cannot wait any longer."""
         def abort(engine: LLMEngine) -> None:
             for rid in list(self._sinks):
-                self._end(rid, "abort", RuntimeError(message))
+                self._end(rid, "abort", Draining(message))
         self.call_soon(abort)
 
     def shutdown(self, timeout: float) -> None:

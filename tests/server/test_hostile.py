@@ -163,3 +163,20 @@ def test_sigterm_past_the_timeout_ends_streams_cleanly_and_answers_503_meanwhile
     error = json.loads(rest[-2][6:])
     assert "shut down" in error["error"]["message"]
     assert srv.proc.wait(60) == 0
+
+
+def test_a_non_streaming_request_cut_by_shutdown_gets_503(make_server: Callable[..., ServerProcess]) -> None:
+    srv = make_server("--shutdown-timeout", "2")
+    result: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: result.update(r=post(srv, "/v1/completions", {
+        "prompt": "Once", "max_tokens": 1500, "ignore_eos": True})))
+    t.start()
+    deadline = time.monotonic() + 30
+    while srv.kv_state()["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    srv.proc.terminate()
+    t.join(60)
+    r = result["r"]
+    assert r.status_code == 503 and "shut down" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "service_unavailable"
+    assert srv.proc.wait(60) == 0
