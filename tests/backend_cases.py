@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import importlib.util
+
 import pytest
 import torch
 
 INTERPRETED = not torch.cuda.is_available()
+# triton is in the test extras for Linux x86-64 only; elsewhere its cases skip.
+NO_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
 def heavy_case(*values: Any, backend: str, id: str | None = None) -> Any:
     """pytest.param(*values), marked slow when it would run `backend` in the Triton interpreter."""
-    slow = backend == "triton" and INTERPRETED
-    return pytest.param(*values, id=id, marks=[pytest.mark.slow] if slow else [])
+    marks = [NO_TRITON, pytest.mark.slow] if backend == "triton" and INTERPRETED else \
+        [NO_TRITON] if backend == "triton" else []
+    return pytest.param(*values, id=id, marks=marks)

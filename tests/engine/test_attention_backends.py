@@ -11,10 +11,12 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.attention.selector import BACKENDS
 from kvserve.eval.quality import forced_logprobs
-from tests.backend_cases import heavy_case
+from tests.backend_cases import NO_TRITON, heavy_case
 
 WINDOWS = [[(7 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
 FAST = [dict(attention_backend=name, cpu_kernels=True) for name in BACKENDS if name != "torch"]
+FAST_PARAMS = [pytest.param(c, id=c["attention_backend"], marks=[NO_TRITON] if c["attention_backend"] == "triton"
+                            else []) for c in FAST]
 REFERENCE = dict(attention_backend="torch", cpu_kernels=False)
 # Backends whose kernels reach offloaded host blocks (a GPU kernel cannot: triton declines them).
 OFFLOADING = [c for c in FAST if c["attention_backend"] != "triton"]
@@ -34,7 +36,8 @@ TRITON_LIGHT = ("dense", "int8", "kivi4")
 
 
 @pytest.mark.parametrize("fast,pages", [
-    pytest.param(fast, pages, id=f"{b}-{name}") if b != "triton" or name in TRITON_LIGHT
+    pytest.param(fast, pages, id=f"{b}-{name}", marks=[NO_TRITON] if b == "triton" else [])
+    if b != "triton" or name in TRITON_LIGHT
     else heavy_case(fast, pages, backend=b, id=f"{b}-{name}")
     for fast in FAST for b in [fast["attention_backend"]] for name, pages in PAGES.items()])
 def test_forced_decoding_matches_the_reference(tiny_llm: Callable[..., LLM], fast: dict[str, Any],
@@ -47,7 +50,7 @@ def test_forced_decoding_matches_the_reference(tiny_llm: Callable[..., LLM], fas
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fast", FAST, ids=ids(FAST))
+@pytest.mark.parametrize("fast", FAST_PARAMS)
 def test_sharing_and_preemption_match_the_reference(tiny_llm: Callable[..., LLM], fast: dict[str, Any]) -> None:
     """n > 1 samples, beam search, prefix hits and preemption in a pool too small for the batch."""
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 5, [9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8] * 5 + [12, 13]]
@@ -78,6 +81,7 @@ def test_offload_matches_the_reference(tiny_llm: Callable[..., LLM], fast: dict[
     assert run(**fast) == run(**REFERENCE)
 
 
+@NO_TRITON
 def test_triton_declines_offloaded_pools(tiny_llm: Callable[..., LLM]) -> None:
     with pytest.raises(ValueError, match="attention_backend.*host blocks"):
         tiny_llm(max_num_seqs=1, kv_cache_memory="64KiB", offload_memory="1MiB", attention_backend="triton")
@@ -95,6 +99,7 @@ def test_real_model_greedy_tokens_equal_across_backends(smol: LLM) -> None:
 
 
 @pytest.mark.model
+@NO_TRITON
 def test_real_model_greedy_tokens_with_triton(smol: LLM) -> None:
     """The Triton kernels on the bundled model (interpreted on a CPU: a short run)."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
