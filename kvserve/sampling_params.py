@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -46,31 +47,24 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.beam_width > 1 and self.n > 1:
             raise ValueError("SamplingParams.n must be 1 with beam search (beam_width > 1)")
-        for name in ("temperature", "top_p", "length_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
+        for name in ("temperature", "top_p", "length_penalty", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {getattr(self, name)!r}")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logit_bias is not None and (
-                not isinstance(self.logit_bias, dict)
-                or any(not _is_int(t) or t < 0 for t in self.logit_bias)
-                or any(not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100
-                       for b in self.logit_bias.values())):
+                not isinstance(self.logit_bias, dict) or not _are_token_ids(self.logit_bias)
+                or any(not _is_number(b) or not -100 <= b <= 100 for b in self.logit_bias.values())):
             raise ValueError("SamplingParams.logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
-        if self.beam_width > 1 and (self.presence_penalty or self.frequency_penalty
-                                    or self.repetition_penalty != 1 or self.logit_bias):
+        if self.beam_width > 1 and self.penalized:
             raise ValueError("SamplingParams.beam_width: penalties and logit_bias are not supported with beam search")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
@@ -78,7 +72,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("SamplingParams.stop must be a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not _are_token_ids(self.stop_token_ids):
             raise ValueError("SamplingParams.stop_token_ids must be a list of token ids (integers >= 0)")
         for name in ("ignore_eos", "early_stopping"):
             if not isinstance(getattr(self, name), bool):
@@ -91,7 +85,7 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} is not supported with beam search (beam_width > 1)")
         if self.forced_token_ids is not None:
             forced = self.forced_token_ids
-            if not isinstance(forced, list) or any(not _is_int(t) or t < 0 for t in forced):
+            if not isinstance(forced, list) or not _are_token_ids(forced):
                 raise ValueError("SamplingParams.forced_token_ids must be a list of token ids (integers >= 0)")
             if len(forced) < self.max_tokens:
                 raise ValueError(f"SamplingParams.forced_token_ids holds {len(forced)} tokens, fewer than "
@@ -103,7 +97,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty or a logit bias changes the logits this request samples from."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
+
 
 def _is_int(value: object) -> bool:
     """An integer and not a bool (True is an int to Python, never a count or a token id here)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _are_token_ids(values: Iterable[object]) -> bool:
+    return all(_is_int(t) and t >= 0 for t in values)  # type: ignore[operator]

@@ -166,12 +166,10 @@ class LLMEngine:
         text, ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt: empty prompt")
-        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
-            raise ValueError(f"prompt: token ids must be in [0, {self.model_config.vocab_size})")
         vocab = self.model_config.vocab_size
-        for name, listed in (("forced_token_ids", params.forced_token_ids), ("logit_bias", params.logit_bias),
-                             ("stop_token_ids", params.stop_token_ids)):
-            if listed and max(listed) >= vocab:
+        for name, listed in (("prompt", ids), ("forced_token_ids", params.forced_token_ids),
+                             ("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if listed and any(not 0 <= t < vocab for t in listed):
                 raise ValueError(f"{name}: token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} prompt tokens leave no room to generate within the "

@@ -13,15 +13,10 @@ import torch
 from kvserve.sampling_params import SamplingParams
 
 
-def penalized(params: SamplingParams) -> bool:
-    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-                or params.logit_bias)
-
-
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
                     outputs: list[list[int]]) -> torch.Tensor:
     """logits [B, vocab] fp32 -> the same with each row's penalties applied (a new tensor)."""
-    rows = [i for i, p in enumerate(params) if penalized(p)]
+    rows = [i for i, p in enumerate(params) if p.penalized]
     if not rows:
         return logits
     device, vocab = logits.device, logits.shape[1]
