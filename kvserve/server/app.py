@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import time
 import uuid
@@ -204,9 +205,8 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> F
             if reply.pending:  # the client went away, or the handler was cancelled
                 aengine.abort(list(reply.pending))
         if reply.error:
-            if reply.shutdown:
-                return _error(503, reply.error, None, "service_unavailable")
-            return _error(500, reply.error, None, "internal_error")
+            status, kind = reply.error_status()
+            return _error(status, reply.error, None, kind)
         return JSONResponse(reply.body())
 
     async def _stream(reply: "_Reply", sink: Any, include_usage: bool) -> AsyncIterator[str]:
@@ -229,7 +229,7 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> F
                 if events:
                     yield "".join(events)
             if reply.error:
-                yield _sse(error_body(reply.error, None, "service_unavailable" if reply.shutdown else "internal_error"))
+                yield _sse(error_body(reply.error, None, reply.error_status()[1]))
             if include_usage:
                 yield _sse({**reply.chunk_base(), "choices": [], "usage": reply.usage()})
             yield "data: [DONE]\n\n"
@@ -255,9 +255,11 @@ class _Rendering:
     echo: bool = False
     score_only: bool = False  # echo with max_tokens 0: the prompt alone, its one engine token dropped
 
+    def prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else "".join(map(self.token_text, out.prompt_token_ids))
+
     def text(self, out: RequestOutput) -> str:
-        prompt = (out.prompt if out.prompt is not None else "".join(map(self.token_text, out.prompt_token_ids)))
-        return (prompt if self.echo else "") + ("" if self.score_only else out.text)
+        return (self.prompt_text(out) if self.echo else "") + ("" if self.score_only else out.text)
 
     def entries(self, out: RequestOutput, start: int, echo: bool) -> list[tuple[int, TokenLogprobs | None]]:
         """(token, its logprobs) from output token `start` on, the prompt's first when `echo`."""
@@ -265,9 +267,9 @@ class _Rendering:
         tail = [] if self.score_only else list(zip(out.token_ids[start:], (out.logprobs or [])[start:]))
         return head + tail
 
-    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int) -> dict[str, Any]:
+    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
         tokens = [self.token_text(t) for t, _ in entries]
-        offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+        offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=0)) if tokens else []
         return {"tokens": tokens, "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
                 "top_logprobs": [{self.token_text(k): v for k, v in lp.top.items()} if lp else None
                                  for _, lp in entries],
@@ -297,6 +299,10 @@ class _Reply:
         self.prompt_tokens: dict[str, int] = {}
         self.error: str | None = None
         self.shutdown = False  # the error is the server shutting down, not a fault
+
+    def error_status(self) -> tuple[int, str]:
+        """The HTTP status and OpenAI error type of `error`: a shutdown is no fault of the server's."""
+        return (503, "service_unavailable") if self.shutdown else (500, "internal_error")
 
     def take(self, item: Any) -> None:
         if isinstance(item, Done):
@@ -336,15 +342,14 @@ class _Reply:
         first = index not in self.sent
         start = self.sent.get(index, 0)
         r = self.rendering
-        text = out.delta_text
-        if first and r.echo:  # the prompt goes out with the choice's first chunk
-            text = r.text(out)[:len(r.text(out)) - len(out.text)] + text
+        # The prompt goes out with the choice's first chunk; scoring a prompt sends no completion.
+        text = (r.prompt_text(out) if first and r.echo else "") + ("" if r.score_only else out.delta_text)
         chunk = self.chunk(index, {"content": text} if self.chat else text,
                            out.finish_reason if out.finished else None)
         if out.logprobs is not None:
             entries = r.entries(out, start, first and r.echo)
             chunk["choices"][0]["logprobs"] = (r.chat_logprobs(entries) if self.chat
-                                               else r.completion_logprobs(entries, 0))
+                                               else r.completion_logprobs(entries))
         self.sent[index] = len(out.logprobs or [])
         return chunk
 
@@ -358,7 +363,7 @@ class _Reply:
                                       "finish_reason": out.finish_reason if out else "abort"}
             if out is not None and out.logprobs is not None:
                 entries = r.entries(out, 0, r.echo)
-                choice["logprobs"] = r.chat_logprobs(entries) if self.chat else r.completion_logprobs(entries, 0)
+                choice["logprobs"] = r.chat_logprobs(entries) if self.chat else r.completion_logprobs(entries)
             if out is not None and r.score_only:
                 choice["finish_reason"] = "length"
             if self.chat:

@@ -87,3 +87,11 @@ def test_streamed_logprobs_equal_the_whole_reply(client: openai.OpenAI, model: s
             tokens += chunk.choices[0].logprobs.tokens
             logprobs += chunk.choices[0].logprobs.token_logprobs
     assert tokens == whole.tokens and logprobs == pytest.approx(whole.token_logprobs)
+
+
+def test_streamed_echo_scoring_sends_the_whole_prompt_and_no_completion(client: openai.OpenAI, model: str) -> None:
+    text = "The capital of France is Paris."
+    args: dict[str, Any] = dict(model=model, prompt=text, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    whole = client.completions.create(**args).choices[0]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args) if c.choices)
+    assert whole.text == streamed == text
