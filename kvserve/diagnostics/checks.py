@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvserve.engine.llm import LLM
+from kvserve.eval.quality import forced_logprobs, forcing
 from kvserve.sampling_params import SamplingParams
 
 MakeLLM = Callable[..., LLM]
@@ -36,12 +37,16 @@ class Check:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
+def top1(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The share of positions whose most likely token is the same in both [N, vocab]."""
+    return (got.argmax(-1) == want.argmax(-1)).double().mean().item()
+
+
 def compare(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
     """got, want [N, vocab] log-probs: the largest difference where `want` > -10, and top-1."""
     relevant = want > -10
     diff = (got - want).abs().masked_fill(~relevant, 0).max().item()
-    top1 = (got.argmax(-1) == want.argmax(-1)).double().mean().item()
-    return {"max_abs_logprob_diff": diff, "top1_agreement": top1}
+    return {"max_abs_logprob_diff": diff, "top1_agreement": top1(got, want)}
 
 
 def kl(truth: torch.Tensor, got: torch.Tensor) -> float:
@@ -56,8 +61,7 @@ def against_truth(name: str, got: torch.Tensor, baseline: torch.Tensor, truth: t
     if truth is None:
         return judged(name, {**compare(got, baseline), **(extra or {})}, dtype, advice, slack)
     kl_got, kl_base = kl(truth, got), kl(truth, baseline)
-    top_got = (got.argmax(-1) == truth.argmax(-1)).double().mean().item()
-    top_base = (baseline.argmax(-1) == truth.argmax(-1)).double().mean().item()
+    top_got, top_base = top1(got, truth), top1(baseline, truth)
     ok = kl_got <= 2 * slack * kl_base + 1e-4 * slack and top_got >= top_base - 0.03 * slack
     measured = {"kl_vs_fp32": kl_got, "reference_kl_vs_fp32": kl_base, "top1_vs_fp32": top_got,
                 "reference_top1_vs_fp32": top_base, **compare(got, baseline), **(extra or {})}
@@ -77,22 +81,19 @@ def judged(name: str, measured: dict[str, float], dtype: torch.dtype, advice: st
 
 def cached(llm: LLM, prompt: list[int], continuation: list[int]) -> torch.Tensor:
     """Distributions after each forced token, decoded one cached step at a time: [N, vocab]."""
-    params = SamplingParams(max_tokens=len(continuation), temperature=0, logprobs=-1, ignore_eos=True,
-                            forced_token_ids=list(continuation))
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    return torch.stack([t.full for t in out.logprobs])
-
-
-def recomputed(llm: LLM, tokens: list[int], start: int) -> torch.Tensor:
-    """The same distributions from one forward over all of `tokens` (prompt scoring, no cache
-    reuse): rows for positions start - 1 .. len - 2, i.e. predicting tokens start .. len - 1."""
-    out = llm.generate([tokens], SamplingParams(max_tokens=1, prompt_logprobs=-1), use_tqdm=False)[0]
-    return torch.stack([t.full for t in out.prompt_logprobs[start:]])
+    return forced_logprobs(llm, [prompt + continuation], len(prompt))[0]
 
 
 def prompt_scores(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Each prompt scored by one forward over all of it (no cache reuse): the distribution after
+    tokens 0 .. j for every j but the last, [len - 1, vocab] per prompt."""
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=-1), use_tqdm=False)
     return [torch.stack([t.full for t in o.prompt_logprobs[1:]]) for o in outs]
+
+
+def recomputed(llm: LLM, tokens: list[int], start: int) -> torch.Tensor:
+    """`cached`'s distributions for tokens[start:] from a full recompute."""
+    return prompt_scores(llm, [tokens])[0][start - 1:]
 
 
 def cache_vs_recompute(llm: LLM, tokens: list[int], prompt_len: int, label: str,
@@ -136,9 +137,7 @@ def preempted_vs_undisturbed(llm: LLM, make_llm: MakeLLM, tokens: list[int], pro
     blocks = bm.blocks_for(len(tokens))
     small = make_llm(kv_cache_memory=str(block_bytes * (2 * blocks + 1)), max_num_seqs=3,
                      enable_prefix_caching=False)
-    params = SamplingParams(max_tokens=len(tokens) - prompt_len, temperature=0, logprobs=-1, ignore_eos=True,
-                            forced_token_ids=tokens[prompt_len:])
-    outs = small.generate([tokens[:prompt_len]] * 3, params, use_tqdm=False)
+    outs = small.generate([tokens[:prompt_len]] * 3, forcing(tokens[prompt_len:]), use_tqdm=False)
     preemptions = small.engine.scheduler.num_preemptions
     advice = (f"a sequence resumed after preemption ({engine.config.preemption_mode}) decodes differently: "
               "try --preemption-mode recompute")
@@ -196,10 +195,9 @@ def format_quality(make_llm: MakeLLM, reference: torch.Tensor, tokens: list[int]
     except ValueError as err:  # e.g. a group size this model's head_dim does not allow
         return Check(f"format {fmt}", "warn", {}, "the format builds for this model", str(err), correctness=False)
     got = cached(llm, tokens[:prompt_len], tokens[prompt_len:])
-    kl = (reference.exp() * (reference - got)).sum(-1).mean().item()
-    top1 = (got.argmax(-1) == reference.argmax(-1)).double().mean().item()
-    measured = {"kl": kl, "top1_agreement": top1, "bytes_per_token": llm.engine.kv_bytes_per_token}
-    ok = kl <= 0.05 and top1 >= 0.9
+    measured = {"kl": kl(reference, got), "top1_agreement": top1(got, reference),
+                "bytes_per_token": llm.engine.kv_bytes_per_token}
+    ok = measured["kl"] <= 0.05 and measured["top1_agreement"] >= 0.9
     return Check(f"format {fmt}", "pass" if ok else "warn", measured, "KL <= 0.05 and top-1 >= 0.9",
                  "" if ok else f"{fmt} loses noticeable quality here: keep recent tokens exact with "
                                "--kv-residual, or use int8 / fp8", correctness=False)

@@ -21,7 +21,9 @@ from kvserve.engine_args import add_engine_args, llm_from_args
 from kvserve.texts import DATA_HELP, load_text
 
 DEFAULT_FORMATS = ("int8", "fp8_e4m3", "int4", "kivi4")
-# The synthetic text of a model without a tokenizer: a fixed, varied token sequence.
+# Engine options for pages in the model dtype, whatever KV format is configured.
+DENSE_PAGES: dict[str, Any] = dict(kv_cache_dtype="auto", kv_cache_dtype_k=None, kv_cache_dtype_v=None)
+# Prompt tokens before the forced continuation each consistency check decodes.
 _PROMPT_LEN = 32
 
 
@@ -75,11 +77,11 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
     prompt_len = min(_PROMPT_LEN, n // 2)
     compressed = engine.config.kv_cache_dtype not in ("auto", engine.config.dtype) or \
         engine.config.kv_cache_dtype_k is not None or engine.config.kv_cache_dtype_v is not None
-    dense = make_llm(kv_cache_dtype="auto", kv_cache_dtype_k=None, kv_cache_dtype_v=None) if compressed else llm
+    dense = make_llm(**DENSE_PAGES) if compressed else llm
     short = tokens[:max(prompt_len + 16, min(n, 96))]
     truth = truth_short = None
     if engine.config.torch_dtype != torch.float32:  # half precision is judged against fp32 (see checks)
-        fp32 = make_llm(dtype="float32", kv_cache_dtype="auto", kv_cache_dtype_k=None, kv_cache_dtype_v=None)
+        fp32 = make_llm(dtype="float32", **DENSE_PAGES)
         truth = checks.recomputed(fp32, tokens, prompt_len)
         truth_short = truth[:len(short) - prompt_len]
         del fp32

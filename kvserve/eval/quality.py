@@ -20,6 +20,13 @@ from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
 
+def forcing(continuation: list[int]) -> SamplingParams:
+    """A request whose output is `continuation`, one cached decode step per token, returning
+    the whole distribution before each (teacher forcing)."""
+    return SamplingParams(max_tokens=len(continuation), temperature=0, ignore_eos=True, logprobs=-1,
+                          forced_token_ids=list(continuation))
+
+
 @torch.inference_mode()
 def forced_logprobs(llm: LLM, windows: list[list[int]], prefill_len: int) -> torch.Tensor:
     """log-softmax [W, L - prefill_len, vocab] (fp32) of the next token at positions prefill_len - 1
@@ -29,8 +36,7 @@ def forced_logprobs(llm: LLM, windows: list[list[int]], prefill_len: int) -> tor
     length = len(windows[0])
     if len(windows) * bm.blocks_for(length) > bm.num_blocks:
         raise ValueError("kv_cache_memory: the evaluation windows do not fit the KV pool together")
-    params = [SamplingParams(max_tokens=length - prefill_len, temperature=0, ignore_eos=True, logprobs=-1,
-                             forced_token_ids=list(w[prefill_len:])) for w in windows]
+    params = [forcing(w[prefill_len:]) for w in windows]
     outs = llm.generate([list(w[:prefill_len]) for w in windows], params, use_tqdm=False)
     if any(o.num_preemptions for o in outs):  # a recomputed context would not be the cache under test
         raise ValueError("kv_cache_memory: the evaluation windows do not fit the KV pool together")
