@@ -14,24 +14,30 @@ from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_a
 from kvserve.texts import DATA_HELP
 
 
+def _workload_args(p: argparse.ArgumentParser, num_requests: int, prompt_median: int, output_median: int,
+                   requests_help: str = "requests in the workload") -> None:
+    """The options of a benchmark whose requests are slices of a text (see `_workload`)."""
+    p.add_argument("--num-requests", type=int, default=num_requests, help=f"{requests_help} (default {num_requests})")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--prompt-len-median", type=int, default=prompt_median)
+    p.add_argument("--output-len-median", type=int, default=output_median)
+    p.add_argument("--data", default=None, help=DATA_HELP)
+    p.add_argument("--out", default="bench_out", help="folder for the JSON and markdown results")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks against HF transformers, run side by side")
     kinds = bench.add_subparsers(dest="bench", required=True)
 
     tp = kinds.add_parser("throughput", help="offline throughput on a text-sliced workload vs HF and llama.cpp")
-    tp.add_argument("--num-requests", type=int, default=64)
-    tp.add_argument("--seed", type=int, default=0, help="workload seed")
-    tp.add_argument("--prompt-len-median", type=int, default=128)
-    tp.add_argument("--output-len-median", type=int, default=64)
+    _workload_args(tp, num_requests=64, prompt_median=128, output_median=64)
     tp.add_argument("--sigma", type=float, default=0.8, help="lognormal spread of lengths")
     tp.add_argument("--max-prompt-len", type=int, default=1024)
     tp.add_argument("--max-output-len", type=int, default=512)
-    tp.add_argument("--data", default=None, help=DATA_HELP)
     tp.add_argument("--skip-hf", action="store_true", help="leave out HF transformers (static and continuous)")
     tp.add_argument("--skip-llama-cpp", action="store_true",
                     help="leave out llama.cpp (llama-cpp-python, one request at a time: its Python API serves one)")
     tp.add_argument("--skip-contiguous", action="store_true", help="skip the contiguous baseline")
-    tp.add_argument("--out", default="bench_out", help="folder for the JSON and markdown results")
     add_engine_args(tp)
     tp.set_defaults(func=run, max_model_len=2048)
 
@@ -42,12 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mem.set_defaults(func=run, max_model_len=2048, max_num_seqs=8)
 
     sv = kinds.add_parser("serve", help="concurrent streaming load on `kvserve serve` vs offline generate")
-    sv.add_argument("--num-requests", type=int, default=200)
-    sv.add_argument("--seed", type=int, default=0, help="workload seed")
-    sv.add_argument("--prompt-len-median", type=int, default=128)
-    sv.add_argument("--output-len-median", type=int, default=64)
-    sv.add_argument("--data", default=None, help=DATA_HELP)
-    sv.add_argument("--out", default="bench_out")
+    _workload_args(sv, num_requests=200, prompt_median=128, output_median=64)
     add_engine_args(sv)
     sv.set_defaults(func=run, max_model_len=2048)
 
@@ -56,25 +57,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sk.add_argument("--concurrency", type=int, default=16, help="clients at once (default 16)")
     sk.add_argument("--hangup", type=float, default=0.3, help="share of requests abandoned mid-way (default 0.3)")
     sk.add_argument("--sample", type=float, default=30, help="seconds between RSS samples (default 30)")
-    sk.add_argument("--num-requests", type=int, default=400, help="distinct requests drawn from (default 400)")
-    sk.add_argument("--seed", type=int, default=0, help="workload seed")
-    sk.add_argument("--prompt-len-median", type=int, default=128)
-    sk.add_argument("--output-len-median", type=int, default=32)
-    sk.add_argument("--data", default=None, help=DATA_HELP)
-    sk.add_argument("--out", default="bench_out")
+    _workload_args(sk, num_requests=400, prompt_median=128, output_median=32,
+                   requests_help="distinct requests drawn from")
     add_engine_args(sk)
     sk.set_defaults(func=run, max_model_len=2048)
 
     kf = kinds.add_parser("kv-formats", help="concurrency and throughput per KV format at one KV budget")
     kf.add_argument("--formats", default="auto,int8,int4,kivi2@32",
                     help="kv_cache_dtype values, each optionally name@residual (default auto,int8,int4,kivi2@32)")
-    kf.add_argument("--num-requests", type=int, default=32)
-    kf.add_argument("--prompt-len-median", type=int, default=256)
-    kf.add_argument("--output-len-median", type=int, default=32)
-    kf.add_argument("--data", default=None, help=DATA_HELP)
-    kf.add_argument("--out", default="bench_out")
+    _workload_args(kf, num_requests=32, prompt_median=256, output_median=32)
     add_engine_args(kf)
-    kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="128MiB", max_num_seqs=48, seed=0)
+    kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="128MiB", max_num_seqs=48)
 
     at = kinds.add_parser("attention", help="attention backends on one layer: same pages, same queries")
     at.add_argument("--formats", default="auto,int8,int4", help="kv_cache_dtype values (default auto,int8,int4)")
