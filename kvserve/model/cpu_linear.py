@@ -11,12 +11,26 @@ See BENCHMARKS.md for the measurements.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 SMALL_BATCH = 32  # rows up to which our kernel beats oneDNN (measured per shape, BENCHMARKS.md)
+# oneDNN builds and caches a primitive for every row count it sees; with chunked prefill nearly
+# every step has a new one, and the cache grew the server's memory without bound (BENCHMARKS.md,
+# issue 10 item 12). Rows are padded up to a multiple of this, which bounds the shapes.
+ROW_BUCKET = 64
+
+
+def onednn_rows(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`matmul(x)` with x's rows padded to a multiple of ROW_BUCKET, the padding sliced off."""
+    rows = x.shape[0]
+    padded = -(-rows // ROW_BUCKET) * ROW_BUCKET
+    if padded == rows:
+        return matmul(x)
+    return matmul(F.pad(x, (0, 0, 0, padded - rows)))[:rows]
 
 
 class SmallBatchLinear(nn.Module):
@@ -29,7 +43,7 @@ class SmallBatchLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= SMALL_BATCH:
             return self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return onednn_rows(x, lambda rows: F.linear(rows, self.weight, self.bias))
 
 
 class PackedLinear(nn.Module):
@@ -42,7 +56,8 @@ class PackedLinear(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return onednn_rows(x, lambda rows: torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias,
+                                                                              "none", [], ""))
 
 
 def cpu_linear_kind(device: torch.device, dtype: torch.dtype, kernels: ModuleType | None) -> str | None:
