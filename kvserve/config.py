@@ -11,6 +11,7 @@ import torch
 
 from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.cache.kv_format import FORMAT_NAMES, KVFormat, make_format
+from kvserve.eviction.policy import POLICY_NAMES, EvictionPolicy
 from kvserve.model.config import ModelConfig
 
 CACHE_MODES = ("paged", "contiguous", "no-cache")
@@ -36,6 +37,14 @@ def available_memory(device: torch.device) -> int:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def policy_for(owner: str, **fields: Any) -> EvictionPolicy:
+    """An EvictionPolicy whose errors name `owner`'s fields (EngineConfig, SamplingParams)."""
+    try:
+        return EvictionPolicy(**fields)
+    except ValueError as err:
+        raise ValueError(str(err).replace("EvictionPolicy.", f"{owner}.", 1)) from None
 
 
 def _opt(default: object, help: str, **cli: object) -> Any:
@@ -79,6 +88,19 @@ class EngineConfig:
     kv_outliers: int = _opt(4, "exact entries per token and head for 'outlier'")
     kv_sparse_threshold: float = _opt(0.5, "'sparse' drops entries below this times the token-head RMS")
     kv_sparse_capacity: float = _opt(0.5, "'sparse' stores at most this fraction of head_dim per token-head")
+    # Token eviction (kvserve.eviction): each sequence keeps kv_budget tokens; requests may override.
+    kv_eviction: str = _opt("none", "drop cached tokens once a sequence holds kv_budget: window (sinks + recent, "
+                                    "StreamingLLM), h2o (heavy hitters), snapkv (scored by the prompt's last "
+                                    "queries), tova (lowest attention of the newest query), strided (every "
+                                    "kv_stride-th old token); none keeps all", choices=POLICY_NAMES)
+    kv_budget: int | None = _opt(None, "tokens each sequence keeps per KV head with kv_eviction (required with it)")
+    kv_sink_tokens: int = _opt(4, "first tokens window and strided always keep")
+    kv_window: int | None = _opt(None, "recent tokens h2o and strided always keep (default kv_budget // 2)")
+    kv_stride: int = _opt(4, "strided keeps old tokens at positions divisible by this")
+    kv_observation_window: int = _opt(32, "snapkv: queries whose attention ranks tokens (and recent tokens kept)")
+    kv_pooling_kernel: int = _opt(5, "snapkv: positions its scores are averaged over (odd)")
+    kv_evict_during_decode: bool = _opt(True, "keep each sequence at kv_budget at every step (off: evict once, "
+                                              "when the prompt ends, as kvpress does, and let the cache grow)")
     attention_backend: str = _opt(
         "auto", "auto: the fastest backend that serves the configuration (cpu: a C++ kernel reading pages "
                 "in place; triton: Triton kernels, on CUDA); torch: the gather + SDPA reference",
@@ -122,6 +144,49 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         self._check_kv_format()
+        self._check_eviction()
+
+    def eviction_policy(self, name: str | None = None, budget: int | None = None,
+                        owner: str = "EngineConfig") -> EvictionPolicy | None:
+        """The engine's policy with a request's overrides (errors name `owner`'s field); None
+        for no eviction."""
+        name = self.kv_eviction if name is None else name
+        if name == "none":
+            return None
+        budget = self.kv_budget if budget is None else budget
+        if budget is None:
+            raise ValueError(f"{owner}.kv_budget is required with kv_eviction={name!r}")
+        return policy_for(owner, name=name, budget=budget, sink_tokens=self.kv_sink_tokens, window=self.kv_window,
+                          stride=self.kv_stride, observation_window=self.kv_observation_window,
+                          pooling_kernel=self.kv_pooling_kernel, during_decode=self.kv_evict_during_decode)
+
+    def _check_eviction(self) -> None:
+        if self.kv_eviction not in POLICY_NAMES:
+            raise ValueError(f"EngineConfig.kv_eviction must be one of {', '.join(POLICY_NAMES)}, "
+                             f"got {self.kv_eviction!r}")
+        if self.kv_budget is not None and (not _is_int(self.kv_budget) or self.kv_budget < 1):
+            raise ValueError(f"EngineConfig.kv_budget must be a positive integer, got {self.kv_budget!r}")
+        # Knobs are checked whenever set, though only a policy reads them: a request may pick one.
+        policy_for("EngineConfig", name="none", budget=1, sink_tokens=self.kv_sink_tokens, window=self.kv_window,
+                   stride=self.kv_stride, observation_window=self.kv_observation_window,
+                   pooling_kernel=self.kv_pooling_kernel, during_decode=self.kv_evict_during_decode)
+        self.eviction_policy()
+        if self.kv_eviction != "none":
+            reason = self.eviction_unsupported()
+            if reason:
+                raise ValueError(f"EngineConfig.kv_eviction: {reason}")
+
+    def eviction_unsupported(self) -> str | None:
+        """Why this engine cannot evict tokens (for the engine's policy or a request's), or None."""
+        if self.cache_mode != "paged":
+            return "token eviction needs cache_mode='paged'"
+        if parse_bytes(self.offload_memory):
+            return "token eviction does not combine with offload_memory (host blocks are not compacted)"
+        formats = self.kv_formats()
+        if formats is not None and (self.residual_tokens or not all(f.per_token for f in formats)):
+            return ("token eviction needs per-token KV formats without a full-precision residual (fp8, int8, "
+                    "int4, outlier, sparse with kv_residual=0); kivi pages are encoded a block at a time")
+        return None
 
     def _check_kv_format(self) -> None:
         for name in ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v"):

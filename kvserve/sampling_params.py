@@ -5,6 +5,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvserve.eviction.policy import POLICY_NAMES
+
 
 @dataclass
 class SamplingParams:
@@ -38,6 +40,10 @@ class SamplingParams:
     # Teacher forcing: the output is these tokens instead of sampled ones, each still decoded in
     # its own cached step (with `logprobs`, scores a continuation under the engine's KV cache).
     forced_token_ids: list[int] | None = None
+    # Token eviction for this request (kvserve.eviction), overriding the engine's kv_eviction
+    # and kv_budget; "none" keeps every token. The engine's other eviction knobs apply.
+    kv_eviction: str | None = None
+    kv_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +98,12 @@ class SamplingParams:
                                  f"max_tokens ({self.max_tokens})")
             if self.n > 1 or self.beam_width > 1:
                 raise ValueError("SamplingParams.forced_token_ids needs n == 1 and beam_width == 1")
+
+        if self.kv_eviction is not None and self.kv_eviction not in POLICY_NAMES:
+            raise ValueError(f"SamplingParams.kv_eviction must be one of {', '.join(POLICY_NAMES)}, "
+                             f"got {self.kv_eviction!r}")
+        if self.kv_budget is not None and (not _is_int(self.kv_budget) or self.kv_budget < 1):
+            raise ValueError(f"SamplingParams.kv_budget must be a positive integer, got {self.kv_budget!r}")
 
     @property
     def greedy(self) -> bool:

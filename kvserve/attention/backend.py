@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvserve.attention.metadata import StepMetadata
+from kvserve.attention.scores import ScorePlan, slot_scores
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.profiling import label
@@ -45,14 +46,23 @@ class AttentionBackend(ABC):
 
 @dataclass(frozen=True)
 class StepAttention:
-    """One step's attention as the model sees it: a backend bound to its prepared metadata."""
+    """One step's attention as the model sees it: a backend bound to its prepared metadata.
+    With a `scoring` plan, each layer also fills its row of `scores` [layers, n, kv_heads,
+    slots], the step's second output beside the logits (see attention/scores.py)."""
     backend: AttentionBackend
     step: StepMetadata
     meta: Any
+    scoring: ScorePlan | None = None
+    scores: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, backend: AttentionBackend, step: StepMetadata) -> "StepAttention":
-        return cls(backend, step, backend.prepare(step))
+    def of(cls, backend: AttentionBackend, step: StepMetadata, scoring: ScorePlan | None = None) -> "StepAttention":
+        scores = None
+        if scoring is not None:
+            pool = backend.pool
+            scores = torch.zeros(len(pool.kv), len(scoring.batch_index), pool.num_kv_heads, scoring.max_slots,
+                                 device=step.block_tables.device)
+        return cls(backend, step, backend.prepare(step), scoring, scores)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -61,4 +71,7 @@ class StepAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
         with label("kvserve.attention"):  # for the doctor's profile of a step
-            return self.backend.forward(layer, q, k, v, self.meta, scale)
+            out = self.backend.forward(layer, q, k, v, self.meta, scale)
+            if self.scoring is not None:
+                self.scores[layer] = slot_scores(self.backend.pool.kv[layer], q, self.scoring, scale)
+            return out

@@ -38,10 +38,11 @@ class TorchSDPABackend(AttentionBackend):
         total = int(step.query_start[-1])
         offsets = torch.arange(total) - torch.repeat_interleave(step.query_start[:-1], q_lens, output_size=total)
         query_index = torch.repeat_interleave(torch.arange(batch) * max_q, q_lens, output_size=total) + offsets
-        positions = step.positions.cpu()
-        # Padded query rows keep position 0 so they attend to one key instead of none (no NaN).
+        seq_of = torch.repeat_interleave(torch.arange(batch), q_lens, output_size=total)
+        # A query sees the slots up to its own (slot ctx - q_len + j; not its position, which
+        # counts evicted tokens). Padded rows keep slot 0: they attend to one key, never none (NaN).
         q_pos = torch.zeros(batch * max_q, dtype=torch.long)
-        q_pos[query_index] = positions
+        q_pos[query_index] = (step.context_lens - q_lens)[seq_of] + offsets
         k_pos = torch.arange(step.block_tables.shape[1] * self.pool.block_size)
         mask = (k_pos[None, None, :] <= q_pos.view(batch, max_q, 1)) & (
             k_pos[None, None, :] < step.context_lens[:, None, None])

@@ -1,4 +1,4 @@
-"""`kvserve bench throughput | scaling | memory | serve | kv-formats`."""
+"""`kvserve bench throughput | scaling | memory | serve | kv-formats | evictions | attention | soak`."""
 from __future__ import annotations
 
 import argparse
@@ -69,6 +69,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(kf)
     kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="128MiB", max_num_seqs=48)
 
+    ev = kinds.add_parser("evictions", help="concurrency and throughput per kv_eviction policy at one KV budget")
+    ev.add_argument("--policies", default="none,window,snapkv,tova,h2o,strided",
+                    help="kv_eviction values, the first the baseline (default none,window,snapkv,tova,h2o,strided)")
+    _workload_args(ev, num_requests=24, prompt_median=1024, output_median=128)
+    add_engine_args(ev)
+    ev.set_defaults(func=run, max_model_len=4096, kv_cache_memory="96MiB", max_num_seqs=48, kv_budget=512)
+
     at = kinds.add_parser("attention", help="attention backends on one layer: same pages, same queries")
     at.add_argument("--formats", default="auto,int8,int4", help="kv_cache_dtype values (default auto,int8,int4)")
     at.add_argument("--out", default="bench_out")
@@ -89,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     {"throughput": run_throughput, "scaling": run_scaling, "memory": run_memory,
      "serve": run_serve, "kv-formats": run_kv_formats, "attention": run_attention,
-     "soak": run_soak_bench}[args.bench](args, out)
+     "soak": run_soak_bench, "evictions": run_evictions}[args.bench](args, out)
 
 
 def run_attention(args: argparse.Namespace, out: Path) -> None:
@@ -337,15 +344,28 @@ def run_soak_bench(args: argparse.Namespace, out: Path) -> None:
 
 def run_kv_formats(args: argparse.Namespace, out: Path) -> None:
     """The same workload and KV budget per format: how many sequences run at once, how fast."""
+    runs = [(fmt, kv_format_overrides(fmt, args)) for fmt in args.formats.split(",")]
+    _same_budget_runs(args, runs, "format", out / "kv_formats.md", max_prompt_len=1024)
+
+
+def run_evictions(args: argparse.Namespace, out: Path) -> None:
+    """The same long-context workload and KV budget per eviction policy, against none."""
+    runs = [(p if p == "none" else f"{p} @{args.kv_budget}", {"kv_eviction": p}) for p in args.policies.split(",")]
+    _same_budget_runs(args, runs, "eviction", out / "evictions.md", max_prompt_len=args.max_model_len // 2)
+
+
+def _same_budget_runs(args: argparse.Namespace, runs: list[tuple[str, dict[str, Any]]], what: str, path: Path,
+                      max_prompt_len: int) -> None:
     from kvserve.bench.throughput import run_kvserve
 
     summaries = []
-    for i, fmt in enumerate(args.formats.split(",")):
-        llm = llm_from_args(args, "paged", **kv_format_overrides(fmt, args))
+    for i, (name, overrides) in enumerate(runs):
+        llm = llm_from_args(args, "paged", **overrides)
         if i == 0:  # the tokenizer comes with the first engine
-            _, prompts, params, _ = _workload(args, llm.tokenizer, sigma=0.5, max_prompt_len=1024, max_output_len=512)
+            _, prompts, params, _ = _workload(args, llm.tokenizer, sigma=0.5, max_prompt_len=max_prompt_len,
+                                              max_output_len=512)
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-        summary = run_kvserve(llm, prompts, params, f"kvserve {fmt}")
+        summary = run_kvserve(llm, prompts, params, f"kvserve {name}")
         summary.extra["capacity_tokens"] = float(llm.engine.block_manager.num_blocks * args.block_size)
         summary.extra["kv_bytes_per_token"] = llm.engine.kv_bytes_per_token
         summaries.append(summary)
@@ -355,7 +375,7 @@ def run_kv_formats(args: argparse.Namespace, out: Path) -> None:
              f"{args.prompt_len_median}, output median {args.output_len_median}, sigma 0.5), dtype {args.dtype}, "
              f"max_num_seqs {args.max_num_seqs}, torch threads "
              f"{torch.get_num_threads()}", "", format_table(summaries), "",
-             "| format | KV bytes/token | capacity (tokens) | peak running seqs | output tok/s | vs first |",
+             f"| {what} | KV bytes/token | capacity (tokens) | peak running seqs | output tok/s | vs first |",
              "|---|---|---|---|---|---|"]
     for s in summaries:
         lines.append(f"| {s.name} | {s.extra['kv_bytes_per_token']:.0f} | {s.extra['capacity_tokens']:.0f} | "
@@ -363,4 +383,4 @@ def run_kv_formats(args: argparse.Namespace, out: Path) -> None:
                      f"{s.output_tok_s:.1f} | {s.output_tok_s / base.output_tok_s:.2f}x |")
     text = "\n".join(lines)
     print(text)
-    (out / "kv_formats.md").write_text(text + "\n")
+    path.write_text(text + "\n")

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.cache.compaction import Compaction
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ class BlockManager:
         self.num_host_blocks = num_host_blocks
         self._host_free = [HostBlock(i, num_blocks) for i in reversed(range(num_host_blocks))]
         self.pending_offloads: list[tuple[int, HostBlock]] = []  # (device block, host block) to copy
+        self.pending_compactions: list[Compaction] = []
+        self.evicted_blocks = 0  # blocks returned to the pool by compaction, since the start
         self.peak_used = 0
 
     @property
@@ -199,11 +205,57 @@ class BlockManager:
         self._note_peak()
         return True
 
-    def take_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(offloads, copy-on-write copies) recorded since the last call, handed over once."""
-        moves = self.pending_offloads, self.pending_copies
-        self.pending_offloads, self.pending_copies = [], []
+    def take_moves(self) -> tuple[list[Compaction], list[tuple[int, HostBlock]], list[tuple[int, int]]]:
+        """(compactions, offloads, copy-on-write copies) recorded since the last call, handed over once."""
+        moves = self.pending_compactions, self.pending_offloads, self.pending_copies
+        self.pending_compactions, self.pending_offloads, self.pending_copies = [], [], []
         return moves
+
+    def compact(self, seq_id: str, layer: torch.Tensor, head: torch.Tensor, src: torch.Tensor,
+                dst: torch.Tensor, kept: int) -> bool:
+        """Token eviction: slot `src` moves into slot `dst` (indices within the sequence) per
+        (layer, head), the sequence keeps `kept` slots, and the blocks past them return to the
+        pool. A block it writes (a destination, or the partial block new tokens will fill) is
+        made its own first: copied when shared or registered in the prefix cache (the original
+        stays cached), else, when blocks are short, dropped from the cache, since its contents
+        will no longer match its tokens. Returns False, changing nothing, when blocks for the
+        copies of shared blocks are short."""
+        table = self.tables[seq_id]
+        bs = self.block_size
+        keep_blocks = self.blocks_for(kept)
+        assert all(map(on_device, table)), "offloaded sequences do not evict (EngineConfig checks)"
+        written = set((dst // bs).tolist())
+        if kept % bs:
+            written.add(kept // bs)
+        shared = [i for i in sorted(written) if self.blocks[table[i]].ref_count > 1]
+        if len(shared) > len(self._free):
+            return False
+        # A cached block is copied too while blocks allow, so that the prefix stays servable.
+        cached = [i for i in sorted(written) if self.blocks[table[i]].hash is not None and i not in shared]
+        copied = sorted(shared + cached) if len(shared) + len(cached) <= len(self._free) else shared
+        copies = []
+        # Fresh blocks are taken before the tail is released: a copy must not land on a source.
+        for i in copied:
+            fresh = self._take_free()
+            copies.append((table[i], fresh))
+            self._release(table[i])
+            table[i] = fresh
+        for i in written - set(copied):
+            block = self.blocks[table[i]]
+            if block.hash is not None:
+                del self.cache[block.hash]
+                block.hash, block.token_ids = None, ()
+        # Sources may sit in the tail: their pool slots are taken before it is released (the
+        # runner applies compactions before any other move can reuse those blocks).
+        blocks = torch.tensor(table, dtype=torch.long)
+        self.pending_compactions.append(Compaction(tuple(copies), layer, head, blocks[src // bs] * bs + src % bs,
+                                                   blocks[dst // bs] * bs + dst % bs))
+        for block_id in reversed(table[keep_blocks:]):
+            self._release(block_id)
+        self.evicted_blocks += len(table) - keep_blocks
+        del table[keep_blocks:]
+        self.num_tokens[seq_id] = kept
+        return True
 
     def offload_coldest(self, seq_id: str) -> bool:
         """Move the sequence's oldest device block that only it owns to a host block, freeing the

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvserve.cache.compaction import Compaction
+
 if TYPE_CHECKING:
     from kvserve.cache.block_manager import BlockManager, HostBlock
     from kvserve.cache.swap_space import SwapSpace
@@ -11,8 +13,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class BlockOps:
-    """Applied in this order before the step's forward pass: swaps out (reads of blocks that may
-    be reused below), swaps in, offloads to host blocks, then copy-on-write copies."""
+    """Applied in this order before the step's forward pass: compactions (they read blocks their
+    sequence gave back, which the other moves may reuse), swaps out (reads of blocks that may be
+    reused below), swaps in, offloads to host blocks, then copy-on-write copies."""
+    compactions: tuple[Compaction, ...] = ()
     swap_out: tuple[tuple[int, int, int], ...] = ()  # (device block, tier, slot)
     swap_in: tuple[tuple[int, int, int], ...] = ()   # (tier, slot, device block)
     offloads: tuple[tuple[int, HostBlock], ...] = ()  # (device block, host block)
@@ -23,5 +27,6 @@ class BlockOps:
         """The moves recorded since the last step by the block manager (allocations, offloads)
         and the swap space (preemptions, readmissions), taken from them."""
         swap_out, swap_in = swap.take() if swap is not None else ((), ())
-        offloads, copies = block_manager.take_moves()
-        return cls(tuple(swap_out), tuple(swap_in), tuple(offloads), tuple(copies))
+        compactions, offloads, copies = block_manager.take_moves()
+        return cls(tuple(compactions), tuple(swap_out), tuple(swap_in), tuple(offloads), tuple(copies))
+

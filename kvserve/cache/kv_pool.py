@@ -5,6 +5,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvserve.cache.compaction import Compaction, move_slots
+
 if TYPE_CHECKING:
     from kvserve.cache.block_manager import HostBlock
 
@@ -81,6 +83,13 @@ class KVPool:
         for k, v in self.layers:
             k[dst] = k[src]
             v[dst] = v[src]
+
+    def compact(self, compactions: tuple[Compaction, ...]) -> None:
+        """Token eviction's moves, one sequence after another: a later one's copy-on-write may
+        reuse a block an earlier one reads from."""
+        for c in compactions:
+            self.copy_blocks(list(c.copies))
+            move_slots([list(kv) for kv in self.layers], c)
 
     def offload_blocks(self, pairs: list[tuple[int, HostBlock]]) -> None:
         """Copy device block `src` into host block `dst`, every layer."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvserve.cache.compaction import Compaction, move_slots
 from kvserve.cache.kv_format import Fields, KVFormat
 
 
@@ -194,6 +195,14 @@ class QuantizedKVPool:
                     f[dst] = f[src]
                 for s, d in staged:
                     staging[d] = staging[s]
+
+    def compact(self, compactions: tuple[Compaction, ...]) -> None:
+        """Token eviction's moves in every field of per-token formats (codes and scales move
+        with their token); one sequence after another, as KVPool.compact."""
+        assert not self.staged and all(f.per_token for f in self.formats), "EngineConfig checks"
+        for c in compactions:
+            self.copy_blocks(list(c.copies))
+            move_slots([[t for fields in layer.fields for t in fields.values()] for layer in self.kv], c)
 
     def kept_fraction(self) -> dict[str, float]:
         """For sparse formats: the fraction of K / V entries stored, over every token-head written

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 import logging
 import numbers
 import random
@@ -25,6 +26,7 @@ from kvserve.engine.penalties import apply_penalties
 from kvserve.engine.logprobs import prompt_span, token_logprobs
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
+from kvserve.eviction.state import EvictionState
 from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
 from kvserve.profiling import label
@@ -118,6 +120,7 @@ class LLMEngine:
                              else cfg.eos_token_id)
         self.tokens_computed = 0  # tokens run through the model, prefill and decode
         self.tokens_generated = 0  # tokens sampled, beams and forks included
+        self.evicted_tokens: Counter[str] = Counter()  # by policy
         self._requests: dict[str, list[Sequence]] = {}  # unfinished requests: their samples
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
@@ -193,6 +196,9 @@ class LLMEngine:
                              f"tokens must fit the KV cache together ({capacity} tokens)")
         if params.beam_width > self.config.max_num_seqs:
             raise ValueError(f"beam_width: {params.beam_width} beams exceed max_num_seqs={self.config.max_num_seqs}")
+        eviction = self.config.eviction_policy(params.kv_eviction, params.kv_budget, owner="SamplingParams")
+        if eviction is not None and (reason := self.config.eviction_unsupported()):
+            raise ValueError(f"kv_eviction: {reason}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         beam = None
         if params.beam_width > 1:
@@ -200,6 +206,7 @@ class LLMEngine:
                              params.max_tokens, None if params.ignore_eos else self.eos_token_id)
         return Sequence(request_id, ids, params, seed, prompt=text,
                         num_forks=max(params.n, params.beam_width) - 1, beam=beam, cache_salt=cache_salt,
+                        eviction=eviction,
                         # The first prompt token has no context to score it.
                         prompt_logprobs=[] if params.prompt_logprobs is None else [None])
 
@@ -234,11 +241,18 @@ class LLMEngine:
         if not batch.seqs:
             return []
         self.tokens_computed += batch.num_tokens
+        score_from = [self._score_from(s, n) for s, n in zip(batch.seqs, batch.num_scheduled)]
         with label("kvserve.forward"):
-            logits, prompt_logits = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops)
+            result = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops,
+                                         score_from if any(f is not None for f in score_from) else None)
+        logits, prompt_logits = result.logits, result.prompt_logits
         if prompt_logits.shape[0]:
             self._score_prompts(batch.seqs, batch.num_scheduled, prompt_logits)
         done = self.scheduler.complete_step(batch)  # a prompt chunk with more to come gets no token
+        for seq in batch.seqs:  # blocks the step filled join the prefix cache, before any eviction
+            if not seq.num_evicted:  # blocks computed after an eviction do not match a plain prefix
+                self.block_manager.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        self._evict(batch.seqs, batch.num_scheduled, score_from, result.scores or {})
         ready = batch.seqs
         if len(done) < len(ready):  # only then copy the logits rows that get a token
             logits, ready = logits[done], [ready[i] for i in done]
@@ -271,6 +285,44 @@ class LLMEngine:
             outputs.append(RequestOutput.of(seq, delta))
         return outputs
 
+    @staticmethod
+    def _score_from(seq: Sequence, num_scheduled: int) -> int | None:
+        """The first position whose query counts toward the scores `seq`'s policy ranks by this
+        step (None: none does): H2O every query, TOVA the newest, SnapKV those from the prompt's
+        observation window on."""
+        policy = seq.eviction
+        prompt = len(seq.prompt_token_ids)
+        if policy is None or not policy.scored or (not policy.during_decode and seq.num_computed_tokens >= prompt):
+            return None
+        end = seq.num_computed_tokens + num_scheduled
+        first = {"h2o": 0, "tova": end - 1,
+                 "snapkv": prompt - policy.observation_window}[policy.name]
+        return first if first < end else None
+
+    def _evict(self, seqs: list[Sequence], num_scheduled: list[int], score_from: list[int | None],
+               scores: dict[int, torch.Tensor]) -> None:
+        """Each evicting sequence's slots grow by the tokens the step computed; one whose prompt
+        is computed and whose policy is due drops tokens, and the block manager compacts it."""
+        cfg = self.model_config
+        for i, seq in enumerate(seqs):
+            if seq.eviction is None:
+                continue
+            state = seq.kv_state or EvictionState.empty(seq.eviction, cfg.num_layers, cfg.num_kv_heads)
+            end = seq.num_computed_tokens
+            slots = end - state.num_evicted
+            step = scores.get(i)
+            counted = end - max(score_from[i] or 0, end - num_scheduled[i])  # queries scored this step
+            state.grow(end, None if step is None else step[..., :slots], counted if step is not None else 0)
+            seq.kv_state = state
+            # Not within the prompt (policies judge it whole, as kvpress does), then every step.
+            prompt = len(seq.prompt_token_ids)
+            if end < prompt or not state.due(prompt_end=end - num_scheduled[i] < prompt):
+                continue
+            moves, after = state.evicted()
+            if self.block_manager.compact(seq.seq_id, moves.layer, moves.head, moves.src, moves.dst, moves.kept):
+                seq.kv_state = after
+                self.evicted_tokens[seq.eviction.name] += after.num_evicted - state.num_evicted
+
     def _score_prompts(self, seqs: list[Sequence], num_scheduled: list[int], logits: torch.Tensor) -> None:
         """Prompt logprobs of the positions this step ran (rows in `prompt_span` order)."""
         owners, targets = [], []
@@ -284,11 +336,10 @@ class LLMEngine:
             seq.prompt_logprobs.append(logprob)
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
-        """The step computed every token but the new one; blocks it filled join the prefix cache."""
+        """The step computed every token but the new one."""
         seq.output_token_ids.append(token)
         self.tokens_generated += 1
         seq.first_token_time = seq.first_token_time or now
-        self.block_manager.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _step_beams(self, batch: list[Sequence], logits: torch.Tensor, now: float) -> list[RequestOutput]:
         """Advances every beam-search request whose beams all ran in this step; survivors reuse
@@ -343,6 +394,7 @@ class LLMEngine:
         """A running copy of `parent` (same tokens and progress) sharing all of its blocks."""
         child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params, seed,
                          prompt=parent.prompt, index=index, beam=parent.beam, cache_salt=parent.cache_salt,
+                         eviction=parent.eviction, kv_state=None if parent.kv_state is None else parent.kv_state.clone(),
                          output_token_ids=list(parent.output_token_ids),
                          output_logprobs=list(parent.output_logprobs), prompt_logprobs=list(parent.prompt_logprobs),
                          num_computed_tokens=parent.num_computed_tokens,
@@ -401,7 +453,9 @@ class LLMEngine:
         return {"kv_blocks_total": usage.total, "kv_blocks_used": usage.used,
                 "kv_blocks_peak": self.block_manager.peak_used, "kv_waste": usage.waste,
                 "kv_blocks_cached": usage.cached, "kv_pool_bytes": self.pool.nbytes,
-                "prefix_cache_hit_rate": self.block_manager.prefix_stats.hit_rate, "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_hit_rate": self.block_manager.prefix_stats.hit_rate,
+                "kv_evicted_tokens": dict(self.evicted_tokens),
+                "kv_blocks_freed_by_eviction": self.block_manager.evicted_blocks, "num_preemptions": self.scheduler.num_preemptions,
                 "preemptions_by_mode": dict(self.scheduler.preemptions),
                 "swap_tiers": [] if self.swap is None else [vars(u) for u in self.swap.usage()],
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

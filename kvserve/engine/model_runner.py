@@ -1,11 +1,13 @@
 """Runs one scheduled batch through the model and samples each sequence's next token."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from kvserve.attention import AttentionBackend, StepAttention, StepMetadata
+from kvserve.attention.scores import ScorePlan
 from kvserve.cache.block_manager import BlockManager, on_device
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
@@ -19,6 +21,13 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import resolve_ops
 
 
+@dataclass(frozen=True)
+class StepResult:
+    logits: torch.Tensor                # [len(seqs), vocab]: after each sequence's last token run
+    prompt_logits: torch.Tensor         # [R, vocab]: after each position `prompt_span` names, in batch order
+    scores: dict[int, torch.Tensor] | None  # batch index -> [layers, kv_heads, slots] attention received
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool | QuantizedKVPool, block_manager: BlockManager,
                  device: torch.device, backend: AttentionBackend, kernels: ModuleType | None,
@@ -30,12 +39,14 @@ class ModelRunner:
             replace_linears(model, self.linear_kind, kernels)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], num_scheduled: list[int],
-                ops: BlockOps) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, seqs: list[Sequence], num_scheduled: list[int], ops: BlockOps,
+                score_from: list[int | None] | None = None) -> StepResult:
         """Applies the step's block moves, then runs the next `num_scheduled[i]` uncomputed tokens
-        of each sequence (all of them, or a prompt chunk). Returns the logits after each one's
-        last token run [len(seqs), vocab], and after each position `prompt_span` names, in batch
-        order [R, vocab] (empty unless a sequence asks for prompt logprobs)."""
+        of each sequence (all of them, or a prompt chunk). `score_from[i]`: the position from
+        which sequence i's queries count toward the attention scores its eviction policy reads
+        (None: not scored)."""
+        if ops.compactions:  # first: they read blocks the moves below may reuse
+            self.pool.compact(ops.compactions)
         if ops.swap_out or ops.swap_in:
             assert self.swap is not None, "swaps scheduled without a swap space"
             self.swap.apply(self.pool, ops.swap_out, ops.swap_in)
@@ -46,21 +57,29 @@ class ModelRunner:
         starts = [s.num_computed_tokens for s in seqs]
         ends = [start + n for start, n in zip(starts, num_scheduled)]
         input_ids = [t for s, start, end in zip(seqs, starts, ends) for t in s.token_ids[start:end]]
+        evicted = [s.num_evicted for s in seqs]
+        slot_ends = [end - e for end, e in zip(ends, evicted)]
         # Only the blocks holding context: a contiguous reservation's unused tail is not read.
-        tables = [bm.tables[s.seq_id][:bm.blocks_for(end)] for s, end in zip(seqs, ends)]
+        tables = [bm.tables[s.seq_id][:bm.blocks_for(end)] for s, end in zip(seqs, slot_ends)]
         step = StepMetadata.build(
-            num_scheduled, ends, tables, self.pool.block_size, self.device,
+            num_scheduled, slot_ends, tables, self.pool.block_size, self.device,
             offloaded=bool(bm.num_host_blocks) and not all(on_device(b) for t in tables for b in t),
-            kv_plan=self.pool.plan_step(bm, [(s.seq_id, start, end) for s, start, end in zip(seqs, starts, ends)]))
+            kv_plan=self.pool.plan_step(bm, [(s.seq_id, start - e, end - e)
+                                             for s, start, end, e in zip(seqs, starts, ends, evicted)]),
+            evicted=evicted if any(evicted) else None)
+        first_rows = {i: max(f - start, 0) for i, (f, start) in enumerate(zip(score_from or [], starts))
+                      if f is not None}
+        attention = StepAttention.of(self.backend, step, ScorePlan.build(step, first_rows) if first_rows else None)
         rows = step.query_start[1:] - 1
         # Row of position p of sequence i: query_start[i] + p - start_i.
         spans = [(i, *prompt_span(s, start, end)) for i, (s, start, end) in enumerate(zip(seqs, starts, ends))]
         extra = [torch.arange(lo, hi) + int(step.query_start[i]) - starts[i] for i, lo, hi in spans if hi > lo]
         if extra:
             rows = torch.cat([rows, *extra])
-        logits = self.model(torch.tensor(input_ids, device=self.device), StepAttention.of(self.backend, step),
-                            rows.to(self.device), self.ops)
-        return logits[:len(seqs)], logits[len(seqs):]
+        logits = self.model(torch.tensor(input_ids, device=self.device), attention, rows.to(self.device), self.ops)
+        scores = None if attention.scoring is None else dict(zip(attention.scoring.batch_index,
+                                                                 attention.scores.cpu().unbind(1)))
+        return StepResult(logits[:len(seqs)], logits[len(seqs):], scores)
 
     @staticmethod
     def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

@@ -72,13 +72,13 @@ class Scheduler:
         # Swapped sequences hold finished work: they come back before new ones are admitted.
         admitted = [] if self.swapped else self._admit(self.max_num_batched_tokens, chunked=False)
         if admitted:
-            return SchedulerOutput(admitted, [s.num_new_tokens for s in admitted], True, [], self._block_ops())
+            return SchedulerOutput(admitted, [s.num_runnable for s in admitted], True, [], self._block_ops())
         self._swap_in()
         preempted = self._make_room_for_decode()
         if self.recompute_all:
             for seq in self.running:
                 seq.num_computed_tokens = 0
-        return SchedulerOutput(list(self.running), [s.num_new_tokens for s in self.running], False, preempted,
+        return SchedulerOutput(list(self.running), [s.num_runnable for s in self.running], False, preempted,
                                self._block_ops())
 
     def _block_ops(self) -> BlockOps:
@@ -93,7 +93,7 @@ class Scheduler:
         prefilling = [s for s in self.running if s.num_new_tokens > 1]
         seqs, counts = [], []
         for seq in decoding + prefilling:
-            take = min(seq.num_new_tokens, budget)
+            take = min(seq.num_runnable, budget)
             if take == 0:
                 break
             seqs.append(seq)
@@ -101,7 +101,7 @@ class Scheduler:
             budget -= take
         if budget > 0 and not self.swapped:
             for seq in self._admit(budget, chunked=True):
-                take = min(seq.num_new_tokens, budget)
+                take = min(seq.num_runnable, budget)
                 if take == 0:  # a group member admitted with its fellows; its tokens run next step
                     continue
                 seqs.append(seq)
@@ -170,7 +170,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if self.block_manager.allocate(seq.seq_id, seq.num_tokens, self.reserve_tokens):
+            if self.block_manager.allocate(seq.seq_id, seq.num_slots, self.reserve_tokens):
                 i += 1
                 continue
             # The most recent sequence that could be admitted again; one that has outgrown the
@@ -194,9 +194,9 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            if bm.blocks_for(seq.num_tokens) + len(self.running) + 1 > len(bm.free_blocks):
+            if bm.blocks_for(seq.num_slots) + len(self.running) + 1 > len(bm.free_blocks):
                 break
-            allocated = bm.allocate(seq.seq_id, seq.num_tokens)  # cannot fail: checked above
+            allocated = bm.allocate(seq.seq_id, seq.num_slots)  # cannot fail: checked above
             assert allocated
             self.swap.swap_in(seq.seq_id, bm.tables[seq.seq_id])
             seq.status = SequenceStatus.RUNNING
@@ -213,7 +213,7 @@ class Scheduler:
         # Beams stay on the recompute path: they must come back together (see `_admit`).
         resident = all(map(on_device, table))
         swapped = (self.swap is not None and seq.beam is None and resident
-                   and self.prefer_swap(seq.num_tokens) and self.swap.swap_out(seq.seq_id, table))
+                   and self.prefer_swap(seq.num_slots) and self.swap.swap_out(seq.seq_id, table))
         self.block_manager.free(seq.seq_id)
         if swapped:
             seq.status = SequenceStatus.SWAPPED
@@ -222,6 +222,7 @@ class Scheduler:
             return
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.kv_state = None  # recomputed in full, then evicted again by its policy
         self.preemptions["recompute"] += 1
         self.waiting.appendleft(seq)
 

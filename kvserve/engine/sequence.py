@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.engine.beam_search import BeamGroup
+from kvserve.eviction.policy import EvictionPolicy
+from kvserve.eviction.state import EvictionState
 from kvserve.sampling_params import SamplingParams
 
 
@@ -39,6 +41,8 @@ class Sequence:
     num_forks: int = 0    # sequences still to fork from this one once its prompt is prefilled
     beam: BeamGroup | None = None  # shared by the beams of a beam-search request
     cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
+    eviction: EvictionPolicy | None = None  # which tokens its cache keeps (None: all)
+    kv_state: EvictionState | None = None   # with `eviction`, once its first tokens are computed
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs
     # With params.prompt_logprobs: one per prompt token scored so far, None for the first.
@@ -71,9 +75,28 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_evicted(self) -> int:
+        return 0 if self.kv_state is None else self.kv_state.num_evicted
+
+    @property
+    def num_slots(self) -> int:
+        """KV slots the sequence needs for all its tokens: its tokens less those evicted."""
+        return self.num_tokens - self.num_evicted
+
+    @property
     def num_new_tokens(self) -> int:
         """Tokens this step must run through the model."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_runnable(self) -> int:
+        """Tokens it may run this step: all it has not computed, except that an evicting sequence
+        recomputing its outputs (after preemption) runs them one per step, so that its evictions
+        replay exactly as they first happened."""
+        prompt = len(self.prompt_token_ids)
+        if self.eviction is None or self.num_tokens - self.num_computed_tokens == 1:
+            return self.num_new_tokens
+        return prompt - self.num_computed_tokens if self.num_computed_tokens < prompt else 1
 
     @property
     def finished(self) -> bool:

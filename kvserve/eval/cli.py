@@ -36,6 +36,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--passkey-lengths", default="256,512,1024",
                    help="context lengths for passkey retrieval (default 256,512,1024)")
     p.add_argument("--passkey-trials", type=int, default=5, help="keys per length (default 5)")
+    p.add_argument("--evictions", default="",
+                   help="comma-separated kv_eviction policies to add as rows at --kv-budget (window, h2o, snapkv, "
+                        "tova, strided); with --no-kv-evict-during-decode each evicts once when the prompt ends")
+    p.add_argument("--kvpress", default=None, metavar="PYTHON",
+                   help="a python with kvpress 0.5.5 (benchmarks/kvpress_env.sh makes one): adds its presses for "
+                        "the --evictions policies it has (window, snapkv, tova, h2o) on the same windows")
     p.add_argument("--hf-bits", default="4,2", help="HF QuantizedCache bits to run (default 4,2; '' skips)")
     p.add_argument("--hf-backend", default="quanto", help="quanto (default) or hqq")
     p.add_argument("--data", default=None, help=DATA_HELP)
@@ -99,8 +105,17 @@ def cmd_eval(args: argparse.Namespace) -> None:
     del reference
     for name in formats:
         rows.append(measure(make_llm(name), name))
+    evictions = [e for e in args.evictions.split(",") if e]
+    protocol = "during decode" if args.kv_evict_during_decode else "once at the prompt's end"
+    for policy in evictions:
+        llm = llm_from_args(args, max_num_seqs=max(args.max_num_seqs, args.windows, args.greedy_prompts),
+                            enable_prefix_caching=False, kv_eviction=policy)
+        rows.append(measure(llm, f"evict {policy} @{args.kv_budget} ({protocol})"))
+        del llm
 
     notes = []
+    if evictions and args.kvpress:
+        rows += kvpress_rows(args, windows, prefill, evictions, targets)
     if bits := [int(b) for b in args.hf_bits.split(",") if b]:
         missing = _hf_backend_missing(args.hf_backend)
         if missing is None:
@@ -109,6 +124,40 @@ def cmd_eval(args: argparse.Namespace) -> None:
             notes.append(f"HF QuantizedCache rows skipped: {missing}")
             print(notes[-1], flush=True)
     _report(args, rows, out, prefill, source.name, notes)
+
+
+def kvpress_rows(args: argparse.Namespace, windows: list[list[int]], prefill: int, policies: list[str],
+                 targets: torch.Tensor) -> list[dict[str, Any]]:
+    """kvpress' matching presses on the same windows, in its own environment (kvpress_runner.py)."""
+    import subprocess
+    import tempfile
+
+    from kvserve.model.loader import convert_gguf, default_model_path
+
+    source = Path(args.model) if args.model else default_model_path()
+    model_dir = convert_gguf(source) if source.suffix == ".gguf" else source
+    matched = [p for p in policies if p in ("window", "snapkv", "tova", "h2o")]
+    spec = {"model_dir": str(model_dir), "windows": windows, "prefill": prefill, "budget": args.kv_budget,
+            "dtype": {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype),
+            "policies": matched, "sink_tokens": args.kv_sink_tokens, "observation_window": args.kv_observation_window,
+            "pooling_kernel": args.kv_pooling_kernel, "threads": torch.get_num_threads()}
+    runner = Path(__file__).with_name("kvpress_runner.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        subprocess.run([args.kvpress, str(runner), str(spec_path), str(out_path)], check=True)
+        results = json.loads(out_path.read_text())
+    press = {"window": "StreamingLLMPress", "snapkv": "SnapKVPress", "tova": "TOVAPress", "h2o": "ObservedAttentionPress"}
+    full = torch.tensor(results["full"]["argmax"])
+    rows = []
+    for name in ["full", *matched]:
+        nll = torch.tensor(results[name]["nll"], dtype=torch.float64)
+        rows.append({"cache": f"kvpress {results['version']} " + ("full cache" if name == "full" else
+                                                                  f"{press[name]} @{args.kv_budget} (once at the prompt's end)"),
+                     "perplexity": nll.mean().exp().item(),
+                     "top1_vs_kvpress_full": (torch.tensor(results[name]["argmax"]) == full).double().mean().item()})
+        print(_format_row(rows[-1]), flush=True)
+    return rows
 
 
 def _hf_backend_missing(backend: str) -> str | None:
@@ -180,6 +229,8 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path, pre
         cells = [_cell(r.get(c)) for c in cols]
         lines.append(f"| {r['cache']} | " + " | ".join(cells) + f" | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% |")
     for r in rows:
+        if "top1_vs_kvpress_full" in r:
+            lines.append(f"\n{r['cache']}: top-1 agreement with kvpress' full cache {r['top1_vs_kvpress_full']:.3f}")
         if "hf_full_perplexity" in r:
             lines.append(f"\n{r['cache']}: HF full-precision cache perplexity {r['hf_full_perplexity']:.3f} "
                          f"in the same run; top-1 agreement with it {r['top1_vs_hf_full']:.3f}")
@@ -193,6 +244,8 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path, pre
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
+        if "bytes_per_token" not in r:  # kvpress rows: same bytes as the reference, fewer tokens
+            continue
         ax.scatter(r["bytes_per_token"], r["perplexity"], marker="s" if r["cache"].startswith("HF") else "o")
         ax.annotate(r["cache"].replace("kvserve ", "").replace("HF QuantizedCache", "HF"),
                     (r["bytes_per_token"], r["perplexity"]), fontsize=7, xytext=(3, 3), textcoords="offset points")

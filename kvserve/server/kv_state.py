@@ -36,4 +36,6 @@ def kv_state(engine: LLMEngine, expose_request_ids: bool = False) -> dict[str, A
         "tokens_generated": engine.tokens_generated,
         "prefix_cache_hit_rate": engine.block_manager.prefix_stats.hit_rate,
         "preemptions": dict(sched.preemptions),
+        "blocks_freed_by_eviction": engine.block_manager.evicted_blocks,
+        "evicted_tokens": dict(engine.evicted_tokens),
     }

@@ -23,6 +23,10 @@ class Metrics:
                                      "fraction of prompt tokens found in the prefix cache", registry=r)
         self.requests = Gauge("kvserve_requests", "sequences by scheduler state", ["state"], registry=r)
         self.preemptions = Counter("kvserve_preemptions", "sequences preempted", ["mode"], registry=r)
+        self.evicted_tokens = Counter("kvserve_kv_evicted_tokens", "tokens dropped from sequences' KV by eviction",
+                                      ["policy"], registry=r)
+        self.evicted_blocks = Counter("kvserve_kv_blocks_freed_by_eviction",
+                                      "KV blocks returned to the pool by compaction after eviction", registry=r)
         self.prompt_tokens = Counter("kvserve_prompt_tokens", "prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("kvserve_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter("kvserve_request_finished", "finished sequences by reason",
@@ -41,13 +45,21 @@ class Metrics:
         self.engine_info = Gauge("kvserve_engine_info", "the engine's kernel choices (value 1)",
                                  ["attention_backend", "linear", "chunked_prefill"], registry=r)
         self._seen_preemptions: dict[str, int] = {}
+        self._seen_evicted: dict[str, int] = {}
         self._seen_generated = 0
+        self._seen_evicted_blocks = 0
 
     def observe_step(self, engine: LLMEngine) -> None:
         """Counters that the engine keeps as running totals; cheap enough for every step."""
         for mode, count in engine.scheduler.preemptions.items():
             self.preemptions.labels(mode=mode).inc(count - self._seen_preemptions.get(mode, 0))
             self._seen_preemptions[mode] = count
+        for policy, count in engine.evicted_tokens.items():
+            self.evicted_tokens.labels(policy=policy).inc(count - self._seen_evicted.get(policy, 0))
+            self._seen_evicted[policy] = count
+        freed = engine.block_manager.evicted_blocks
+        self.evicted_blocks.inc(freed - self._seen_evicted_blocks)
+        self._seen_evicted_blocks = freed
         self.generation_tokens.inc(engine.tokens_generated - self._seen_generated)
         self._seen_generated = engine.tokens_generated
 

@@ -31,6 +31,8 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     ignore_eos: bool = False  # vLLM's extension, for load tests of fixed length
     cache_salt: str | None = None  # vLLM's extension: prefix-cache hits only within one salt (tenant)
+    kv_eviction: str | None = None  # ours: token eviction policy for this request (EngineConfig.kv_eviction)
+    kv_budget: int | None = None    # ours: tokens its KV cache keeps per head with kv_eviction
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a request asking for something the engine does not do."""
@@ -51,7 +53,8 @@ class _Common(BaseModel):
                               stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                              logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              kv_eviction=self.kv_eviction, kv_budget=self.kv_budget)
 
 
 # OpenAI's limits: completions' logprobs up to 5 (we allow vLLM's 20), chat's top_logprobs up to 20.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from kvserve.cache.block_manager import BlockManager, BlockUsage, HostBlock
 
@@ -189,8 +190,63 @@ def test_offloaded_entries_are_host_blocks_addressed_past_the_device_pool() -> N
     assert table[2:] == device[2:] and len(hosts) == 2 and table[:2] == hosts
     assert [int(b) for b in hosts] == [4 + b.host_index for b in hosts]
     assert sorted(b.host_index for b in hosts) == [0, 1]
-    offloads, _ = bm.take_moves()
+    _, offloads, _ = bm.take_moves()
     assert offloads == [(device[0], hosts[0]), (device[1], hosts[1])]
     assert bm.usage().offloaded == 2 and len(bm.free_blocks) == 2
     bm.free("a")
     assert len(bm.free_blocks) == 4 and sorted(b.host_index for b in bm._host_free) == [0, 1, 2]
+
+
+def _moves(src: list[int], dst: list[int]) -> tuple:
+    n = len(src)
+    return torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), torch.tensor(src), torch.tensor(dst)
+
+
+def test_compaction_frees_the_tail_blocks_hand_count() -> None:
+    """50 slots in blocks of 8 (7 blocks) kept down to 20 (3 blocks): 4 blocks come back; slots
+    map through the table as it stood, sources in released blocks included."""
+    bm = BlockManager(num_blocks=10, block_size=8, enable_prefix_caching=False)
+    assert bm.allocate("a", 50)
+    table = list(bm.tables["a"])
+    assert bm.compact("a", *_moves([45, 49], [3, 17]), kept=20)
+    assert bm.tables["a"] == table[:3] and bm.num_tokens["a"] == 20
+    assert bm.evicted_blocks == 4 and len(bm.free_blocks) == 10 - 3
+    (c,), _, _ = bm.take_moves()
+    assert c.copies == ()
+    assert c.src.tolist() == [table[5] * 8 + 5, table[6] * 8 + 1]
+    assert c.dst.tolist() == [table[0] * 8 + 3, table[2] * 8 + 1]
+    bm.free("a")
+    assert len(bm.free_blocks) == 10
+
+
+def test_compaction_copies_shared_and_cached_blocks_it_writes() -> None:
+    """A forked sequence's written blocks are copied (the sibling keeps the originals); a block in
+    the prefix cache is copied too, so the cached prefix stays intact."""
+    bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True)
+    tokens = list(range(16))
+    assert bm.allocate_prompt("a", tokens) == 0
+    bm.register_full_blocks("a", tokens, 16)
+    bm.fork("a", "b")
+    original = list(bm.tables["a"])
+    # Keep 6 slots: writes land in block 0 (slot 2) and block 1 (slot 5), and block 1 is partial.
+    assert bm.compact("a", *_moves([14, 15], [2, 5]), kept=6)
+    (c,), _, _ = bm.take_moves()
+    assert [s for s, _ in c.copies] == original[:2]
+    fresh = [d for _, d in c.copies]
+    assert bm.tables["a"] == fresh and bm.tables["b"] == original
+    assert all(bm.blocks[b].ref_count == 1 for b in original)  # "b" alone holds them now
+    assert c.dst.tolist() == [fresh[0] * 4 + 2, fresh[1] * 4 + 1]
+    assert c.src.tolist() == [original[3] * 4 + 2, original[3] * 4 + 3]  # read before release
+    bm.free("b")
+    assert bm.allocate_prompt("c", tokens + [99]) == 16  # the whole prefix is still served
+    bm.free("a")
+    bm.free("c")
+    assert len(bm.free_blocks) == 12
+
+
+def test_compaction_changes_nothing_when_copies_cannot_be_made() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    assert bm.allocate("a", 16)
+    bm.fork("a", "b")
+    assert not bm.compact("a", *_moves([13], [1]), kept=8)
+    assert bm.tables["a"] == bm.tables["b"] and bm.take_moves() == ([], [], [])

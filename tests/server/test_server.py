@@ -101,6 +101,9 @@ INVALID = [
     ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ("completions", {"prompt": "hi", "presence_penalty": 5}, "presence_penalty"),
     ("completions", '{"prompt": "hi", "temperature": NaN}', "temperature"),
+    ("completions", {"prompt": "hi", "kv_eviction": "lru"}, "kv_eviction"),
+    ("completions", {"prompt": "hi", "kv_eviction": "window", "kv_budget": 3}, "kv_budget"),
+    ("completions", {"prompt": "hi", "kv_eviction": "tova"}, "kv_budget"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
@@ -159,6 +162,27 @@ def test_metrics_move_by_the_request(server: ServerProcess, smol: LLM) -> None:
     info = [dict(labels) for name, labels in after if name == "kvserve_engine_info"]
     assert len(info) == 1 and info[0]["attention_backend"] == smol.engine.attention_backend.name
     assert info[0]["chunked_prefill"] == "true"
+
+
+def test_an_evicting_request_equals_offline_and_is_counted(server: ServerProcess, smol: LLM) -> None:
+    prompt = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
+              "combined movable metal type, an oil-based ink and a wooden screw press. Within fifty years")
+    n_prompt = len(smol.tokenizer.encode(prompt))
+    freed_before = server.kv_state()["blocks_freed_by_eviction"]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, kv_eviction="window", kv_budget=12)
+    want = smol.generate([prompt], params, use_tqdm=False)[0].text
+    before = scrape(server)
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": 20, "ignore_eos": True, "temperature": 0,
+                         "kv_eviction": "window", "kv_budget": 12})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    after = scrape(server)
+    key = ("kvserve_kv_evicted_tokens_total", (("policy", "window"),))
+    # Computed at the end: the prompt and 19 outputs (the last is sampled, never run); 12 kept.
+    assert after.get(key, 0) - before.get(key, 0) == n_prompt + 19 - 12
+    assert after[("kvserve_kv_blocks_used", ())] == 0
+    # Evicted when the prompt ends, down to one block of 16; the 13 slots of decoding fit in it.
+    assert server.kv_state()["blocks_freed_by_eviction"] - freed_before == -(-n_prompt // 16) - 1
 
 
 def in_use(state: dict) -> int:

@@ -1,0 +1,72 @@
+"""What an evicting sequence keeps: one policy name, its budget and knobs, validated together."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICY_NAMES = ("none", "window", "h2o", "snapkv", "tova", "strided")
+# Policies that rank tokens by the attention they receive (the step's scores are computed for them).
+SCORED = ("h2o", "snapkv", "tova")
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """`budget` tokens kept per sequence (per KV head and layer where the policy chooses per head).
+
+    - window: the first `sink_tokens` and the most recent ones (StreamingLLM).
+    - h2o: the `window` most recent, the rest by the attention they received since the prompt
+      began, per query that could see them.
+    - snapkv: the `observation_window` most recent, the rest by the attention of the last
+      `observation_window` queries, average-pooled over `pooling_kernel` neighbours; applied when
+      the prompt ends and again after every `observation_window` decoded tokens.
+    - tova: by the attention of the newest query alone, one token dropped per step.
+    - strided: the sinks, the `window` most recent, and among older tokens every `stride`-th
+      position (the newest of them, as many as the budget leaves room for).
+    """
+    name: str
+    budget: int
+    sink_tokens: int = 4
+    window: int | None = None            # h2o / strided: recent tokens always kept (default budget // 2)
+    stride: int = 4
+    observation_window: int = 32
+    pooling_kernel: int = 5
+    during_decode: bool = True           # False: evict once, when the prompt ends (kvpress' protocol)
+
+    def __post_init__(self) -> None:
+        self.check("EvictionPolicy")
+
+    @property
+    def recent(self) -> int:
+        return self.budget // 2 if self.window is None else self.window
+
+    @property
+    def scored(self) -> bool:
+        return self.name in SCORED
+
+    def check(self, owner: str) -> None:
+        """Raises ValueError naming `owner`.field for the first invalid setting."""
+        if self.name not in POLICY_NAMES:
+            raise ValueError(f"{owner}.kv_eviction must be one of {', '.join(POLICY_NAMES)}, got {self.name!r}")
+        for name in ("budget", "stride", "observation_window", "pooling_kernel"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{owner}.kv_{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.during_decode, bool):
+            raise ValueError(f"{owner}.kv_evict_during_decode must be True or False, got {self.during_decode!r}")
+        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+            raise ValueError(f"{owner}.kv_sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
+        if self.window is not None and (not _is_int(self.window) or self.window < 0):
+            raise ValueError(f"{owner}.kv_window must be an integer >= 0 or None, got {self.window!r}")
+        if self.pooling_kernel % 2 == 0:
+            raise ValueError(f"{owner}.kv_pooling_kernel must be odd (pooling keeps positions centred), "
+                             f"got {self.pooling_kernel}")
+        reserved = {"window": self.sink_tokens, "strided": self.sink_tokens + self.recent, "h2o": self.recent,
+                    "snapkv": self.observation_window}.get(self.name, 0)
+        if self.name != "none" and self.budget <= reserved:
+            what = {"window": "kv_sink_tokens", "strided": "kv_sink_tokens + kv_window", "h2o": "kv_window",
+                    "snapkv": "kv_observation_window"}[self.name]
+            raise ValueError(f"{owner}.kv_budget ({self.budget}) must exceed {what} ({reserved}) for "
+                             f"kv_eviction={self.name!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,178 @@
+"""Token eviction in the engine: what the pool holds after compaction, equality with no eviction
+when the budget covers the context, exact replay after preemption, and no leaked block."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.llm_engine import LLMEngine
+
+POLICIES = ["window", "strided", "h2o", "tova", "snapkv"]
+KNOBS = dict(kv_observation_window=8, kv_window=8, kv_sink_tokens=2, kv_stride=3)
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    return [[(i * 13 + j * 7 + j * j) % 120 + 3 for j in range(length + 5 * i)] for i in range(n)]
+
+
+def forced_params(tokens: int, seed: int = 0, **kw: Any) -> list[SamplingParams]:
+    g = torch.Generator().manual_seed(seed)
+    return [SamplingParams(max_tokens=tokens, temperature=0, logprobs=-1, ignore_eos=True,
+                           forced_token_ids=torch.randint(3, 120, (tokens,), generator=g).tolist(), **kw)]
+
+
+def full_logprobs(llm: LLM, batch: list[list[int]], tokens: int, **kw: Any) -> list[torch.Tensor]:
+    params = [p for i in range(len(batch)) for p in forced_params(tokens, seed=i, **kw)]
+    outs = llm.generate(batch, params, use_tqdm=False)
+    return [torch.stack([lp.full for lp in o.logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_budget_covering_the_context_changes_nothing(tiny_llm: Callable[..., LLM], policy: str) -> None:
+    batch = prompts(3, 40)
+    want = full_logprobs(tiny_llm(), batch, 20)
+    got = full_logprobs(tiny_llm(kv_eviction=policy, kv_budget=70, **KNOBS), batch, 20)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_a_request_overrides_the_engine_policy(tiny_llm: Callable[..., LLM]) -> None:
+    batch = prompts(2, 40)
+    plain = full_logprobs(tiny_llm(), batch, 16)
+    llm = tiny_llm(kv_eviction="window", kv_budget=20, **KNOBS)
+    evicting = full_logprobs(llm, batch, 16)
+    assert llm.engine.stats()["kv_evicted_tokens"]["window"] > 0
+    assert not torch.allclose(evicting[0], plain[0])
+    opted_out = full_logprobs(llm, batch, 16, kv_eviction="none")
+    torch.testing.assert_close(opted_out[0], plain[0], rtol=0, atol=0)
+
+
+def run_until(engine: LLMEngine, steps: int) -> None:
+    for _ in range(steps):
+        engine.step()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_layer0_pages_hold_the_kept_positions(tiny_llm: Callable[..., LLM], policy: str, kv_cache_dtype: str) -> None:
+    """Layer 0's K and V of a position do not depend on the rest of the context, so each slot of
+    an evicting sequence must hold exactly what an unevicted run holds for the position its
+    state says the slot keeps, per KV head."""
+    batch = prompts(2, 45)
+    plain = tiny_llm(kv_cache_dtype=kv_cache_dtype)
+    evicting = tiny_llm(kv_eviction=policy, kv_budget=24, kv_cache_dtype=kv_cache_dtype, **KNOBS)
+    for llm in (plain, evicting):
+        for i, prompt in enumerate(batch):
+            llm.engine.add_request(prompt, forced_params(30, seed=i)[0], request_id=str(i))
+        run_until(llm.engine, 20)  # prompts and some decode steps; both still running
+    # The last step's compaction is recorded for the next step to apply first: apply it now.
+    evicting.engine.pool.compact(tuple(evicting.engine.block_manager.take_moves()[0]))
+    bs = plain.engine.block_manager.block_size
+    for i in range(2):
+        seq = next(s for s in evicting.engine.scheduler.running if s.request_id == str(i))
+        state = seq.kv_state
+        # Between evictions a sequence holds one token past its budget (SnapKV: a window's worth).
+        assert state.num_evicted > 0 and state.num_slots <= 24 + (8 if policy == "snapkv" else 1)
+        kept_table = torch.tensor(evicting.engine.block_manager.tables[str(i)])
+        full_table = torch.tensor(plain.engine.block_manager.tables[str(i)])
+        assert len(kept_table) == -(-state.num_slots // bs)
+        for page, (ev_tensors, pl_tensors) in enumerate(zip(pages(evicting), pages(plain))):
+            for ev, pl in zip(ev_tensors, pl_tensors):
+                slots = torch.arange(state.num_slots)
+                got = ev.view(-1, *ev.shape[2:])[kept_table[slots // bs] * bs + slots % bs]  # [S, H, ...]
+                for head in range(ev.shape[2]):
+                    pos = state.positions[0, head]
+                    want = pl.view(-1, *pl.shape[2:])[full_table[pos // bs] * bs + pos % bs]
+                    torch.testing.assert_close(got[:, head], want[:, head], rtol=0, atol=0)
+    for llm in (plain, evicting):
+        for i in range(2):
+            llm.engine.abort(str(i))
+
+
+def pages(llm: LLM) -> list[list[torch.Tensor]]:
+    """Layer 0's page tensors: K and V, or each field of a compressed format."""
+    pool = llm.engine.pool
+    if hasattr(pool, "layers"):
+        return [list(pool.layers[0])]
+    return [list(fields.values()) for fields in pool.kv[0].fields]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_preempted_sequence_replays_its_evictions(tiny_llm: Callable[..., LLM], policy: str) -> None:
+    # Prompts shorter than the budget grow during decoding, past what 9 blocks hold for four.
+    batch = prompts(4, 20)
+    want = full_logprobs(tiny_llm(kv_eviction=policy, kv_budget=32, **KNOBS), batch, 40)
+    small = tiny_llm(kv_eviction=policy, kv_budget=32, kv_cache_memory=str(9 * 8192), **KNOBS)
+    got = full_logprobs(small, batch, 40)
+    assert small.engine.scheduler.num_preemptions > 0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_eviction_with_forks_beams_swaps_and_shared_prefixes_leaks_nothing(
+        tiny_llm: Callable[..., LLM], policy: str) -> None:
+    shared = prompts(1, 48)[0]
+    batch = [shared, shared[:40] + [5, 6, 7, 8, 9, 10, 11, 12, 13], shared + [1, 2]]
+    for options in (dict(), dict(preemption_mode="swap"), dict(kv_cache_dtype="int8")):
+        llm = tiny_llm(kv_eviction=policy, kv_budget=24, kv_cache_memory=str(20 * 8192), max_num_seqs=6,
+                       **KNOBS, **options)
+        outs = llm.generate(batch, [SamplingParams(max_tokens=30, n=2, temperature=1.0, seed=1, ignore_eos=True),
+                                    SamplingParams(max_tokens=20, beam_width=2, ignore_eos=True),
+                                    SamplingParams(max_tokens=36, temperature=0, ignore_eos=True)], use_tqdm=False)
+        assert [len(o.token_ids) for o in outs] == [30, 30, 20, 36]
+        stats = llm.engine.stats()
+        assert stats["kv_evicted_tokens"][policy] > 0 and stats["kv_blocks_freed_by_eviction"] > 0
+
+
+def test_a_prefix_cached_by_an_evicting_sequence_serves_correct_output(tiny_llm: Callable[..., LLM]) -> None:
+    """The evicting request's prompt blocks were registered before it evicted; blocks it wrote
+    afterwards must not be served. A later request hitting the prefix equals a cold run."""
+    batch = prompts(1, 64)
+    cold = full_logprobs(tiny_llm(), batch, 12)
+    llm = tiny_llm(kv_eviction="window", kv_budget=24, **KNOBS)
+    full_logprobs(llm, batch, 40)  # evicts, and its prompt blocks stay cached
+    hit = full_logprobs(llm, batch, 12, kv_eviction="none")
+    assert llm.engine.block_manager.prefix_stats.cached_tokens > 0
+    torch.testing.assert_close(hit[0], cold[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_evicting_once_at_the_prompt_end_lets_the_cache_grow(tiny_llm: Callable[..., LLM], policy: str) -> None:
+    llm = tiny_llm(kv_eviction=policy, kv_budget=24, kv_evict_during_decode=False, **KNOBS)
+    full_logprobs(llm, prompts(1, 45), 20)
+    # Strided keeps 2 sinks, 8 recent and the 12 positions in 3..36 divisible by 3: 22 of 24.
+    kept = 22 if policy == "strided" else 24
+    assert llm.engine.stats()["kv_evicted_tokens"][policy] == 45 - kept
+
+
+def test_compaction_returns_whole_blocks(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm(kv_eviction="window", kv_budget=20, block_size=8)
+    llm.generate([list(range(3, 67))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    # 64 prompt tokens in 8 blocks of 8; kept 20 -> 3 blocks; the three decode steps write slot
+    # 20 and evict back to 20 inside the third block.
+    assert llm.engine.block_manager.evicted_blocks == 8 - 3
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(kv_eviction="lru"), "SamplingParams.kv_eviction"),
+    (dict(kv_eviction="window", kv_budget=0), "SamplingParams.kv_budget"),
+    (dict(kv_eviction="window", kv_budget=2), "SamplingParams.kv_budget"),
+    (dict(kv_eviction="h2o", kv_budget=8), "SamplingParams.kv_budget"),
+    (dict(kv_eviction="tova"), "SamplingParams.kv_budget"),
+])
+def test_bad_request_settings_name_the_field(tiny_llm: Callable[..., LLM], bad: dict[str, Any], field: str) -> None:
+    llm = tiny_llm(kv_window=8, kv_sink_tokens=2)
+    with pytest.raises(ValueError, match=field):
+        llm.engine.add_request([1, 2, 3], SamplingParams(**bad))
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # the engine still serves
+
+
+def test_an_engine_that_cannot_evict_refuses_evicting_requests(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm(offload_memory="1MiB")
+    with pytest.raises(ValueError, match="kv_eviction: .*offload"):
+        llm.engine.add_request([1, 2, 3], SamplingParams(kv_eviction="window", kv_budget=16))
