@@ -240,6 +240,7 @@ class BlockManager:
             copies.append((table[i], fresh))
             self._release(table[i])
             table[i] = fresh
+        self._note_peak()
         for i in written - set(copied):
             block = self.blocks[table[i]]
             if block.hash is not None:

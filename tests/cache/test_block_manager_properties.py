@@ -7,6 +7,10 @@ only where the engine's forward would write (prefill after `allocate_prompt`, on
 Reading every sequence's block table slot by slot through that simulated pool must give back the
 sequence's own tokens: this is what shows that prefix-cache hits and copy-on-write are correct.
 
+Token eviction (`compact`) drops slots of a sequence: the shadow then tracks which position each
+slot holds, and reading the table must give back the tokens at those positions. Compactions are
+applied before everything else of the next forward, as the runner does.
+
 Preemption by swap runs the real `SwapSpace` over a real (tiny) `KVPool`: every write and every
 copy is mirrored into the pool's K tensor (the token id as a float), and the machine keeps a shadow
 of the tiers' slots, updated in the order the swaps were recorded. After every step the real pool
@@ -25,6 +29,7 @@ import torch
 
 from kvserve.cache.block_manager import BlockManager
 from kvserve.cache.block_ops import BlockOps
+from kvserve.cache.compaction import Compaction
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.swap_space import SwapSpace
 
@@ -49,8 +54,17 @@ ALPHABET = st.integers(0, 3)
 class ShadowSeq:
     """What the engine knows of a sequence: its tokens and how many of them are in the pool."""
     tokens: list[int]
-    written: int  # positions [0, written) hold this sequence's K/V (in the simulated pool)
+    written: int  # positions [0, written) are computed (their K/V in the pool unless evicted)
     registered: int = 0  # the num_computed last passed to register_full_blocks
+    held: list[int] | None = None  # after an eviction: the position each slot holds
+
+    def positions(self) -> list[int]:
+        """The position each slot holds, slot by slot."""
+        return list(range(self.written)) if self.held is None else self.held
+
+    @property
+    def evicted(self) -> int:
+        return self.written - len(self.positions())
 
 
 @dataclass
@@ -92,10 +106,25 @@ def with_swaps(pool: Pool, tiers: TierPool, ops: list[SwapOp], block_size: int) 
     return pool, tiers
 
 
+def with_compactions(pool: Pool, compactions: list[Compaction], block_size: int) -> Pool:
+    """The pool after `KVPool.compact`: per compaction its copies, then its slot moves (every
+    source read before any destination is written)."""
+    for c in compactions:
+        pool = with_copies(pool, list(c.copies), block_size)
+        moved = [pool.get(s // block_size, [None] * block_size)[s % block_size] for s in c.src.tolist()]
+        pool = {b: list(slots) for b, slots in pool.items()}
+        for d, token in zip(c.dst.tolist(), moved):
+            pool.setdefault(d // block_size, [None] * block_size)[d % block_size] = token
+    return pool
+
+
 def apply_copies(bm: BlockManager, model: Model) -> None:
     """What the scheduler and ModelRunner.forward do: collect the step's block moves, apply the
-    swaps, then the copy-on-write copies (the shadows and the real pool alike)."""
+    compactions, the swaps, then the copy-on-write copies (the shadows and the real pool alike)."""
     ops = BlockOps.collect(bm, model.swap)
+    model.pool = with_compactions(model.pool, list(ops.compactions), bm.block_size)
+    if model.kv is not None:
+        model.kv.compact(ops.compactions)
     if model.swap is not None:
         model.pool, model.tiers = with_swaps(model.pool, model.tiers, model.pending_swaps, bm.block_size)
         model.swap.apply(model.kv, ops.swap_out, ops.swap_in)
@@ -111,20 +140,24 @@ def write(bm: BlockManager, model: Model, seq_id: str, start: int, end: int) -> 
 
     A write must land in a block this sequence alone owns (else it would change a sibling's or a
     cached prefix's K/V) and that is not in the prefix cache (whose contents must stay fixed)."""
-    assert not bm.pending_copies, "copies must be applied before the forward writes"
+    assert not bm.pending_copies and not bm.pending_compactions, "moves must be applied before the forward writes"
     seq = model.seqs[seq_id]
     table = bm.tables[seq_id]
     bs = bm.block_size
+    evicted = seq.evicted
     for pos in range(start, end):
-        block_id = table[pos // bs]
+        slot = pos - evicted  # a new token goes after the slots kept
+        block_id = table[slot // bs]
         block = bm.blocks[block_id]
         assert block.ref_count == 1, (
             f"{seq_id} writes position {pos} into block {block_id} with ref_count {block.ref_count}")
         assert block.hash is None, f"{seq_id} writes position {pos} into cached block {block_id}"
         slots = model.pool.setdefault(block_id, [None] * bs)
-        slots[pos % bs] = seq.tokens[pos]
+        slots[slot % bs] = seq.tokens[pos]
         if model.kv is not None:
-            model.kv.layers[0][0][block_id, pos % bs, 0, 0] = float(seq.tokens[pos])
+            model.kv.layers[0][0][block_id, slot % bs, 0, 0] = float(seq.tokens[pos])
+    if seq.held is not None:
+        seq.held += list(range(max(seq.written, start), end))
     seq.written = max(seq.written, end)
 
 
@@ -157,7 +190,8 @@ def check_invariants(bm: BlockManager, model: Model) -> None:
     assert set(bm.tables) == set(bm.num_tokens) == set(model.seqs)
     # The contents once the pending swaps and copies land (the next forward applies them, in
     # that order, before reading).
-    swapped_pool, tiers_view = with_swaps(model.pool, model.tiers, model.pending_swaps, bm.block_size)
+    compacted = with_compactions(model.pool, bm.pending_compactions, bm.block_size)
+    swapped_pool, tiers_view = with_swaps(compacted, model.tiers, model.pending_swaps, bm.block_size)
     view = with_copies(swapped_pool, bm.pending_copies, bm.block_size)
     for key, block_id in bm.cache.items():
         block = bm.blocks[block_id]
@@ -172,9 +206,10 @@ def check_invariants(bm: BlockManager, model: Model) -> None:
             assert len(block.token_ids) == bm.block_size
     for seq_id, seq in model.seqs.items():
         assert bm.num_tokens[seq_id] <= len(bm.tables[seq_id]) * bm.block_size
-        assert read(bm, view, seq_id, seq.written) == seq.tokens[:seq.written], (
-            f"{seq_id} reads {read(bm, view, seq_id, seq.written)}, "
-            f"its tokens are {seq.tokens[:seq.written]}")
+        held = seq.positions()
+        want = [seq.tokens[p] for p in held]
+        assert read(bm, view, seq_id, len(held)) == want, (
+            f"{seq_id} reads {read(bm, view, seq_id, len(held))}, its tokens at {held} are {want}")
     if model.kv is not None:
         # The real pool holds what the shadow says (where the shadow knows a token).
         k = model.kv.layers[0][0][:, :, 0, 0].tolist()
@@ -211,9 +246,10 @@ def check_swap_invariants(bm: BlockManager, model: Model, tiers_view: TierPool) 
     # What a swapped sequence left in the tiers (once its swap-out lands) is its tokens.
     for seq_id, seq in model.swapped.items():
         slots = swap.swapped[seq_id]
-        assert len(slots) >= bm.blocks_for(seq.written)
-        got = [tiers_view.get(slots[pos // bs], [None] * bs)[pos % bs] for pos in range(seq.written)]
-        assert got == seq.tokens[:seq.written], f"swapped {seq_id} holds {got}, its tokens are {seq.tokens}"
+        held = seq.positions()
+        assert len(slots) >= bm.blocks_for(len(held))
+        got = [tiers_view.get(slots[i // bs], [None] * bs)[i % bs] for i in range(len(held))]
+        assert got == [seq.tokens[p] for p in held], f"swapped {seq_id} holds {got}, its tokens are {seq.tokens}"
     # The real tiers hold what the shadow says (where the shadow knows a token).
     data = [tier.data[:, 0, 0, :, 0, 0].tolist() for tier in swap.tiers]
     for (tier, slot), slots in model.tiers.items():
@@ -315,17 +351,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = self.model.seqs[seq_id]
         if seq.written == len(seq.tokens):
             seq.tokens.append(token)
-            seq.registered = len(seq.tokens) - 1
-            self.bm.register_full_blocks(seq_id, list(seq.tokens), seq.registered)
+            if not seq.evicted:  # LLMEngine.step: evicted sequences register nothing
+                seq.registered = len(seq.tokens) - 1
+                self.bm.register_full_blocks(seq_id, list(seq.tokens), seq.registered)
             return
         n = len(seq.tokens)
         before = (dict(self.bm.tables), self.bm.free_blocks, list(self.bm.pending_copies))
-        if not self.bm.allocate(seq_id, n, self.reserve):
+        if not self.bm.allocate(seq_id, n - seq.evicted, self.reserve):
             # All or nothing: the scheduler preempts someone and retries.
             assert before == (dict(self.bm.tables), self.bm.free_blocks, list(self.bm.pending_copies))
             event("decode: no room")
             return
-        assert self.bm.num_tokens[seq_id] == n
+        assert self.bm.num_tokens[seq_id] == n - seq.evicted
         event("decode: copy-on-write" if self.bm.pending_copies else "decode: own block")
         apply_copies(self.bm, self.model)
         write(self.bm, self.model, seq_id, n - 1, n)
@@ -340,7 +377,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = self.model.seqs[parent]
         child = self._new_id()
         self.bm.fork(parent, child)
-        self.model.seqs[child] = ShadowSeq(list(seq.tokens), seq.written, seq.registered)
+        self.model.seqs[child] = ShadowSeq(list(seq.tokens), seq.written, seq.registered,
+                                           None if seq.held is None else list(seq.held))
 
     @rule(index=st.integers(0, 63))
     def free(self, index: int) -> None:
@@ -391,7 +429,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq_id = ids[index % len(ids)]
         seq = self.model.swapped[seq_id]
         before = (dict(self.bm.tables), self.bm.free_blocks, list(self.bm.pending_copies))
-        if not self.bm.allocate(seq_id, len(seq.tokens)):
+        if not self.bm.allocate(seq_id, len(seq.tokens) - seq.evicted):
             assert before == (dict(self.bm.tables), self.bm.free_blocks, list(self.bm.pending_copies))
             event("swap in: no room")
             return
@@ -417,6 +455,36 @@ class BlockManagerMachine(RuleBasedStateMachine):
         swap.discard(seq_id)
         del self.model.swapped[seq_id]
         event("discard")
+
+    @rule(index=st.integers(0, 63), data=st.data())
+    def evict(self, index: int, data: st.DataObject) -> None:
+        """LLMEngine._evict after a forward: keep a subset of a sequence's slots (as a policy
+        would, one head), moving kept slots from past the kept count into dropped ones below it.
+        The engine evicts right after a forward, which applied every move recorded before it."""
+        apply_copies(self.bm, self.model)
+        seq_id = self._pick(index)
+        if seq_id is None:
+            return
+        seq = self.model.seqs[seq_id]
+        held = seq.positions()
+        if seq.written != len(seq.tokens) or len(held) < 2:
+            return
+        keep = sorted(data.draw(st.sets(st.integers(0, len(held) - 1), min_size=1, max_size=len(held) - 1)))
+        kept = len(keep)
+        holes = [i for i in range(kept) if i not in keep]
+        sources = [i for i in keep if i >= kept]
+        zeros = torch.zeros(len(holes), dtype=torch.long)
+        before = (dict(self.bm.tables), self.bm.free_blocks, dict(self.bm.cache))
+        if not self.bm.compact(seq_id, zeros, zeros, torch.tensor(sources, dtype=torch.long),
+                               torch.tensor(holes, dtype=torch.long), kept):
+            assert before == (dict(self.bm.tables), self.bm.free_blocks, dict(self.bm.cache))
+            event("evict: no room for copies")
+            return
+        moved = dict(zip(holes, sources))
+        seq.held = [held[moved.get(i, i)] for i in range(kept)]
+        assert self.bm.num_tokens[seq_id] == kept
+        assert len(self.bm.tables[seq_id]) == self.bm.blocks_for(kept)
+        event("evict: copies" if self.bm.pending_compactions[-1].copies else "evict")
 
     @rule()
     def run_copies(self) -> None:
