@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections import Counter
 import logging
 import numbers
 import random
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -304,6 +304,7 @@ class LLMEngine:
         """Each evicting sequence's slots grow by the tokens the step computed; one whose prompt
         is computed and whose policy is due drops tokens, and the block manager compacts it."""
         cfg = self.model_config
+        ran = {s.seq_id for s in seqs}
         for i, seq in enumerate(seqs):
             if seq.eviction is None:
                 continue
@@ -318,6 +319,8 @@ class LLMEngine:
             prompt = len(seq.prompt_token_ids)
             if end < prompt or not state.due(prompt_end=end - num_scheduled[i] < prompt):
                 continue
+            if seq.beam is not None and any(b.seq_id not in ran for b in self._requests[seq.request_id]):
+                continue  # it will recompute its last token in its slot (_step_beams): no moves now
             moves, after = state.evicted()
             if self.block_manager.compact(seq.seq_id, moves.layer, moves.head, moves.src, moves.dst, moves.kept):
                 seq.kv_state = after
