@@ -2,6 +2,7 @@
 package (no ../shared, no optimum-quanto), as a `pip install`ed kvserve would."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -43,7 +44,7 @@ def test_a_path_names_itself_and_a_bad_one_names_the_option(tmp_path: Path) -> N
 
 
 @pytest.mark.model
-def test_eval_and_bench_run_from_a_bare_copy_of_the_package(tmp_path: Path) -> None:
+def test_eval_bench_and_doctor_run_from_a_bare_copy_of_the_package(tmp_path: Path) -> None:
     """A copy of kvserve/ alone on the path, run from an empty folder; a stand-in `optimum`
     package without quanto hides the real one."""
     site = tmp_path / "site"
@@ -74,3 +75,5 @@ def test_eval_and_bench_run_from_a_bare_copy_of_the_package(tmp_path: Path) -> N
     run("bench", "throughput", "--num-requests", "2", "--skip-hf", "--skip-llama-cpp", "--skip-contiguous",
         "--out", "bt")
     assert (work / "bt" / "throughput.md").exists()
+    doctor = json.loads(run("doctor", "--tokens", "16", "--formats", "", "--skip-performance", "--json"))
+    assert doctor["text"].startswith("Python reference docs") and doctor["checks"]
