@@ -13,6 +13,7 @@ from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.cache.kv_format import FORMAT_NAMES, KVFormat, make_format
 from kvserve.eviction.policy import POLICY_NAMES, EvictionPolicy
 from kvserve.model.config import ModelConfig
+from kvserve.validate import is_int
 
 CACHE_MODES = ("paged", "contiguous", "no-cache")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -34,9 +35,6 @@ def available_memory(device: torch.device) -> int:
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def policy_for(owner: str, **fields: Any) -> EvictionPolicy:
@@ -118,11 +116,11 @@ class EngineConfig:
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"EngineConfig.cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
         for name in ("block_size", "max_num_seqs"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.kv_cache_memory, str) and not 0 < self.kv_cache_memory <= 1:
             raise ValueError(f"EngineConfig.kv_cache_memory as a fraction must be in (0, 1], "
@@ -156,6 +154,10 @@ class EngineConfig:
         budget = self.kv_budget if budget is None else budget
         if budget is None:
             raise ValueError(f"{owner}.kv_budget is required with kv_eviction={name!r}")
+        return self._policy(owner, name, budget)
+
+    def _policy(self, owner: str, name: str, budget: int) -> EvictionPolicy:
+        """`name` at `budget` with this engine's eviction knobs."""
         return policy_for(owner, name=name, budget=budget, sink_tokens=self.kv_sink_tokens, window=self.kv_window,
                           stride=self.kv_stride, observation_window=self.kv_observation_window,
                           pooling_kernel=self.kv_pooling_kernel, during_decode=self.kv_evict_during_decode)
@@ -164,12 +166,10 @@ class EngineConfig:
         if self.kv_eviction not in POLICY_NAMES:
             raise ValueError(f"EngineConfig.kv_eviction must be one of {', '.join(POLICY_NAMES)}, "
                              f"got {self.kv_eviction!r}")
-        if self.kv_budget is not None and (not _is_int(self.kv_budget) or self.kv_budget < 1):
+        if self.kv_budget is not None and (not is_int(self.kv_budget) or self.kv_budget < 1):
             raise ValueError(f"EngineConfig.kv_budget must be a positive integer, got {self.kv_budget!r}")
         # Knobs are checked whenever set, though only a policy reads them: a request may pick one.
-        policy_for("EngineConfig", name="none", budget=1, sink_tokens=self.kv_sink_tokens, window=self.kv_window,
-                   stride=self.kv_stride, observation_window=self.kv_observation_window,
-                   pooling_kernel=self.kv_pooling_kernel, during_decode=self.kv_evict_during_decode)
+        self._policy("EngineConfig", "none", 1)
         self.eviction_policy()
         if self.kv_eviction != "none":
             reason = self.eviction_unsupported()
@@ -194,7 +194,7 @@ class EngineConfig:
             if value is not None and value != "auto" and value not in FORMAT_NAMES:
                 raise ValueError(f"EngineConfig.{name} must be 'auto' or one of {', '.join(FORMAT_NAMES)}, "
                                  f"got {value!r}")
-        if self.kv_residual is not None and (not _is_int(self.kv_residual) or self.kv_residual < 0):
+        if self.kv_residual is not None and (not is_int(self.kv_residual) or self.kv_residual < 0):
             raise ValueError(f"EngineConfig.kv_residual must be an integer >= 0, got {self.kv_residual!r}")
         try:
             formats = self.kv_formats()

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvserve.eviction.policy import POLICY_NAMES
+from kvserve.validate import is_int
 
 
 @dataclass
@@ -49,7 +50,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("max_tokens", "n", "beam_width"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) <= 0:
+            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ValueError(f"SamplingParams.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.beam_width > 1 and self.n > 1:
             raise ValueError("SamplingParams.n must be 1 with beam search (beam_width > 1)")
@@ -59,7 +60,7 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be a finite number, got {getattr(self, name)!r}")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
@@ -74,7 +75,7 @@ class SamplingParams:
             raise ValueError("SamplingParams.beam_width: penalties and logit_bias are not supported with beam search")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("SamplingParams.stop must be a list of non-empty strings")
@@ -85,7 +86,7 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < -1):
+            if value is not None and (not is_int(value) or value < -1):
                 raise ValueError(f"SamplingParams.{name} must be None, -1 (all) or an integer >= 0, got {value!r}")
             if value is not None and self.beam_width > 1:
                 raise ValueError(f"SamplingParams.{name} is not supported with beam search (beam_width > 1)")
@@ -102,7 +103,7 @@ class SamplingParams:
         if self.kv_eviction is not None and self.kv_eviction not in POLICY_NAMES:
             raise ValueError(f"SamplingParams.kv_eviction must be one of {', '.join(POLICY_NAMES)}, "
                              f"got {self.kv_eviction!r}")
-        if self.kv_budget is not None and (not _is_int(self.kv_budget) or self.kv_budget < 1):
+        if self.kv_budget is not None and (not is_int(self.kv_budget) or self.kv_budget < 1):
             raise ValueError(f"SamplingParams.kv_budget must be a positive integer, got {self.kv_budget!r}")
 
     @property
@@ -116,10 +117,6 @@ class SamplingParams:
                     or self.logit_bias)
 
 
-def _is_int(value: object) -> bool:
-    """An integer and not a bool (True is an int to Python, never a count or a token id here)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _is_number(value: object) -> bool:
     """A finite int or float, not a bool."""
@@ -127,4 +124,4 @@ def _is_number(value: object) -> bool:
 
 
 def _are_token_ids(values: Iterable[object]) -> bool:
-    return all(_is_int(t) and t >= 0 for t in values)  # type: ignore[operator]
+    return all(is_int(t) and t >= 0 for t in values)  # type: ignore[operator]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.validate import is_int
+
 POLICY_NAMES = ("none", "window", "h2o", "snapkv", "tova", "strided")
 # Policies that rank tokens by the attention they receive (the step's scores are computed for them).
 SCORED = ("h2o", "snapkv", "tova")
@@ -48,13 +50,13 @@ class EvictionPolicy:
             raise ValueError(f"{owner}.kv_eviction must be one of {', '.join(POLICY_NAMES)}, got {self.name!r}")
         for name in ("budget", "stride", "observation_window", "pooling_kernel"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{owner}.kv_{name} must be a positive integer, got {value!r}")
         if not isinstance(self.during_decode, bool):
             raise ValueError(f"{owner}.kv_evict_during_decode must be True or False, got {self.during_decode!r}")
-        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+        if not is_int(self.sink_tokens) or self.sink_tokens < 0:
             raise ValueError(f"{owner}.kv_sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
-        if self.window is not None and (not _is_int(self.window) or self.window < 0):
+        if self.window is not None and (not is_int(self.window) or self.window < 0):
             raise ValueError(f"{owner}.kv_window must be an integer >= 0 or None, got {self.window!r}")
         if self.pooling_kernel % 2 == 0:
             raise ValueError(f"{owner}.kv_pooling_kernel must be odd (pooling keeps positions centred), "
@@ -67,6 +69,3 @@ class EvictionPolicy:
             raise ValueError(f"{owner}.kv_budget ({self.budget}) must exceed {what} ({reserved}) for "
                              f"kv_eviction={self.name!r}")
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
