@@ -25,7 +25,8 @@ class ScorePlan:
     step: StepMetadata          # the scored sequences' block tables and context lengths
     rows: torch.Tensor          # [n, R] row of the step's queries
     weight: torch.Tensor        # [n, R] fp32: 1 for a counted row, 0 for padding
-    query_slots: torch.Tensor   # [n, R] the slot each row's query sits in: it sees slots up to it
+    visible: torch.Tensor       # [n, R, S] bool: the slots each row's query sees (causal, in its context)
+    max_slots: int              # S: the longest scored context
 
     @classmethod
     def build(cls, step: StepMetadata, first_rows: dict[int, int]) -> "ScorePlan":
@@ -44,14 +45,14 @@ class ScorePlan:
             weight.append((j < count).float())
         device = step.block_tables.device
         pick = torch.tensor(index)
+        ctx = step.context_lens[pick]
         sub = dataclasses.replace(step, query_start=torch.zeros(len(index) + 1, dtype=torch.long),
-                                  context_lens=step.context_lens[pick], block_tables=step.block_tables[pick.to(device)])
-        return cls(index, sub, torch.stack(rows).to(device), torch.stack(weight).to(device),
-                   torch.stack(slots).to(device))
-
-    @property
-    def max_slots(self) -> int:
-        return int(self.step.context_lens.max())
+                                  context_lens=ctx, block_tables=step.block_tables[pick.to(device)])
+        # The same for every layer: built once per step.
+        s = torch.arange(int(ctx.max()))
+        visible = (s <= torch.stack(slots)[..., None]) & (s < ctx[:, None, None])
+        return cls(index, sub, torch.stack(rows).to(device), torch.stack(weight).to(device), visible.to(device),
+                   int(ctx.max()))
 
 
 def slot_scores(kv: Any, q: torch.Tensor, plan: ScorePlan, scale: float) -> torch.Tensor:
@@ -66,8 +67,5 @@ def slot_scores(kv: Any, q: torch.Tensor, plan: ScorePlan, scale: float) -> torc
     group = queries.shape[2] // kv_heads
     queries = queries.view(n, -1, kv_heads, group, dim)
     logits = torch.einsum("nrkgd,nskd->nkgrs", queries, keys) * scale
-    s = torch.arange(slots, device=keys.device)
-    ctx = plan.step.context_lens.to(keys.device)
-    visible = (s <= plan.query_slots[..., None]) & (s < ctx[:, None, None])  # [n, R, S]
-    probs = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+    probs = logits.masked_fill(~plan.visible[:, None, None], float("-inf")).softmax(-1)
     return (probs * plan.weight[:, None, None, :, None]).sum(3).mean(2)
