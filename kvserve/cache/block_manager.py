@@ -114,11 +114,13 @@ class BlockManager:
         return self.blocks_for(num_tokens) - have <= len(self._free)
 
     # -- taking and returning blocks ------------------------------------------------------------
-    def _forget(self, block_id: int) -> None:
-        """Drop an unowned block from the prefix cache; it is then reused before cached ones."""
-        block = self.blocks[block_id]
+    def _uncache(self, block: Block) -> None:
         del self.cache[block.hash]
         block.hash, block.token_ids = None, ()
+
+    def _forget(self, block_id: int) -> None:
+        """Drop an unowned block from the prefix cache; it is then reused before cached ones."""
+        self._uncache(self.blocks[block_id])
         self._free.move_to_end(block_id, last=False)
 
     def _take_free(self) -> int:
@@ -242,10 +244,8 @@ class BlockManager:
             table[i] = fresh
         self._note_peak()
         for i in written - set(copied):
-            block = self.blocks[table[i]]
-            if block.hash is not None:
-                del self.cache[block.hash]
-                block.hash, block.token_ids = None, ()
+            if self.blocks[table[i]].hash is not None:
+                self._uncache(self.blocks[table[i]])
         # Sources may sit in the tail: their pool slots are taken before it is released (the
         # runner applies compactions before any other move can reuse those blocks).
         blocks = torch.tensor(table, dtype=torch.long)
