@@ -58,11 +58,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     formats = [f for f in args.formats.split(",") if f]
 
-    def make_llm(spec: str) -> LLM:
+    def make_llm(spec: str, **overrides: Any) -> LLM:
         """`name` or `name@residual`. No prefix caching: a cached prompt is run in other batch
         shapes than a fresh one, and bf16 rounding alone would then split greedy paths."""
         return llm_from_args(args, max_num_seqs=max(args.max_num_seqs, args.windows, args.greedy_prompts),
-                             enable_prefix_caching=False, **kv_format_overrides(spec, args))
+                             enable_prefix_caching=False, **kv_format_overrides(spec, args), **overrides)
 
     reference = make_llm("auto")
     tok = reference.tokenizer
@@ -108,14 +108,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     evictions = [e for e in args.evictions.split(",") if e]
     protocol = "during decode" if args.kv_evict_during_decode else "once at the prompt's end"
     for policy in evictions:
-        llm = llm_from_args(args, max_num_seqs=max(args.max_num_seqs, args.windows, args.greedy_prompts),
-                            enable_prefix_caching=False, kv_eviction=policy)
-        rows.append(measure(llm, f"evict {policy} @{args.kv_budget} ({protocol})"))
-        del llm
+        rows.append(measure(make_llm(args.kv_cache_dtype, kv_eviction=policy),
+                            f"evict {policy} @{args.kv_budget} ({protocol})"))
 
     notes = []
     if evictions and args.kvpress:
-        rows += kvpress_rows(args, windows, prefill, evictions, targets)
+        rows += kvpress_rows(args, windows, prefill, evictions)
     if bits := [int(b) for b in args.hf_bits.split(",") if b]:
         missing = _hf_backend_missing(args.hf_backend)
         if missing is None:
@@ -126,8 +124,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     _report(args, rows, out, prefill, source.name, notes)
 
 
-def kvpress_rows(args: argparse.Namespace, windows: list[list[int]], prefill: int, policies: list[str],
-                 targets: torch.Tensor) -> list[dict[str, Any]]:
+def kvpress_rows(args: argparse.Namespace, windows: list[list[int]], prefill: int,
+                 policies: list[str]) -> list[dict[str, Any]]:
     """kvpress' matching presses on the same windows, in its own environment (kvpress_runner.py)."""
     import subprocess
     import tempfile
