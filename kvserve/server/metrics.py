@@ -1,6 +1,8 @@
 """Prometheus metrics of one server, in a registry of its own (no process-global state)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvserve.engine.llm_engine import LLMEngine
@@ -51,12 +53,8 @@ class Metrics:
 
     def observe_step(self, engine: LLMEngine) -> None:
         """Counters that the engine keeps as running totals; cheap enough for every step."""
-        for mode, count in engine.scheduler.preemptions.items():
-            self.preemptions.labels(mode=mode).inc(count - self._seen_preemptions.get(mode, 0))
-            self._seen_preemptions[mode] = count
-        for policy, count in engine.evicted_tokens.items():
-            self.evicted_tokens.labels(policy=policy).inc(count - self._seen_evicted.get(policy, 0))
-            self._seen_evicted[policy] = count
+        _catch_up(self.preemptions, "mode", engine.scheduler.preemptions, self._seen_preemptions)
+        _catch_up(self.evicted_tokens, "policy", engine.evicted_tokens, self._seen_evicted)
         freed = engine.block_manager.evicted_blocks
         self.evicted_blocks.inc(freed - self._seen_evicted_blocks)
         self._seen_evicted_blocks = freed
@@ -92,3 +90,10 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _catch_up(counter: Counter, label: str, totals: Mapping[str, int], seen: dict[str, int]) -> None:
+    """Advance a labelled counter to the engine's running totals (`seen`: what it last reported)."""
+    for value, total in totals.items():
+        counter.labels(**{label: value}).inc(total - seen.get(value, 0))
+        seen[value] = total
