@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvserve.engine.llm import LLM
-from kvserve.eval.quality import forced_logprobs, forcing
+from kvserve.eval.quality import forced_logprobs, forcing, kl, top1
 from kvserve.sampling_params import SamplingParams
 
 MakeLLM = Callable[..., LLM]
@@ -37,20 +37,11 @@ class Check:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def top1(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The share of positions whose most likely token is the same in both [N, vocab]."""
-    return (got.argmax(-1) == want.argmax(-1)).double().mean().item()
-
-
 def compare(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
     """got, want [N, vocab] log-probs: the largest difference where `want` > -10, and top-1."""
     relevant = want > -10
     diff = (got - want).abs().masked_fill(~relevant, 0).max().item()
     return {"max_abs_logprob_diff": diff, "top1_agreement": top1(got, want)}
-
-
-def kl(truth: torch.Tensor, got: torch.Tensor) -> float:
-    return (truth.exp() * (truth - got)).sum(-1).mean().item()
 
 
 def against_truth(name: str, got: torch.Tensor, baseline: torch.Tensor, truth: torch.Tensor | None,

@@ -51,13 +51,21 @@ class DecodeQuality:
     nll: torch.Tensor  # [W, T]
 
 
+def kl(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
+    """Mean KL(reference || logprobs) over positions [..., vocab] of log-probabilities, nats."""
+    ref = reference.double()
+    return (ref.exp() * (ref - logprobs.double())).sum(-1).mean().item()
+
+
+def top1(logprobs: torch.Tensor, reference: torch.Tensor) -> float:
+    """The share of positions whose most likely token is the same in both [..., vocab]."""
+    return (logprobs.argmax(-1) == reference.argmax(-1)).double().mean().item()
+
+
 def compare(logprobs: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> DecodeQuality:
     """logprobs, reference [W, T, V]; targets [W, T] token ids."""
     nll = -logprobs.double().gather(-1, targets[..., None]).squeeze(-1)
-    ref = reference.double()
-    kl = (ref.exp() * (ref - logprobs.double())).sum(-1)
-    top1 = (logprobs.argmax(-1) == reference.argmax(-1)).double().mean()
-    return DecodeQuality(nll.mean().exp().item(), kl.mean().item(), top1.item(), nll)
+    return DecodeQuality(nll.mean().exp().item(), kl(reference, logprobs), top1(logprobs, reference), nll)
 
 
 def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
