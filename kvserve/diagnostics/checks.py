@@ -11,6 +11,7 @@ KL(truth || reference) (+1e-4), and top-1 agreement with the truth at most 0.03 
 """
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,9 +71,9 @@ def judged(name: str, measured: dict[str, float], dtype: torch.dtype, advice: st
                  "" if ok else advice)
 
 
-def cached(llm: LLM, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+def cached(llm: LLM, prompt: list[int], continuation: list[int], cache_salt: str | None = None) -> torch.Tensor:
     """Distributions after each forced token, decoded one cached step at a time: [N, vocab]."""
-    return forced_logprobs(llm, [prompt + continuation], len(prompt))[0]
+    return forced_logprobs(llm, [prompt + continuation], len(prompt), cache_salt)[0]
 
 
 def prompt_scores(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -99,17 +100,26 @@ def cache_vs_recompute(llm: LLM, tokens: list[int], prompt_len: int, label: str,
 
 
 def prefix_hit_vs_miss(llm: LLM, tokens: list[int], prompt_len: int, truth: torch.Tensor | None) -> Check:
+    """The same request twice under a salt of its own: the first run must miss (earlier checks
+    cached this prompt without the salt), the second must hit."""
     engine = llm.engine
     if not engine.config.enable_prefix_caching:
         return Check("prefix hit vs miss", "pass", {}, "prefix caching is off", correctness=False)
-    miss = cached(llm, tokens[:prompt_len], tokens[prompt_len:])
-    before = engine.block_manager.prefix_stats.cached_tokens
-    hit = cached(llm, tokens[:prompt_len], tokens[prompt_len:])
-    reused = engine.block_manager.prefix_stats.cached_tokens - before
+    salt = f"kvserve-doctor-{uuid.uuid4().hex}"
+    stats = engine.block_manager.prefix_stats
+    before = stats.cached_tokens
+    miss = cached(llm, tokens[:prompt_len], tokens[prompt_len:], salt)
+    missed = stats.cached_tokens - before
+    hit = cached(llm, tokens[:prompt_len], tokens[prompt_len:], salt)
+    reused = stats.cached_tokens - before - missed
     check = against_truth("prefix hit vs miss", hit, miss, truth, engine.config.torch_dtype,
                           "a prompt served from the prefix cache decodes differently from a fresh one: "
                           "run with --no-enable-prefix-caching until fixed",
-                          extra={"cached_tokens_reused": float(reused)})
+                          extra={"cached_tokens_reused": float(reused), "cached_tokens_on_miss": float(missed)})
+    if missed:
+        return Check(check.name, "fail", check.measured, "a request under a new cache salt must not hit",
+                     "a salted request reused another tenant's blocks: the salt does not isolate the "
+                     "prefix cache (see the README's side-channel note)")
     if reused == 0:
         return Check(check.name, "warn", check.measured, "the second run must reuse cached blocks",
                      f"the prompt ({prompt_len} tokens) is shorter than a block ({engine.block_manager.block_size}), "

@@ -19,8 +19,8 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
-    def _add_all(self, prompts: Prompt | Seq[Prompt],
-                 params: SamplingParams | Seq[SamplingParams] | None) -> dict[str, int]:
+    def _add_all(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None,
+                 cache_salt: str | None = None) -> dict[str, int]:
         """Queues the prompts; returns each request id with its number of samples, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -29,14 +29,15 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
         # Validate every request before queueing any: a bad one rejects the call, not half of it.
-        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, params)]
+        seqs = [self.engine.make_sequence(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, params)]
         return {self.engine.add_sequence(seq): seq.params.n for seq in seqs}
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in order; a prompt with n > 1 samples gives n, by sample index."""
-        requests = self._add_all(prompts, params)
+                 use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order; a prompt with n > 1 samples gives n, by sample index.
+        `cache_salt`: prefix-cache hits only among requests carrying the same salt."""
+        requests = self._add_all(prompts, params, cache_salt)
         done: dict[tuple[str, int], RequestOutput] = {}
         with tqdm(total=sum(requests.values()), desc="generating", unit="seq", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
@@ -47,9 +48,10 @@ class LLM:
         return [done[rid, i] for rid, n in requests.items() for i in range(n)]
 
     def stream(self, prompts: Prompt | Seq[Prompt],
-               params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+               params: SamplingParams | Seq[SamplingParams] | None = None,
+               cache_salt: str | None = None) -> Iterator[RequestOutput]:
         """Yields each sample's output as it grows; `delta_text` holds the new text."""
-        pending = self._add_all(prompts, params)  # samples still running per request
+        pending = self._add_all(prompts, params, cache_salt)  # samples still running per request
         try:
             while pending:
                 for out in self.engine.step():

@@ -28,7 +28,8 @@ def forcing(continuation: list[int]) -> SamplingParams:
 
 
 @torch.inference_mode()
-def forced_logprobs(llm: LLM, windows: list[list[int]], prefill_len: int) -> torch.Tensor:
+def forced_logprobs(llm: LLM, windows: list[list[int]], prefill_len: int,
+                    cache_salt: str | None = None) -> torch.Tensor:
     """log-softmax [W, L - prefill_len, vocab] (fp32) of the next token at positions prefill_len - 1
     .. L - 2 of every window: each window's first prefill_len tokens are its prompt, the rest are
     forced through the scheduler one cached decode step at a time, the windows run together."""
@@ -37,7 +38,7 @@ def forced_logprobs(llm: LLM, windows: list[list[int]], prefill_len: int) -> tor
     if len(windows) * bm.blocks_for(length) > bm.num_blocks:
         raise ValueError("kv_cache_memory: the evaluation windows do not fit the KV pool together")
     params = [forcing(w[prefill_len:]) for w in windows]
-    outs = llm.generate([list(w[:prefill_len]) for w in windows], params, use_tqdm=False)
+    outs = llm.generate([list(w[:prefill_len]) for w in windows], params, use_tqdm=False, cache_salt=cache_salt)
     if any(o.num_preemptions for o in outs):  # a recomputed context would not be the cache under test
         raise ValueError("kv_cache_memory: the evaluation windows do not fit the KV pool together")
     return torch.stack([torch.stack([t.full for t in o.logprobs]) for o in outs])

@@ -1,6 +1,6 @@
 """`kvserve doctor`: passes on real engines, and each correctness check fails when its fault is
-planted (a cache that skips an update, a mask that lets a token see the next one, a beam score
-off by a constant)."""
+planted (a cache that skips an update, a prefix hit that skips a token, a cache salt that does
+not isolate, a mask that lets a token see the next one, a beam score off by a constant)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from kvserve.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
+from kvserve.cache import block_manager
+from kvserve.cache.block_manager import BlockManager
 from kvserve.cache.kv_pool import DenseLayerKV
 from kvserve.cli import build_parser
 from kvserve.diagnostics import doctor
@@ -74,6 +76,27 @@ def test_a_beam_score_bug_fails_beam_rescoring(monkeypatch: pytest.MonkeyPatch) 
     got = statuses(run("--formats", ""))
     assert got["beam score vs recompute"] == "fail"
     assert got["cache vs recompute (model dtype pages)"] == "pass"
+
+
+def test_a_prefix_hit_that_skips_a_token_fails_hit_vs_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    allocate = BlockManager.allocate_prompt
+
+    def overclaimed(self: BlockManager, *args: Any, **kwargs: Any) -> int | None:
+        cached = allocate(self, *args, **kwargs)
+        # A hit claims one token more than its blocks hold: that token's K/V is never written.
+        return cached + 1 if cached else cached
+
+    monkeypatch.setattr(BlockManager, "allocate_prompt", overclaimed)
+    report = run("--formats", "")
+    hit = next(c for c in report["checks"] if c["name"] == "prefix hit vs miss")
+    assert hit["status"] == "fail" and hit["measured"]["cached_tokens_reused"] > 0, hit
+    assert statuses(report)["mask: later tokens are invisible"] == "pass"
+
+
+def test_a_salt_that_does_not_isolate_fails_hit_vs_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(block_manager, "salt_root", lambda salt: None)
+    hit = next(c for c in run("--formats", "")["checks"] if c["name"] == "prefix hit vs miss")
+    assert hit["status"] == "fail" and hit["measured"]["cached_tokens_on_miss"] > 0, hit
 
 
 def test_cli_exits_1_on_a_failed_check_and_reports_json(monkeypatch: pytest.MonkeyPatch,

@@ -232,5 +232,8 @@ def test_cache_salt_keeps_tenants_prefix_hits_apart(tiny_llm: Callable[..., LLM]
     assert cached_by("tenant-a") == 0
     assert cached_by("tenant-b") == 0 and cached_by(None) == 0  # another salt, or none: no hit
     assert cached_by("tenant-a") == 64 and cached_by(None) == 64  # each within its own salt
+    before = engine.block_manager.prefix_stats.cached_tokens
+    llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False, cache_salt="tenant-b")  # the offline API
+    assert engine.block_manager.prefix_stats.cached_tokens - before == 64
     with pytest.raises(ValueError, match="cache_salt"):
         engine.add_request(prompt, SamplingParams(max_tokens=2), cache_salt="")
