@@ -7,10 +7,12 @@ the model dtype. In fp32 two ways of computing must agree to 1e-3. In bf16 / fp1
 ways already differ by their rounding (a decode step's matmuls sum in another order than a
 prefill's), so the check asks the engine's way to stay about as close to an fp32 recomputation
 (the truth) as the reference way in the same dtype is: KL(truth || cached) at most twice
-KL(truth || reference) (+1e-4), and top-1 agreement with the truth at most 0.03 lower.
+KL(truth || reference) (+1e-4), and top-1 agreement with the truth at most 0.03 lower, counted
+where the truth's top two are not a near-tie (NEAR_TIE): a near-tie goes either way in rounding.
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,12 +21,16 @@ from typing import Any
 import torch
 
 from kvserve.engine.llm import LLM
+from kvserve.engine.llm_engine import KVSizes
 from kvserve.eval.quality import forced_logprobs, forcing, kl, top1
 from kvserve.sampling_params import SamplingParams
 
 MakeLLM = Callable[..., LLM]
 # (max |delta log-prob|, min top-1 agreement) per model dtype.
 TOLERANCE = {torch.float32: (1e-3, 0.999), torch.float16: (0.05, 0.97), torch.bfloat16: (0.3, 0.95)}
+# Top-two log-prob gaps (nats) that a half-precision forward can reverse: a near-tie's top-1 is
+# rounding, not quality. Flips measured on SmolLM2 in bf16 had fp32 gaps up to 0.06.
+NEAR_TIE = {torch.float32: 0.0, torch.float16: 0.02, torch.bfloat16: 0.1}
 
 
 @dataclass(frozen=True)
@@ -53,13 +59,23 @@ def against_truth(name: str, got: torch.Tensor, baseline: torch.Tensor, truth: t
     if truth is None:
         return judged(name, {**compare(got, baseline), **(extra or {})}, dtype, advice, slack)
     kl_got, kl_base = kl(truth, got), kl(truth, baseline)
-    top_got, top_base = top1(got, truth), top1(baseline, truth)
+    decided = decided_rows(truth, dtype)
+    top_got, top_base = top1(got[decided], truth[decided]), top1(baseline[decided], truth[decided])
     ok = kl_got <= 2 * slack * kl_base + 1e-4 * slack and top_got >= top_base - 0.03 * slack
     measured = {"kl_vs_fp32": kl_got, "reference_kl_vs_fp32": kl_base, "top1_vs_fp32": top_got,
-                "reference_top1_vs_fp32": top_base, **compare(got, baseline), **(extra or {})}
+                "reference_top1_vs_fp32": top_base, "decided_positions": float(decided.sum()),
+                **compare(got, baseline), **(extra or {})}
     return Check(name, "pass" if ok else "fail", measured,
                  f"KL to an fp32 recompute <= {2 * slack:g} x the reference's + {1e-4 * slack:g}, top-1 >= the "
-                 f"reference's - {0.03 * slack:g} ({str(dtype).removeprefix('torch.')})", "" if ok else advice)
+                 f"reference's - {0.03 * slack:g} where fp32's top two differ by > {NEAR_TIE[dtype]:g} "
+                 f"({str(dtype).removeprefix('torch.')})", "" if ok else advice)
+
+
+def decided_rows(truth: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose fp32 top-1 beats the runner-up by more than `dtype` rounding moves a log-prob:
+    below that, two correct half-precision computations pick either token."""
+    best = truth.topk(2, dim=-1).values
+    return best[:, 0] - best[:, 1] > NEAR_TIE[dtype]
 
 
 def judged(name: str, measured: dict[str, float], dtype: torch.dtype, advice: str, slack: float = 1.0) -> Check:
@@ -132,11 +148,12 @@ def preempted_vs_undisturbed(llm: LLM, make_llm: MakeLLM, tokens: list[int], pro
     """Three copies of the request in a pool that holds about two: some are preempted and
     resumed (by the configured mode), each must match the undisturbed run."""
     engine = llm.engine
-    want = cached(llm, tokens[:prompt_len], tokens[prompt_len:])
-    bm = engine.block_manager
-    block_bytes = engine.pool.nbytes // bm.num_blocks
-    blocks = bm.blocks_for(len(tokens))
-    small = make_llm(kv_cache_memory=str(block_bytes * (2 * blocks + 1)), max_num_seqs=3,
+    # Under a salt of its own, like the small engine without a prefix cache: a prefix hit would
+    # read blocks that an earlier, longer request sealed into a compressed format's codes.
+    want = cached(llm, tokens[:prompt_len], tokens[prompt_len:], f"kvserve-doctor-{uuid.uuid4().hex}")
+    blocks = engine.block_manager.blocks_for(len(tokens))
+    sizes = KVSizes.of(dataclasses.replace(engine.config, max_num_seqs=3), engine.model_config)
+    small = make_llm(kv_cache_memory=str(sizes.memory_for(2 * blocks + 1)), max_num_seqs=3,
                      enable_prefix_caching=False)
     outs = small.generate([tokens[:prompt_len]] * 3, forcing(tokens[prompt_len:]), use_tqdm=False)
     preemptions = small.engine.scheduler.num_preemptions

@@ -28,6 +28,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from kvserve.eviction.state import EvictionState
 from kvserve.kernels import cpu_extension
+from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.profiling import label
 from kvserve.sampling_params import SamplingParams
@@ -37,6 +38,31 @@ logger = logging.getLogger(__name__)
 # Tokens per step with chunked prefill: large enough that weights are read once for many tokens,
 # small enough that a step of prompt chunks does not stall the running streams for long.
 CHUNKED_BATCHED_TOKENS = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSizes:
+    """What a KV pool costs: bytes per block, plus the full-precision staging slots a compressed
+    format with a residual window keeps (max_num_seqs decides how many)."""
+    block_bytes: int
+    staging_slots: int
+    staging_bytes: int
+
+    @staticmethod
+    def of(config: EngineConfig, cfg: ModelConfig) -> KVSizes:
+        dense = KVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                       config.torch_dtype)
+        formats = config.kv_formats()
+        if formats is None:
+            return KVSizes(dense, 0, 0)
+        staging = QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size, config.residual_tokens,
+                                                *formats)
+        return KVSizes(QuantizedKVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                                                       cfg.head_dim, *formats), staging, dense * staging)
+
+    def memory_for(self, num_blocks: int) -> int:
+        """The kv_cache_memory that gives exactly num_blocks blocks."""
+        return self.staging_bytes + self.block_bytes * num_blocks
 
 
 class LLMEngine:
@@ -67,23 +93,16 @@ class LLMEngine:
 
         formats = config.kv_formats()
         residual = config.residual_tokens
-        if formats is None:
-            block_bytes = KVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
-                                                 cfg.head_dim, config.torch_dtype)
-            staging_bytes = 0
-        else:
-            block_bytes = QuantizedKVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
-                                                          cfg.head_dim, *formats)
-            staging = QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size, residual, *formats)
-            staging_bytes = KVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
-                                                   cfg.head_dim, config.torch_dtype) * staging
+        sizes = KVSizes.of(config, cfg)
+        block_bytes, staging = sizes.block_bytes, sizes.staging_slots
         self.kv_bytes_per_token = block_bytes / config.block_size
         budget = config.kv_budget_bytes()
-        num_blocks = (budget - staging_bytes) // block_bytes
+        num_blocks = (budget - sizes.staging_bytes) // block_bytes
         if num_blocks < 1:
             raise ValueError(f"EngineConfig.kv_cache_memory: {budget} bytes is smaller than one KV block "
                              f"({block_bytes} bytes = {config.block_size} tokens"
-                             + (f", after {staging_bytes} bytes of full-precision staging)" if staging_bytes else ")"))
+                             + (f", after {sizes.staging_bytes} bytes of full-precision staging)"
+                                if sizes.staging_bytes else ")"))
         contiguous = config.cache_mode == "contiguous"
         num_host_blocks = parse_bytes(config.offload_memory) // block_bytes if config.cache_mode == "paged" else 0
         # The baselines stand for engines without sharing: no prefix cache for them.
