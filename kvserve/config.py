@@ -17,7 +17,7 @@ from kvserve.validate import is_int
 
 CACHE_MODES = ("paged", "contiguous", "no-cache")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 _DTYPE_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -55,7 +55,7 @@ class EngineConfig:
     model: str | Path | ModelConfig | None = _opt(
         None, "a .gguf file, a Hugging Face model directory, or random:<preset> (default: the bundled "
               "SmolLM2-135M-Instruct)")
-    dtype: str = _opt("bfloat16", "model dtype", choices=sorted(_DTYPES))
+    dtype: str = _opt("bfloat16", "model dtype", choices=sorted(DTYPES))
     device: str = _opt("auto", "auto (cuda if present), cpu, cuda or cuda:N")
     kv_cache_memory: str | float = _opt("2GiB", "KV pool size: bytes like 2GiB, or a fraction of free memory like 0.5")
     block_size: int = _opt(16, "tokens per KV block")
@@ -99,6 +99,11 @@ class EngineConfig:
     kv_pooling_kernel: int = _opt(5, "snapkv: positions its scores are averaged over (odd)")
     kv_evict_during_decode: bool = _opt(True, "keep each sequence at kv_budget at every step (off: evict once, "
                                               "when the prompt ends, as kvpress does, and let the cache grow)")
+    kv_evict_interval: int | None = _opt(None, "during decode, evict once a sequence holds this many tokens past "
+                                               "kv_budget (default block_size: a block freed per compaction; 1: "
+                                               "every step)")
+    kv_mean_heads: bool = _opt(False, "h2o, snapkv, tova: keep one set of tokens per layer, ranked by attention "
+                                      "averaged over its heads (TOVA's paper, kvpress), not one set per KV head")
     attention_backend: str = _opt(
         "auto", "auto: the fastest backend that serves the configuration (cpu: a C++ kernel reading pages "
                 "in place; triton: Triton kernels, on CUDA); torch: the gather + SDPA reference",
@@ -109,8 +114,8 @@ class EngineConfig:
     seed: int = _opt(0, "seeds random-weight models and requests without a seed", flag="engine-seed")
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.cache_mode not in CACHE_MODES:
@@ -160,7 +165,9 @@ class EngineConfig:
         """`name` at `budget` with this engine's eviction knobs."""
         return policy_for(owner, name=name, budget=budget, sink_tokens=self.kv_sink_tokens, window=self.kv_window,
                           stride=self.kv_stride, observation_window=self.kv_observation_window,
-                          pooling_kernel=self.kv_pooling_kernel, during_decode=self.kv_evict_during_decode)
+                          pooling_kernel=self.kv_pooling_kernel, during_decode=self.kv_evict_during_decode,
+                          mean_heads=self.kv_mean_heads,
+                          interval=self.block_size if self.kv_evict_interval is None else self.kv_evict_interval)
 
     def _check_eviction(self) -> None:
         if self.kv_eviction not in POLICY_NAMES:
@@ -233,7 +240,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @property
     def torch_device(self) -> torch.device:

@@ -307,13 +307,17 @@ class LLMEngine:
     @staticmethod
     def _score_from(seq: Sequence, num_scheduled: int) -> int | None:
         """The first position whose query counts toward the scores `seq`'s policy ranks by this
-        step (None: none does): H2O every query, TOVA the newest, SnapKV those from the prompt's
-        observation window on."""
+        step (None: none does): H2O every query, TOVA the newest (on a step that evicts), SnapKV
+        those from the prompt's observation window on."""
         policy = seq.eviction
         prompt = len(seq.prompt_token_ids)
         if policy is None or not policy.scored or (not policy.during_decode and seq.num_computed_tokens >= prompt):
             return None
         end = seq.num_computed_tokens + num_scheduled
+        state = seq.kv_state
+        if policy.name == "tova" and seq.num_computed_tokens >= prompt and state is not None and \
+                end - state.num_evicted < policy.budget + policy.interval:
+            return None  # TOVA ranks by the newest query alone: only the evicting step's matters
         first = {"h2o": 0, "tova": end - 1,
                  "snapkv": prompt - policy.observation_window}[policy.name]
         return first if first < end else None

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvserve.config import DTYPES
+from kvserve.eviction.policy import SCORED
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
 from kvserve.texts import DATA_HELP, load_text
 
@@ -108,8 +110,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     evictions = [e for e in args.evictions.split(",") if e]
     protocol = "during decode" if args.kv_evict_during_decode else "once at the prompt's end"
     for policy in evictions:
+        heads = " heads averaged" if args.kv_mean_heads and policy in SCORED else ""
         rows.append(measure(make_llm(args.kv_cache_dtype, kv_eviction=policy),
-                            f"evict {policy} @{args.kv_budget} ({protocol})"))
+                            f"evict {policy}{heads} @{args.kv_budget} ({protocol})"))
 
     notes = []
     if evictions and args.kvpress:
@@ -136,7 +139,7 @@ def kvpress_rows(args: argparse.Namespace, windows: list[list[int]], prefill: in
     model_dir = convert_gguf(source) if source.suffix == ".gguf" else source
     matched = [p for p in policies if p in ("window", "snapkv", "tova", "h2o")]
     spec = {"model_dir": str(model_dir), "windows": windows, "prefill": prefill, "budget": args.kv_budget,
-            "dtype": {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype),
+            "dtype": str(DTYPES[args.dtype]).removeprefix("torch."),
             "policies": matched, "sink_tokens": args.kv_sink_tokens, "observation_window": args.kv_observation_window,
             "pooling_kernel": args.kv_pooling_kernel, "threads": torch.get_num_threads()}
     runner = Path(__file__).with_name("kvpress_runner.py")

@@ -23,6 +23,13 @@ class EvictionPolicy:
     - tova: by the attention of the newest query alone, one token dropped per step.
     - strided: the sinks, the `window` most recent, and among older tokens every `stride`-th
       position (the newest of them, as many as the budget leaves room for).
+
+    During decode a sequence is brought back to `budget` once it holds `interval` tokens more
+    (kvpress' DecodingPress has the same knob): with `interval` = the block size a compaction frees
+    a whole block each time, as often as one token per step would, and TOVA is scored only then.
+
+    Scored policies choose per KV head, or with `mean_heads` one set per layer by the scores
+    averaged over its heads (as the TOVA paper and kvpress' presses do).
     """
     name: str
     budget: int
@@ -32,6 +39,8 @@ class EvictionPolicy:
     observation_window: int = 32
     pooling_kernel: int = 5
     during_decode: bool = True           # False: evict once, when the prompt ends (kvpress' protocol)
+    mean_heads: bool = False             # scored policies: one kept set per layer, by scores averaged over heads
+    interval: int = 1                    # during decode: evict once this many tokens past the budget
 
     def __post_init__(self) -> None:
         self.check("EvictionPolicy")
@@ -52,8 +61,11 @@ class EvictionPolicy:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{owner}.kv_{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.during_decode, bool):
-            raise ValueError(f"{owner}.kv_evict_during_decode must be True or False, got {self.during_decode!r}")
+        if not is_int(self.interval) or self.interval < 1:
+            raise ValueError(f"{owner}.kv_evict_interval must be a positive integer, got {self.interval!r}")
+        for name, field in (("during_decode", "kv_evict_during_decode"), ("mean_heads", "kv_mean_heads")):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{owner}.{field} must be True or False, got {getattr(self, name)!r}")
         if not is_int(self.sink_tokens) or self.sink_tokens < 0:
             raise ValueError(f"{owner}.kv_sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
         if self.window is not None and (not is_int(self.window) or self.window < 0):

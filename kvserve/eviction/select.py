@@ -45,6 +45,9 @@ def kept(policy: EvictionPolicy, positions: torch.Tensor, scores: torch.Tensor |
         room = policy.budget - int(sinks[0, 0].sum()) - policy.recent
         return sinks | recent | top(aligned, positions, min(room, int(aligned.sum(-1).min())))
     assert scores is not None, f"{policy.name} ranks by attention scores"
+    if policy.mean_heads:
+        # Heads hold the same positions slot for slot here: every compaction moved them alike.
+        scores = scores.mean(dim=1, keepdim=True).expand_as(scores)
     if policy.name == "tova":
         return top(everything, scores, policy.budget)
     if policy.name == "h2o":

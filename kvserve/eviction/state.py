@@ -64,11 +64,11 @@ class EvictionState:
         at the step that completed it."""
         if self.num_slots <= self.policy.budget:
             return False
-        if not self.policy.during_decode:
+        if not self.policy.during_decode or prompt_end:
             return prompt_end
         if self.policy.name == "snapkv" and self.num_evicted:
             return self.scored_queries >= self.policy.observation_window
-        return True
+        return self.num_slots >= self.policy.budget + self.policy.interval
 
     def evicted(self) -> tuple[SlotMoves, "EvictionState"]:
         """The policy applied: the slot moves, and the state after them (this one is unchanged,

@@ -12,7 +12,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 
 POLICIES = ["window", "strided", "h2o", "tova", "snapkv"]
-KNOBS = dict(kv_observation_window=8, kv_window=8, kv_sink_tokens=2, kv_stride=3)
+# Evict every step (interval 1): the tests below count slots token by token.
+KNOBS = dict(kv_observation_window=8, kv_window=8, kv_sink_tokens=2, kv_stride=3, kv_evict_interval=1)
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -49,6 +50,34 @@ def test_a_request_overrides_the_engine_policy(tiny_llm: Callable[..., LLM]) -> 
     assert not torch.allclose(evicting[0], plain[0])
     opted_out = full_logprobs(llm, batch, 16, kv_eviction="none")
     torch.testing.assert_close(opted_out[0], plain[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", ["window", "tova"])
+def test_an_eviction_interval_of_a_block_holds_the_same_blocks(tiny_llm: Callable[..., LLM], policy: str) -> None:
+    """Evicting a block's worth at a time keeps a sequence within budget + interval - 1 slots and
+    at the block count of evicting every step (a block is freed per 16 dropped tokens either
+    way), with 1/16 of the compactions; TOVA is scored only on the steps that evict."""
+    knobs = {**KNOBS, "kv_evict_interval": None}  # the default: block_size (16)
+    seen: dict[int, tuple[int, int, int]] = {}
+    for interval in (1, 16):
+        llm = tiny_llm(kv_eviction=policy, kv_budget=32, **{**knobs, "kv_evict_interval": interval})
+        engine = llm.engine
+        engine.add_request(prompts(1, 20)[0], forced_params(60)[0], request_id="r")  # grows past the budget
+        most_slots = compactions = 0
+        while engine.has_unfinished():
+            engine.step()
+            seq = next(iter(engine.scheduler.running), None)
+            if seq is None:
+                break
+            most_slots = max(most_slots, seq.kv_state.num_slots)
+            compactions += bool(engine.block_manager.pending_compactions)
+        # Blocks are allocated before a step writes its token, so the peak counts the one in flight.
+        seen[interval] = most_slots, engine.block_manager.peak_used, compactions
+    assert seen[1][0] == 32 and seen[16][0] == 32 + 15
+    assert seen[1][1] == seen[16][1] == 3  # 32 kept + 1 or 15 more: three blocks of 16 either way
+    assert seen[16][2] * 8 <= seen[1][2]
+    with pytest.raises(ValueError, match="EngineConfig.kv_evict_interval"):
+        tiny_llm(kv_eviction=policy, kv_budget=32, kv_evict_interval=0)
 
 
 def run_until(engine: LLMEngine, steps: int) -> None:

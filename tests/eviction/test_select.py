@@ -125,3 +125,21 @@ def test_without_decode_eviction_only_the_prompt_end_evicts() -> None:
     _, once = once.evicted()
     once.grow(13, torch.rand(1, 1, 9), 1)
     assert once.num_slots == 9 and not once.due(prompt_end=False)
+
+
+@pytest.mark.parametrize("policy", [EvictionPolicy("tova", 24, mean_heads=True),
+                                    EvictionPolicy("h2o", 24, window=6, mean_heads=True),
+                                    EvictionPolicy("snapkv", 24, observation_window=5, pooling_kernel=3,
+                                                   mean_heads=True)], ids=lambda p: p.name)
+def test_mean_heads_keeps_one_set_per_layer_by_the_head_averaged_scores(policy: EvictionPolicy) -> None:
+    state = shuffled_state(policy, layers=2, heads=3, slots=40, seed=3)
+    positions = state.positions[:, :1].expand_as(state.positions).clone()  # heads move alike in this mode
+    keep = select.kept(policy, positions, state.scores)
+    for layer in range(2):
+        pos = positions[layer, 0].tolist()
+        averaged = [sum(state.scores[layer, h, i].item() for h in range(3)) / 3 for i in range(40)]
+        want = reference_keep(policy, pos, averaged)
+        for head in range(3):
+            assert set(positions[layer, head][keep[layer, head]].tolist()) == want, (layer, head)
+    assert not (select.kept(EvictionPolicy(policy.name, 24, window=6, observation_window=5, pooling_kernel=3),
+                            positions, state.scores) == keep).all()  # per head differs on these scores
