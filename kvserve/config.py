@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvserve.attention.selector import BACKEND_NAMES
+from kvserve.attention.rotation import ROTATIONS
 from kvserve.cache.kv_format import FORMAT_NAMES, KVFormat, make_format
 from kvserve.eviction.policy import POLICY_NAMES, EvictionPolicy
 from kvserve.model.config import ModelConfig
@@ -79,6 +80,9 @@ class EngineConfig:
     kv_cache_dtype: str = _opt("auto", "how K/V pages are stored: auto keeps the model dtype; fp8_e4m3, fp8_e5m2, "
                                        "int8, int4, kivi2, kivi4, outlier and sparse compress them",
                                choices=("auto", *FORMAT_NAMES))
+    kv_rotation: str = _opt("none", "rotate each head's q, k and v before the pages (QuaRot): spreads outlier "
+                                    "channels so compressed pages lose less; hadamard (power-of-two head_dim) or "
+                                    "random orthogonal", choices=ROTATIONS)
     kv_cache_dtype_k: str | None = _opt(None, "keys only (default: kv_cache_dtype)", choices=FORMAT_NAMES)
     kv_cache_dtype_v: str | None = _opt(None, "values only (default: kv_cache_dtype)", choices=FORMAT_NAMES)
     kv_group_size: int = _opt(32, "channels per scale/zero-point for int4, kivi values and outlier (4..128)")
@@ -147,6 +151,8 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         self._check_kv_format()
+        if self.kv_rotation not in ROTATIONS:
+            raise ValueError(f"EngineConfig.kv_rotation must be one of {', '.join(ROTATIONS)}, got {self.kv_rotation!r}")
         self._check_eviction()
 
     def eviction_policy(self, name: str | None = None, budget: int | None = None,

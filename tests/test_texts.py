@@ -67,9 +67,10 @@ def test_eval_bench_and_doctor_run_from_a_bare_copy_of_the_package(tmp_path: Pat
     assert probe.stdout.strip().startswith(str(site))  # the copy, not the checkout
     out = run("eval", "--formats", "int8", "--windows", "1", "--window-len", "32", "--stride", "32",
               "--greedy-prompts", "1", "--greedy-tokens", "4", "--passkey-lengths", "", "--out", "ev",
-              "--evictions", "window", "--kv-budget", "20")
+              "--evictions", "window", "--kv-budget", "20", "--rotations", "none,hadamard")
     report = (work / "ev" / "eval.md").read_text()
-    assert report.startswith("Python reference docs (pydoc_data), 1 windows") and "kvserve int8" in report
+    assert report.startswith("Python reference docs (pydoc_data), 1 windows") and "kvserve int8 |" in report
+    assert "kvserve int8 rotated (hadamard)" in report
     assert "kvserve evict window @20 (during decode)" in report
     assert "HF QuantizedCache rows skipped: optimum.quanto is not installed" in report
     run("bench", "throughput", "--num-requests", "2", "--skip-hf", "--skip-llama-cpp", "--skip-contiguous",

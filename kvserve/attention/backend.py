@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvserve.attention.metadata import StepMetadata
+from kvserve.attention.rotation import rotate
 from kvserve.attention.scores import ScorePlan, slot_scores
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
@@ -48,21 +49,25 @@ class AttentionBackend(ABC):
 class StepAttention:
     """One step's attention as the model sees it: a backend bound to its prepared metadata.
     With a `scoring` plan, each layer also fills its row of `scores` [layers, n, kv_heads,
-    slots], the step's second output beside the logits (see attention/scores.py)."""
+    slots], the step's second output beside the logits (see attention/scores.py). With a
+    `rotation` [D, D], q, k and v are rotated before the backend and the output back after it
+    (attention/rotation.py)."""
     backend: AttentionBackend
     step: StepMetadata
     meta: Any
     scoring: ScorePlan | None = None
     scores: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, backend: AttentionBackend, step: StepMetadata, scoring: ScorePlan | None = None) -> "StepAttention":
+    def of(cls, backend: AttentionBackend, step: StepMetadata, scoring: ScorePlan | None = None,
+           rotation: torch.Tensor | None = None) -> "StepAttention":
         scores = None
         if scoring is not None:
             pool = backend.pool
             scores = torch.zeros(len(pool.kv), len(scoring.batch_index), pool.num_kv_heads, scoring.max_slots,
                                  device=step.block_tables.device)
-        return cls(backend, step, backend.prepare(step), scoring, scores)
+        return cls(backend, step, backend.prepare(step), scoring, scores, rotation)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -71,7 +76,10 @@ class StepAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
         with label("kvserve.attention"):  # for the doctor's profile of a step
+            r = self.rotation
+            if r is not None:
+                q, k, v = rotate(q, r), rotate(k, r), rotate(v, r)
             out = self.backend.forward(layer, q, k, v, self.meta, scale)
-            if self.scoring is not None:
+            if self.scoring is not None:  # rotated queries over rotated keys: the same weights
                 self.scores[layer] = slot_scores(self.backend.pool.kv[layer], q, self.scoring, scale)
-            return out
+            return out if r is None else rotate(out, r.T)

@@ -363,7 +363,7 @@ def _same_budget_runs(args: argparse.Namespace, runs: list[tuple[str, dict[str, 
         llm = llm_from_args(args, "paged", **overrides)
         if i == 0:  # the tokenizer comes with the first engine
             _, prompts, params, _ = _workload(args, llm.tokenizer, sigma=0.5, max_prompt_len=max_prompt_len,
-                                              max_output_len=512)
+                                              max_output_len=max(512, 2 * args.output_len_median))
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
         summary = run_kvserve(llm, prompts, params, f"kvserve {name}")
         summary.extra["capacity_tokens"] = float(llm.engine.block_manager.num_blocks * args.block_size)

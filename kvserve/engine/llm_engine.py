@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvserve.attention import make_backend
+from kvserve.attention.rotation import rotation_matrix
 from kvserve.cache.block_manager import BlockManager, BlockUsage
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
@@ -134,7 +135,7 @@ class LLMEngine:
         self.attention_backend = make_backend(config.attention_backend, self.pool, cfg.num_heads, self.device)
         kernels = cpu_extension.load() if config.cpu_kernels and self.device.type == "cpu" else None
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device, self.attention_backend,
-                                  kernels, self.swap)
+                                  kernels, self.swap, rotation_matrix(config.kv_rotation, cfg.head_dim, config.seed))
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
                              else cfg.eos_token_id)
         self.tokens_computed = 0  # tokens run through the model, prefill and decode

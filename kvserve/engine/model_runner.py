@@ -31,8 +31,10 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool | QuantizedKVPool, block_manager: BlockManager,
                  device: torch.device, backend: AttentionBackend, kernels: ModuleType | None,
-                 swap: SwapSpace | None = None) -> None:
+                 swap: SwapSpace | None = None, rotation: torch.Tensor | None = None) -> None:
+        """`rotation`: the [D, D] rotation of q, k and v before the pages (attention/rotation.py)."""
         self.model, self.pool, self.block_manager, self.device = model, pool, block_manager, device
+        self.rotation = None if rotation is None else rotation.to(device)
         self.backend, self.ops, self.swap = backend, resolve_ops(kernels), swap
         self.linear_kind = cpu_linear_kind(device, next(model.parameters()).dtype, kernels)
         if self.linear_kind is not None:
@@ -69,7 +71,8 @@ class ModelRunner:
             evicted=evicted if any(evicted) else None)
         first_rows = {i: max(f - start, 0) for i, (f, start) in enumerate(zip(score_from or [], starts))
                       if f is not None}
-        attention = StepAttention.of(self.backend, step, ScorePlan.build(step, first_rows) if first_rows else None)
+        attention = StepAttention.of(self.backend, step, ScorePlan.build(step, first_rows) if first_rows else None,
+                                     self.rotation)
         rows = step.query_start[1:] - 1
         # Row of position p of sequence i: query_start[i] + p - start_i.
         spans = [(i, *prompt_span(s, start, end)) for i, (s, start, end) in enumerate(zip(seqs, starts, ends))]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvserve.attention.rotation import ROTATIONS
 from kvserve.config import DTYPES
 from kvserve.eviction.policy import SCORED
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
@@ -30,6 +31,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help="comma-separated kv_cache_dtype values, each optionally name@residual for its own "
                         f"full-precision window (default: {','.join(DEFAULT_FORMATS)})")
+    p.add_argument("--rotations", default=None,
+                   help="comma-separated kv_rotation values to run every format with, one row each "
+                        f"({', '.join(ROTATIONS)}; default: --kv-rotation alone)")
     p.add_argument("--windows", type=int, default=4, help="text windows (default 4)")
     p.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
@@ -66,7 +70,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         return llm_from_args(args, max_num_seqs=max(args.max_num_seqs, args.windows, args.greedy_prompts),
                              enable_prefix_caching=False, **kv_format_overrides(spec, args), **overrides)
 
-    reference = make_llm("auto")
+    rotations = [r for r in args.rotations.split(",") if r] if args.rotations else [args.kv_rotation]
+    reference = make_llm("auto", kv_rotation="none")
     tok = reference.tokenizer
     source = load_text(args.data)
     text = source.text
@@ -106,7 +111,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     rows = [measure(reference, f"reference ({args.dtype})")]
     del reference
     for name in formats:
-        rows.append(measure(make_llm(name), name))
+        for rotation in rotations:
+            rows.append(measure(make_llm(name, kv_rotation=rotation),
+                                name if rotation == "none" else f"{name} rotated ({rotation})"))
     evictions = [e for e in args.evictions.split(",") if e]
     protocol = "during decode" if args.kv_evict_during_decode else "once at the prompt's end"
     for policy in evictions:
