@@ -44,6 +44,14 @@ class AttentionBackend(ABC):
         """q [T, heads, D], k/v [T, kv_heads, D] of the step's new tokens: stores k/v in layer
         `layer`'s pages, returns attention over each sequence's context [T, heads, D]."""
 
+    def forward_scored(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any,
+                       scale: float, plan: ScorePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the attention `plan`'s sequences give each slot [n, kv_heads, S]
+        (see attention/scores.py). Here recomputed in torch from the pages; a kernel that has
+        the weights at hand overrides this."""
+        out = self.forward(layer, q, k, v, meta, scale)
+        return out, slot_scores(self.pool.kv[layer], q, plan, scale)
+
 
 @dataclass(frozen=True)
 class StepAttention:
@@ -79,7 +87,8 @@ class StepAttention:
             r = self.rotation
             if r is not None:
                 q, k, v = rotate(q, r), rotate(k, r), rotate(v, r)
-            out = self.backend.forward(layer, q, k, v, self.meta, scale)
-            if self.scoring is not None:  # rotated queries over rotated keys: the same weights
-                self.scores[layer] = slot_scores(self.backend.pool.kv[layer], q, self.scoring, scale)
+            if self.scoring is None:
+                out = self.backend.forward(layer, q, k, v, self.meta, scale)
+            else:  # rotated queries over rotated keys: the same weights
+                out, self.scores[layer] = self.backend.forward_scored(layer, q, k, v, self.meta, scale, self.scoring)
             return out if r is None else rotate(out, r.T)

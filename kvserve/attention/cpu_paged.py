@@ -15,6 +15,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.metadata import StepMetadata
+from kvserve.attention.scores import ScorePlan
 from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, page_kind
 from kvserve.cache.kv_format import KVFormat
 from kvserve.cache.kv_pool import KVPool
@@ -78,6 +79,18 @@ class CPUPagedBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CPUMetadata,
                 scale: float) -> torch.Tensor:
+        return self._run(layer, q, k, v, meta, scale, self._empty, self._empty)
+
+    def forward_scored(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CPUMetadata,
+                       scale: float, plan: ScorePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel adds the weights in a second pass over each scored sequence's keys, once its
+        softmax is final: no gather, no padded copy."""
+        scores = torch.zeros(len(plan.first_row), self.pool.num_kv_heads, plan.max_slots)
+        out = self._run(layer, q, k, v, meta, scale, plan.first_row, scores)
+        return out, scores[plan.batch_index]
+
+    def _run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CPUMetadata,
+             scale: float, score_first: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         kv = self.pool.kv[layer]
         query_start, context_lens, tables, stage_of = meta.step_args
         if self.dense:  # the kernel writes dense pages itself
@@ -92,7 +105,8 @@ class CPUPagedBackend(AttentionBackend):
                 kv.write(k, v, meta.step)
             new, staging = (self._empty, self._empty, self._empty), kv.staging
         return self.ext.paged_attention(q, *new, query_start, context_lens, tables, *self.layer_args[layer],
-                                        stage_of, *staging, scale, self.pool.block_size, self.pool.num_kv_heads)
+                                        stage_of, *staging, scale, self.pool.block_size, self.pool.num_kv_heads,
+                                        score_first, scores)
 
     def _source(self, kind: int | None, fields: dict[str, torch.Tensor]) -> tuple:
         e = self._empty

@@ -27,6 +27,7 @@ class ScorePlan:
     weight: torch.Tensor        # [n, R] fp32: 1 for a counted row, 0 for padding
     visible: torch.Tensor       # [n, R, S] bool: the slots each row's query sees (causal, in its context)
     max_slots: int              # S: the longest scored context
+    first_row: torch.Tensor     # [B] int64: each batch sequence's first counted query row, -1 if not scored
 
     @classmethod
     def build(cls, step: StepMetadata, first_rows: dict[int, int]) -> "ScorePlan":
@@ -51,8 +52,10 @@ class ScorePlan:
         # The same for every layer: built once per step.
         s = torch.arange(int(ctx.max()))
         visible = (s <= torch.stack(slots)[..., None]) & (s < ctx[:, None, None])
+        first_row = torch.full((len(q_lens),), -1, dtype=torch.long)
+        first_row[pick] = q_lens[pick].cpu() - torch.tensor(counts)
         return cls(index, sub, torch.stack(rows).to(device), torch.stack(weight).to(device), visible.to(device),
-                   int(ctx.max()))
+                   int(ctx.max()), first_row)
 
 
 def slot_scores(kv: Any, q: torch.Tensor, plan: ScorePlan, scale: float) -> torch.Tensor:

@@ -247,7 +247,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
                     const at::Tensor& context_lens, const at::Tensor& block_tables,
                     const Pages& kp, const Pages& vp, const at::Tensor& stage_of,
                     const at::Tensor& k_staging, const at::Tensor& v_staging, double scale,
-                    int64_t block_size, int64_t num_kv_heads) {
+                    int64_t block_size, int64_t num_kv_heads, const at::Tensor& score_first,
+                    at::Tensor& scores) {
   const int64_t B = context_lens.size(0);
   const int64_t H = q.size(1), D = q.size(2), G = H / num_kv_heads;
   const int64_t* qs = query_start.data_ptr<int64_t>();
@@ -258,13 +259,21 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   // Query tokens per work item: enough rows to reuse each decoded key block, few enough that
   // a prefill splits across threads.
   const int64_t q_tile = std::max<int64_t>(1, 32 / G);
+  // Scores: the softmax weights of a sequence's query rows from score_first[b] on (-1: none),
+  // summed over those rows and averaged over the group's query heads, into scores[b, h, slot].
+  // A scored sequence is one item per head, so no two threads add into the same row.
+  const int64_t* first = score_first.numel() ? score_first.data_ptr<int64_t>() : nullptr;
+  float* sc = first ? scores.data_ptr<float>() : nullptr;
+  const int64_t sc_b = first ? scores.stride(0) : 0, sc_h = first ? scores.stride(1) : 0;
 
   struct Item { int64_t b, h, q0, q1; };
   std::vector<Item> items;
-  for (int64_t b = 0; b < B; ++b)
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t tile = first && first[b] >= 0 ? std::max<int64_t>(1, qs[b + 1] - qs[b]) : q_tile;
     for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t q0 = qs[b]; q0 < qs[b + 1]; q0 += q_tile)
-        items.push_back({b, h, q0, std::min(q0 + q_tile, qs[b + 1])});
+      for (int64_t q0 = qs[b]; q0 < qs[b + 1]; q0 += tile)
+        items.push_back({b, h, q0, std::min(q0 + tile, qs[b + 1])});
+  }
 
   const T* qd = q.data_ptr<T>();
   const int64_t q_tok = q.stride(0), q_head = q.stride(1);
@@ -328,6 +337,29 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           m[r] = mx;
         }
       }
+      if (first && first[w.b] >= 0) {
+        // A second pass over the keys now that each row's max and sum are final.
+        float* row_scores = sc + w.b * sc_b + w.h * sc_h;
+        const int64_t r0 = (first[w.b] - (w.q0 - qs[w.b])) * G;  // the first counted row
+        for (int64_t bi = 0; bi < nblocks; ++bi) {
+          const int64_t block = tables[w.b * table_stride + bi];
+          const int64_t n = std::min(block_size, last + 1 - bi * block_size);
+          const int64_t slot = stage ? stage[block] : -1;
+          if (slot >= 0) {
+            Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
+            decode_block<T>(sk, slot, n, w.h, D, kbuf.data());
+          } else {
+            decode_block<T>(kp, block, n, w.h, D, kbuf.data());
+          }
+          const int64_t k0 = bi * block_size;
+          for (int64_t r = std::max<int64_t>(r0, 0); r < rows; ++r) {
+            const int64_t visible = std::min(n, pos[r] + 1 - k0);
+            const float inv = 1.f / (l[r] * G);
+            for (int64_t t = 0; t < visible; ++t)
+              row_scores[k0 + t] += std::exp(dot(qbuf.data() + r * D, kbuf.data() + t * D, D) - m[r]) * inv;
+          }
+        }
+      }
       for (int64_t i = 0; i < w.q1 - w.q0; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * G + g;
@@ -370,6 +402,8 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 // (or empty) maps a block to its full-precision staging slot, -1 if none. With dense pages, the
 // step's new k/v [T, Hkv, D] are first written to `slot_mapping` (one call instead of two;
 // compressed pages are encoded by the pool beforehand: pass empty tensors). Returns [T, H, D].
+// score_first [B] int64 (or empty): from which of its query rows sequence b's attention weights
+// are added into scores [B, Hkv, >= its context] fp32 (zeros in; -1: not scored).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                            const at::Tensor& slot_mapping, const at::Tensor& query_start,
                            const at::Tensor& context_lens, const at::Tensor& block_tables, int64_t k_kind, const at::Tensor& k_data,
@@ -378,11 +412,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
                            const at::Tensor& v_zero, const at::Tensor& v_host, int64_t group,
                            const at::Tensor& stage_of, const at::Tensor& k_staging,
                            const at::Tensor& v_staging, double scale, int64_t block_size,
-                           int64_t num_kv_heads) {
+                           int64_t num_kv_heads, const at::Tensor& score_first, at::Tensor scores) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous D");
   TORCH_CHECK(q.size(1) % num_kv_heads == 0, "paged_attention: heads must be a multiple of kv heads");
   TORCH_CHECK(block_tables.is_contiguous() && query_start.is_contiguous() && context_lens.is_contiguous(),
               "paged_attention: metadata must be contiguous");
+  if (score_first.numel()) {
+    TORCH_CHECK(score_first.scalar_type() == at::kLong && score_first.is_contiguous() &&
+                score_first.size(0) == context_lens.size(0), "paged_attention: score_first must be [B] int64");
+    TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 3 && scores.size(0) == context_lens.size(0) &&
+                scores.size(1) == num_kv_heads && scores.stride(2) == 1, "paged_attention: scores must be [B, Hkv, S] fp32");
+  }
   if (k_new.numel()) {
     TORCH_CHECK(k_kind == kDense && v_kind == kDense, "paged_attention: only dense pages are written here");
     write_kv(k_data, v_data, k_new, v_new, slot_mapping);
@@ -393,7 +433,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
   const Pages vp = make_pages(v_kind, v_data, v_scale, v_zero, v_host, group);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attention_impl<scalar_t>(out, q, query_start, context_lens, block_tables, kp, vp, stage_of, k_staging,
-                             v_staging, scale, block_size, num_kv_heads);
+                             v_staging, scale, block_size, num_kv_heads, score_first, scores);
   });
   return out;
 }
