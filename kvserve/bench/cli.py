@@ -375,11 +375,13 @@ def _same_budget_runs(args: argparse.Namespace, runs: list[tuple[str, dict[str, 
              f"{args.prompt_len_median}, output median {args.output_len_median}, sigma 0.5), dtype {args.dtype}, "
              f"max_num_seqs {args.max_num_seqs}, torch threads "
              f"{torch.get_num_threads()}", "", format_table(summaries), "",
-             f"| {what} | KV bytes/token | capacity (tokens) | peak running seqs | output tok/s | vs first |",
-             "|---|---|---|---|---|---|"]
+             f"| {what} | KV bytes/token | capacity (tokens) | peak running seqs | mean running seqs (time-weighted) "
+             "| output tok/s | vs first |",
+             "|---|---|---|---|---|---|---|"]
     for s in summaries:
         lines.append(f"| {s.name} | {s.extra['kv_bytes_per_token']:.0f} | {s.extra['capacity_tokens']:.0f} | "
                      f"{s.extra['peak_running']:.0f} ({s.extra['peak_running'] / base.extra['peak_running']:.2f}x) | "
+                     f"{s.extra['mean_running']:.2f} ({s.extra['mean_running'] / base.extra['mean_running']:.2f}x) | "
                      f"{s.output_tok_s:.1f} | {s.output_tok_s / base.output_tok_s:.2f}x |")
     text = "\n".join(lines)
     print(text)

@@ -27,15 +27,21 @@ def run_kvserve(llm: Any, prompts: list[list[int]], params: list[SamplingParams]
     t0 = time.perf_counter()
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     done: dict[tuple[str, int], Any] = {}
-    waste_sum, waste_steps, peak_unshared, peak_running = 0.0, 0, 0, 0
+    waste_sum, waste_steps, peak_unshared, peak_running, running_time = 0.0, 0, 0, 0, 0.0
     with tqdm(total=sum(sp.n for sp in params), desc=name, unit="seq", disable=not progress) as bar:
         while engine.has_unfinished():
             usage = engine.kv_usage()
             if usage.allocated_slots:
                 waste_sum, waste_steps = waste_sum + usage.waste, waste_steps + 1
             peak_unshared = max(peak_unshared, usage.unshared_blocks)
-            peak_running = max(peak_running, len(engine.scheduler.running))
-            for out in engine.step():
+            running = len(engine.scheduler.running)
+            peak_running = max(peak_running, running)
+            step_start = time.perf_counter()
+            outs = engine.step()
+            # Sequences at once, weighted by how long they ran: a sequence admitted and then
+            # preempted counts for its steps only, unlike in the peak.
+            running_time += len(engine.scheduler.running) * (time.perf_counter() - step_start)
+            for out in outs:
                 if out.finished:
                     done[out.request_id, out.index] = out
                     bar.update(1)
@@ -50,5 +56,5 @@ def run_kvserve(llm: Any, prompts: list[list[int]], params: list[SamplingParams]
              "tokens_computed": float(engine.tokens_computed - computed_before),
              "preempt_recompute": float(engine.scheduler.preemptions["recompute"]),
              "preempt_swap": float(engine.scheduler.preemptions["swap"]),
-             "peak_running": float(peak_running)}
+             "peak_running": float(peak_running), "mean_running": running_time / wall}
     return summarize(name, timings, wall, extra)
