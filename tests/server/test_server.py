@@ -178,11 +178,12 @@ def test_an_evicting_request_equals_offline_and_is_counted(server: ServerProcess
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
     after = scrape(server)
     key = ("kvserve_kv_evicted_tokens_total", (("policy", "window"),))
-    # Computed at the end: the prompt and 19 outputs (the last is sampled, never run); 12 kept.
-    assert after.get(key, 0) - before.get(key, 0) == n_prompt + 19 - 12
+    # Down to 12 when the prompt ends; then 19 outputs run (the last is sampled, never run), and
+    # a block's worth (kv_evict_interval = block_size 16) is dropped when 16 sit past the budget.
+    assert after.get(key, 0) - before.get(key, 0) == n_prompt - 12 + 16
     assert after[("kvserve_kv_blocks_used", ())] == 0
-    # Evicted when the prompt ends, down to one block of 16; the 13 slots of decoding fit in it.
-    assert server.kv_state()["blocks_freed_by_eviction"] - freed_before == -(-n_prompt // 16) - 1
+    # The prompt's blocks but one at its end; then the second block decoding took, at 12 + 16.
+    assert server.kv_state()["blocks_freed_by_eviction"] - freed_before == -(-n_prompt // 16) - 1 + 1
 
 
 def in_use(state: dict) -> int:
