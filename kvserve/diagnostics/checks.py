@@ -115,13 +115,18 @@ def cache_vs_recompute(llm: LLM, tokens: list[int], prompt_len: int, label: str,
                          "--no-cpu-kernels; for a compressed format, raise --kv-residual or use int8", slack)
 
 
+def fresh_salt() -> str:
+    """A cache salt no other request carries: its first run cannot hit the prefix cache."""
+    return f"kvserve-doctor-{uuid.uuid4().hex}"
+
+
 def prefix_hit_vs_miss(llm: LLM, tokens: list[int], prompt_len: int, truth: torch.Tensor | None) -> Check:
     """The same request twice under a salt of its own: the first run must miss (earlier checks
     cached this prompt without the salt), the second must hit."""
     engine = llm.engine
     if not engine.config.enable_prefix_caching:
         return Check("prefix hit vs miss", "pass", {}, "prefix caching is off", correctness=False)
-    salt = f"kvserve-doctor-{uuid.uuid4().hex}"
+    salt = fresh_salt()
     stats = engine.block_manager.prefix_stats
     before = stats.cached_tokens
     miss = cached(llm, tokens[:prompt_len], tokens[prompt_len:], salt)
@@ -150,7 +155,7 @@ def preempted_vs_undisturbed(llm: LLM, make_llm: MakeLLM, tokens: list[int], pro
     engine = llm.engine
     # Under a salt of its own, like the small engine without a prefix cache: a prefix hit would
     # read blocks that an earlier, longer request sealed into a compressed format's codes.
-    want = cached(llm, tokens[:prompt_len], tokens[prompt_len:], f"kvserve-doctor-{uuid.uuid4().hex}")
+    want = cached(llm, tokens[:prompt_len], tokens[prompt_len:], fresh_salt())
     blocks = engine.block_manager.blocks_for(len(tokens))
     sizes = KVSizes.of(dataclasses.replace(engine.config, max_num_seqs=3), engine.model_config)
     small = make_llm(kv_cache_memory=str(sizes.memory_for(2 * blocks + 1)), max_num_seqs=3,

@@ -317,7 +317,7 @@ class LLMEngine:
         end = seq.num_computed_tokens + num_scheduled
         state = seq.kv_state
         if policy.name == "tova" and seq.num_computed_tokens >= prompt and state is not None and \
-                end - state.num_evicted < policy.budget + policy.interval:
+                not policy.decode_due(end - state.num_evicted):
             return None  # TOVA ranks by the newest query alone: only the evicting step's matters
         first = {"h2o": 0, "tova": end - 1,
                  "snapkv": prompt - policy.observation_window}[policy.name]

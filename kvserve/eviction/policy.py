@@ -49,6 +49,10 @@ class EvictionPolicy:
     def recent(self) -> int:
         return self.budget // 2 if self.window is None else self.window
 
+    def decode_due(self, slots: int) -> bool:
+        """Whether a decoding sequence holding `slots` is cut back to the budget now."""
+        return slots >= self.budget + self.interval
+
     @property
     def scored(self) -> bool:
         return self.name in SCORED

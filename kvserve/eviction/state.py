@@ -68,7 +68,7 @@ class EvictionState:
             return prompt_end
         if self.policy.name == "snapkv" and self.num_evicted:
             return self.scored_queries >= self.policy.observation_window
-        return self.num_slots >= self.policy.budget + self.policy.interval
+        return self.policy.decode_due(self.num_slots)
 
     def evicted(self) -> tuple[SlotMoves, "EvictionState"]:
         """The policy applied: the slot moves, and the state after them (this one is unchanged,

@@ -305,20 +305,21 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         }
       const int64_t last = pos[rows - 1];  // the furthest key any row of this item sees
       const int64_t nblocks = last / block_size + 1;
-      for (int64_t bi = 0; bi < nblocks; ++bi) {
+      // Block bi of the item's table into kbuf (and vbuf with `values`); returns its tokens. A
+      // block inside the full-precision window is read from its staging slot instead.
+      auto load_block = [&](int64_t bi, bool values) {
         const int64_t block = tables[w.b * table_stride + bi];
         const int64_t n = std::min(block_size, last + 1 - bi * block_size);
         const int64_t slot = stage ? stage[block] : -1;
-        if (slot >= 0) {
-          // A block inside the full-precision window: read its staging slot instead.
-          Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
-          Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
-          decode_block<T>(sk, slot, n, w.h, D, kbuf.data());
-          decode_block<T>(sv, slot, n, w.h, D, vbuf.data());
-        } else {
-          decode_block<T>(kp, block, n, w.h, D, kbuf.data());
-          decode_block<T>(vp, block, n, w.h, D, vbuf.data());
-        }
+        const Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
+        const Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
+        const int64_t at = slot >= 0 ? slot : block;
+        decode_block<T>(slot >= 0 ? sk : kp, at, n, w.h, D, kbuf.data());
+        if (values) decode_block<T>(slot >= 0 ? sv : vp, at, n, w.h, D, vbuf.data());
+        return n;
+      };
+      for (int64_t bi = 0; bi < nblocks; ++bi) {
+        const int64_t n = load_block(bi, true);
         const int64_t k0 = bi * block_size;
         for (int64_t r = 0; r < rows; ++r) {
           const float* qr = qbuf.data() + r * D;
@@ -342,15 +343,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         float* row_scores = sc + w.b * sc_b + w.h * sc_h;
         const int64_t r0 = (first[w.b] - (w.q0 - qs[w.b])) * G;  // the first counted row
         for (int64_t bi = 0; bi < nblocks; ++bi) {
-          const int64_t block = tables[w.b * table_stride + bi];
-          const int64_t n = std::min(block_size, last + 1 - bi * block_size);
-          const int64_t slot = stage ? stage[block] : -1;
-          if (slot >= 0) {
-            Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
-            decode_block<T>(sk, slot, n, w.h, D, kbuf.data());
-          } else {
-            decode_block<T>(kp, block, n, w.h, D, kbuf.data());
-          }
+          const int64_t n = load_block(bi, false);
           const int64_t k0 = bi * block_size;
           for (int64_t r = std::max<int64_t>(r0, 0); r < rows; ++r) {
             const int64_t visible = std::min(n, pos[r] + 1 - k0);
