@@ -106,6 +106,10 @@ class EngineConfig:
     kv_evict_interval: int | None = _opt(None, "during decode, evict once a sequence holds this many tokens past "
                                                "kv_budget (default block_size: a block freed per compaction; 1: "
                                                "every step)")
+    kv_prefill_chunk: int | None = _opt(None, "evict within prompts: run them this many tokens at a time and cut "
+                                              "back to kv_budget after each chunk, so a long prompt holds "
+                                              "kv_budget + this many slots, not its length (default: a prompt is "
+                                              "judged whole when it ends, as kvpress does)")
     kv_mean_heads: bool = _opt(False, "h2o, snapkv, tova: keep one set of tokens per layer, ranked by attention "
                                       "averaged over its heads (TOVA's paper, kvpress), not one set per KV head")
     attention_backend: str = _opt(
@@ -172,7 +176,7 @@ class EngineConfig:
         return policy_for(owner, name=name, budget=budget, sink_tokens=self.kv_sink_tokens, window=self.kv_window,
                           stride=self.kv_stride, observation_window=self.kv_observation_window,
                           pooling_kernel=self.kv_pooling_kernel, during_decode=self.kv_evict_during_decode,
-                          mean_heads=self.kv_mean_heads,
+                          mean_heads=self.kv_mean_heads, prefill_chunk=self.kv_prefill_chunk,
                           interval=self.block_size if self.kv_evict_interval is None else self.kv_evict_interval)
 
     def _check_eviction(self) -> None:

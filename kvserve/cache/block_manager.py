@@ -149,10 +149,11 @@ class BlockManager:
         self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
 
     def allocate_prompt(self, seq_id: str, token_ids: list[int], reserve_tokens: int = 0,
-                        use_cache: bool = True, salt: str | None = None) -> int | None:
+                        use_cache: bool = True, salt: str | None = None, prefill_chunk: int | None = None) -> int | None:
         """Give a new sequence its blocks, reusing its longest cached prefix (unless not
-        `use_cache`) among blocks cached under the same `salt`. Returns how many tokens are
-        already in the pool, or None (changing nothing) if blocks are short."""
+        `use_cache`) among blocks cached under the same `salt`; with `prefill_chunk`, blocks only up to the
+        next multiple of it past that prefix (a prompt that runs, and is evicted, chunk by chunk).
+        Returns how many tokens are already in the pool, or None (changing nothing) if blocks are short."""
         hits: list[int] = []
         hashes: list[bytes] = []
         root = salt_root(salt)
@@ -167,18 +168,20 @@ class BlockManager:
                     break
                 hits.append(block_id)
                 hashes.append(parent)
-        need = self.blocks_for(max(len(token_ids), reserve_tokens)) - len(hits)
+        cached = len(hits) * self.block_size
+        room = len(token_ids) if prefill_chunk is None else \
+            min(len(token_ids), (cached // prefill_chunk + 1) * prefill_chunk)
+        need = self.blocks_for(max(room, reserve_tokens)) - len(hits)
         reusable = sum(self.blocks[b].ref_count == 0 for b in hits)
         if need > len(self._free) - reusable:
             return None
         for block_id in hits:
             self._share(block_id)
         self.tables[seq_id] = hits + [self._take_free() for _ in range(need)]
-        self.num_tokens[seq_id] = len(token_ids)
+        self.num_tokens[seq_id] = room
         self._hashes[seq_id] = hashes
         if root is not None:
             self._roots[seq_id] = root
-        cached = len(hits) * self.block_size
         self.prefix_stats.prompt_tokens += len(token_ids)
         self.prefix_stats.cached_tokens += cached
         self._note_peak()

@@ -309,18 +309,19 @@ class LLMEngine:
     def _score_from(seq: Sequence, num_scheduled: int) -> int | None:
         """The first position whose query counts toward the scores `seq`'s policy ranks by this
         step (None: none does): H2O every query, TOVA the newest (on a step that evicts), SnapKV
-        those from the prompt's observation window on."""
+        those from the observation window before the prompt's end (or its chunk's) on."""
         policy = seq.eviction
         prompt = len(seq.prompt_token_ids)
-        if policy is None or not policy.scored or (not policy.during_decode and seq.num_computed_tokens >= prompt):
+        computed = seq.num_computed_tokens
+        if policy is None or not policy.scored or (not policy.during_decode and computed >= prompt):
             return None
-        end = seq.num_computed_tokens + num_scheduled
+        end = computed + num_scheduled
         state = seq.kv_state
-        if policy.name == "tova" and seq.num_computed_tokens >= prompt and state is not None and \
+        if policy.name == "tova" and computed >= prompt and state is not None and \
                 not policy.decode_due(end - state.num_evicted):
             return None  # TOVA ranks by the newest query alone: only the evicting step's matters
-        first = {"h2o": 0, "tova": end - 1,
-                 "snapkv": prompt - policy.observation_window}[policy.name]
+        stop = policy.prompt_stop(computed, prompt) if computed < prompt else prompt
+        first = {"h2o": 0, "tova": end - 1, "snapkv": stop - policy.observation_window}[policy.name]
         return first if first < end else None
 
     def _evict(self, seqs: list[Sequence], num_scheduled: list[int], score_from: list[int | None],
@@ -339,9 +340,8 @@ class LLMEngine:
             counted = end - max(score_from[i] or 0, end - num_scheduled[i])  # queries scored this step
             state.grow(end, None if step is None else step[..., :slots], counted if step is not None else 0)
             seq.kv_state = state
-            # Not within the prompt (policies judge it whole, as kvpress does), then every step.
             prompt = len(seq.prompt_token_ids)
-            if end < prompt or not state.due(prompt_end=end - num_scheduled[i] < prompt):
+            if not state.due(end, prompt, prompt_end=end - num_scheduled[i] < prompt <= end):
                 continue
             if seq.beam is not None and any(b.seq_id not in ran for b in self._requests[seq.request_id]):
                 continue  # it will recompute its last token in its slot (_step_beams): no moves now

@@ -138,7 +138,8 @@ class Scheduler:
             # Prompt logprobs need every prompt position's logits: no prefix taken from the cache.
             cached = [self.block_manager.allocate_prompt(s.seq_id, s.token_ids, self.reserve_tokens,
                                                          use_cache=s.params.prompt_logprobs is None,
-                                                         salt=s.cache_salt)
+                                                         salt=s.cache_salt,
+                                                         prefill_chunk=s.eviction and s.eviction.prefill_chunk)
                       for s in group]
             if None in cached:
                 for seq, got in zip(group, cached):
@@ -146,9 +147,9 @@ class Scheduler:
                         self.block_manager.free(seq.seq_id)
                 break
             for seq, hit in zip(group, cached):
-                budget -= seq.num_tokens - hit
-                slots -= 1 + seq.num_forks
                 seq.num_computed_tokens = hit
+                budget -= seq.num_runnable
+                slots -= 1 + seq.num_forks
                 seq.first_scheduled_time = seq.first_scheduled_time or time.perf_counter()
                 seq.status = SequenceStatus.RUNNING
                 self.waiting.popleft()
@@ -170,7 +171,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if self.block_manager.allocate(seq.seq_id, seq.num_slots, self.reserve_tokens):
+            if self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run, self.reserve_tokens):
                 i += 1
                 continue
             # The most recent sequence that could be admitted again; one that has outgrown the
@@ -194,9 +195,9 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            if bm.blocks_for(seq.num_slots) + len(self.running) + 1 > len(bm.free_blocks):
+            if bm.blocks_for(seq.num_slots_to_run) + len(self.running) + 1 > len(bm.free_blocks):
                 break
-            allocated = bm.allocate(seq.seq_id, seq.num_slots)  # cannot fail: checked above
+            allocated = bm.allocate(seq.seq_id, seq.num_slots_to_run)  # cannot fail: checked above
             assert allocated
             self.swap.swap_in(seq.seq_id, bm.tables[seq.seq_id])
             seq.status = SequenceStatus.RUNNING

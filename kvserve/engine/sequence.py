@@ -92,11 +92,20 @@ class Sequence:
     def num_runnable(self) -> int:
         """Tokens it may run this step: all it has not computed, except that an evicting sequence
         recomputing its outputs (after preemption) runs them one per step, so that its evictions
-        replay exactly as they first happened."""
+        replay exactly as they first happened, and a prompt evicted chunk by chunk runs up to its
+        next chunk end."""
         prompt = len(self.prompt_token_ids)
         if self.eviction is None or self.num_tokens - self.num_computed_tokens == 1:
             return self.num_new_tokens
-        return prompt - self.num_computed_tokens if self.num_computed_tokens < prompt else 1
+        if self.num_computed_tokens < prompt:
+            return self.eviction.prompt_stop(self.num_computed_tokens, prompt) - self.num_computed_tokens
+        return 1
+
+    @property
+    def num_slots_to_run(self) -> int:
+        """KV slots it must hold to run its `num_runnable` tokens (fewer than `num_slots` while an
+        evicting sequence still has tokens it may not run yet)."""
+        return self.num_computed_tokens + self.num_runnable - self.num_evicted
 
     @property
     def finished(self) -> bool:

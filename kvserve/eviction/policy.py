@@ -28,6 +28,13 @@ class EvictionPolicy:
     (kvpress' DecodingPress has the same knob): with `interval` = the block size a compaction frees
     a whole block each time, as often as one token per step would, and TOVA is scored only then.
 
+    With `prefill_chunk`, a prompt runs in chunks ending at multiples of it and is cut back to
+    `budget` after each one (the policy judging what it has seen so far; SnapKV's observation
+    window is the chunk's last queries), so it holds `budget + prefill_chunk` slots at most, not
+    its length. The chunk ends are positions, not whatever the scheduler cut, so a sequence
+    recomputed after preemption evicts at the same points. Without it the prompt is judged whole
+    when it ends, as kvpress does.
+
     Scored policies choose per KV head, or with `mean_heads` one set per layer by the scores
     averaged over its heads (as the TOVA paper and kvpress' presses do).
     """
@@ -41,6 +48,7 @@ class EvictionPolicy:
     during_decode: bool = True           # False: evict once, when the prompt ends (kvpress' protocol)
     mean_heads: bool = False             # scored policies: one kept set per layer, by scores averaged over heads
     interval: int = 1                    # during decode: evict once this many tokens past the budget
+    prefill_chunk: int | None = None     # evict within the prompt after every this many tokens
 
     def __post_init__(self) -> None:
         self.check("EvictionPolicy")
@@ -52,6 +60,17 @@ class EvictionPolicy:
     def decode_due(self, slots: int) -> bool:
         """Whether a decoding sequence holding `slots` is cut back to the budget now."""
         return slots >= self.budget + self.interval
+
+    def prompt_stop(self, computed: int, prompt: int) -> int:
+        """Where the prompt's next run ends, from `computed` tokens: its end, or with
+        `prefill_chunk` the next chunk end before it."""
+        if self.prefill_chunk is None:
+            return prompt
+        return min(prompt, (computed // self.prefill_chunk + 1) * self.prefill_chunk)
+
+    def chunk_ends_at(self, end: int) -> bool:
+        """Whether a prompt chunk ends at position `end` (an eviction point within the prompt)."""
+        return self.prefill_chunk is not None and end % self.prefill_chunk == 0
 
     @property
     def scored(self) -> bool:
@@ -67,6 +86,12 @@ class EvictionPolicy:
                 raise ValueError(f"{owner}.kv_{name} must be a positive integer, got {value!r}")
         if not is_int(self.interval) or self.interval < 1:
             raise ValueError(f"{owner}.kv_evict_interval must be a positive integer, got {self.interval!r}")
+        if self.prefill_chunk is not None and (not is_int(self.prefill_chunk) or self.prefill_chunk < 1):
+            raise ValueError(f"{owner}.kv_prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
+        if self.name == "snapkv" and self.prefill_chunk is not None and self.prefill_chunk < self.observation_window:
+            raise ValueError(f"{owner}.kv_prefill_chunk ({self.prefill_chunk}) must be at least "
+                             f"kv_observation_window ({self.observation_window}) for snapkv: its chunk's last "
+                             f"queries rank the tokens")
         for name, field in (("during_decode", "kv_evict_during_decode"), ("mean_heads", "kv_mean_heads")):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{field} must be True or False, got {getattr(self, name)!r}")

@@ -59,11 +59,13 @@ class EvictionState:
             self.scores = step_scores.clone() if self.policy.name == "tova" else self.scores + step_scores
             self.scored_queries += queries
 
-    def due(self, prompt_end: bool) -> bool:
-        """Whether to evict now; asked at every step once the prompt is computed, `prompt_end`
-        at the step that completed it."""
+    def due(self, end: int, prompt: int, prompt_end: bool) -> bool:
+        """Whether to evict now, after a step that computed tokens up to position `end` of a
+        sequence whose prompt has `prompt` tokens; `prompt_end` at the step that completed it."""
         if self.num_slots <= self.policy.budget:
             return False
+        if end < prompt:
+            return self.policy.chunk_ends_at(end)
         if not self.policy.during_decode or prompt_end:
             return prompt_end
         if self.policy.name == "snapkv" and self.num_evicted:

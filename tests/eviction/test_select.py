@@ -104,27 +104,41 @@ def test_compaction_moves_put_the_kept_positions_first(policy: EvictionPolicy) -
 def test_due_waits_for_the_budget_and_snapkv_for_a_new_observation_window() -> None:
     window = EvictionState.empty(EvictionPolicy("window", 8), 1, 1)
     window.grow(8, None, 0)
-    assert not window.due(prompt_end=True)
+    assert not window.due(8, 8, prompt_end=True)
     window.grow(9, None, 0)
-    assert window.due(prompt_end=False)
+    assert window.due(9, 8, prompt_end=False)
     snap = EvictionState.empty(EvictionPolicy("snapkv", 8, observation_window=3), 1, 1)
     snap.grow(12, torch.rand(1, 1, 12), 3)
-    assert snap.due(prompt_end=True)  # the prompt's end: first compaction
+    assert snap.due(12, 12, prompt_end=True)  # the prompt's end: first compaction
     _, snap = snap.evicted()
     for end in (9 + 4, 9 + 5):  # two decoded tokens: fewer queries than the window since
         snap.grow(end, torch.rand(1, 1, end - snap.num_evicted), 1)
-        assert not snap.due(prompt_end=False)
+        assert not snap.due(end, 12, prompt_end=False)
     snap.grow(9 + 6, torch.rand(1, 1, 15 - snap.num_evicted), 1)
-    assert snap.due(prompt_end=False)
+    assert snap.due(15, 12, prompt_end=False)
 
 
 def test_without_decode_eviction_only_the_prompt_end_evicts() -> None:
     once = EvictionState.empty(EvictionPolicy("h2o", 8, window=2, during_decode=False), 1, 1)
     once.grow(12, torch.rand(1, 1, 12), 12)
-    assert once.due(prompt_end=True)
+    assert once.due(12, 12, prompt_end=True)
     _, once = once.evicted()
     once.grow(13, torch.rand(1, 1, 9), 1)
-    assert once.num_slots == 9 and not once.due(prompt_end=False)
+    assert once.num_slots == 9 and not once.due(13, 12, prompt_end=False)
+
+
+def test_within_a_prompt_only_chunk_ends_evict() -> None:
+    whole = EvictionState.empty(EvictionPolicy("window", 8, sink_tokens=2), 1, 1)
+    whole.grow(16, None, 0)
+    assert not whole.due(16, 40, prompt_end=False)  # without prefill_chunk the prompt is judged whole
+    chunked = EvictionPolicy("window", 8, sink_tokens=2, prefill_chunk=16)
+    state = EvictionState.empty(chunked, 1, 1)
+    state.grow(12, None, 0)
+    assert not state.due(12, 40, prompt_end=False)  # the scheduler cut the chunk short: no chunk end
+    state.grow(16, None, 0)
+    assert state.due(16, 40, prompt_end=False)
+    assert [chunked.prompt_stop(c, 40) for c in (0, 12, 16, 32, 39)] == [16, 16, 32, 40, 40]
+    assert EvictionPolicy("window", 8).prompt_stop(12, 40) == 40
 
 
 @pytest.mark.parametrize("policy", [EvictionPolicy("tova", 24, mean_heads=True),
