@@ -26,18 +26,19 @@ from kvserve.model.config import PRESETS, ModelConfig
 
 KV_DTYPES = ("fp8", *FORMAT_NAMES)  # the engine's kv_cache_dtype names; fp8 means fp8_e4m3
 # kivi keys keep one scale and zero-point per channel per block: their cost per token depends on
-# the block size, taken here as the engine's default.
-_BLOCK_SIZE = 16
+# the block size (the engine's default unless one is given).
+DEFAULT_BLOCK_SIZE = 16
 
 
-def bytes_per_element(cfg: ModelConfig, dtype: str, group_size: int | None = None) -> Fraction:
+def bytes_per_element(cfg: ModelConfig, dtype: str, group_size: int | None = None,
+                      block_size: int = DEFAULT_BLOCK_SIZE) -> Fraction:
     """Bytes per K or V element, averaged over the codes and whatever scales, zero-points and side
     tables the format stores (kvserve.cache.kv_format, the engine's own layouts)."""
     name = "fp8_e4m3" if dtype == "fp8" else dtype
     if name not in FORMAT_NAMES:
         raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(KV_DTYPES)}")
     formats = [make_format(name, role, group_size=group_size or 32) for role in ("k", "v")]
-    per_token = sum(Fraction(f.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, _BLOCK_SIZE)) for f in formats)
+    per_token = sum(Fraction(f.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, block_size)) for f in formats)
     return per_token / (2 * cfg.num_kv_heads * cfg.head_dim)
 
 
@@ -115,18 +116,20 @@ def attention_kind(cfg: ModelConfig) -> str:
 
 # ---- sizes -----------------------------------------------------------------------------------
 
-def kv_bytes(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, group_size: int | None = None) -> int:
+def kv_bytes(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, group_size: int | None = None,
+             block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """2 x batch x layers x kv_heads x head_dim x seq_len x bytes per element.
 
     Exact for byte-sized formats; a fractional total (int4 groups that split unevenly) is
     rounded up, since memory comes in whole bytes.
     """
     elements = 2 * batch * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * seq_len
-    return math.ceil(elements * bytes_per_element(cfg, dtype, group_size))
+    return math.ceil(elements * bytes_per_element(cfg, dtype, group_size, block_size))
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: str, group_size: int | None = None) -> int:
-    return kv_bytes(cfg, dtype, 1, 1, group_size)
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str, group_size: int | None = None,
+                       block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    return kv_bytes(cfg, dtype, 1, 1, group_size, block_size)
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -155,10 +158,10 @@ def sequences_that_fit(cfg: ModelConfig, dtype: str, budget_bytes: int, seq_len:
     if seq_len > max_len:
         raise ValueError(f"seq_len {seq_len} exceeds max_len {max_len}, so a contiguous "
                          "reservation could not hold it; raise max_len")
-    block_bytes = kv_bytes(cfg, dtype, 1, block_size, group_size)
+    block_bytes = kv_bytes(cfg, dtype, 1, block_size, group_size, block_size)
     num_blocks = budget_bytes // block_bytes
     return Fit(paged=num_blocks // _blocks(seq_len, block_size),
-               contiguous=budget_bytes // kv_bytes(cfg, dtype, 1, max_len, group_size),
+               contiguous=budget_bytes // kv_bytes(cfg, dtype, 1, max_len, group_size, block_size),
                num_blocks=num_blocks, block_bytes=block_bytes)
 
 
@@ -198,11 +201,11 @@ def _gqa_kv_heads(cfg: ModelConfig) -> int | None:
     return next((g for g in range(min(8, cfg.num_heads - 1), 1, -1) if cfg.num_heads % g == 0), None)
 
 
-def compare_attention_kinds(cfg: ModelConfig, dtype: str = "fp16",
-                            group_size: int | None = None) -> list[AttentionKind]:
+def compare_attention_kinds(cfg: ModelConfig, dtype: str = "fp16", group_size: int | None = None,
+                            block_size: int = DEFAULT_BLOCK_SIZE) -> list[AttentionKind]:
     """The same model with MHA (a KV head per query head), GQA and MQA (one KV head)."""
     counts = [("MHA", cfg.num_heads), ("GQA", _gqa_kv_heads(cfg)), ("MQA", 1)]
-    return [AttentionKind(name, kv, kv_bytes_per_token(replace(cfg, num_kv_heads=kv), dtype, group_size))
+    return [AttentionKind(name, kv, kv_bytes_per_token(replace(cfg, num_kv_heads=kv), dtype, group_size, block_size))
             for name, kv in counts if kv is not None]
 
 
@@ -222,14 +225,14 @@ def format_plan(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, block_si
                 compare: bool = False) -> str:
     """The human-readable plan `kvserve memory` prints."""
     max_len = cfg.max_position if max_len is None else max_len
-    element = bytes_per_element(cfg, dtype, group_size)
+    element = bytes_per_element(cfg, dtype, group_size, block_size)
     grouping = f" in groups of {group_size}" if group_size else ""
     lines = [
         f"Model: {name}: {cfg.num_layers} layers, {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads "
         f"({attention_kind(cfg)}), head_dim {cfg.head_dim}",
         f"KV dtype: {dtype}{grouping}, {float(element):g} bytes per element (scales included)",
-        f"KV per token: {format_bytes(kv_bytes_per_token(cfg, dtype, group_size))}",
-        f"KV cache: {format_bytes(kv_bytes(cfg, dtype, batch, seq_len, group_size))}",
+        f"KV per token: {format_bytes(kv_bytes_per_token(cfg, dtype, group_size, block_size))}",
+        f"KV cache: {format_bytes(kv_bytes(cfg, dtype, batch, seq_len, group_size, block_size))}",
         f"  = 2 x {batch:,} batch x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x "
         f"{cfg.head_dim} head_dim x {seq_len:,} tokens x {float(element):g} bytes",
     ]
@@ -250,12 +253,12 @@ def format_plan(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, block_si
             f"  paged:      {paged:6.1%} (blocks of {block_size} tokens)",
         ]
     if compare:
-        kinds = compare_attention_kinds(cfg, dtype, group_size)
+        kinds = compare_attention_kinds(cfg, dtype, group_size, block_size)
         mha = kinds[0].bytes_per_token
         lines += [f"Attention kinds, {dtype}, batch {batch:,} x {seq_len:,} tokens:",
                   f"  kind  KV heads   bytes/token    bytes for the batch  MHA/this"]
         for kind in kinds:
-            total = kv_bytes(replace(cfg, num_kv_heads=kind.kv_heads), dtype, batch, seq_len, group_size)
+            total = kv_bytes(replace(cfg, num_kv_heads=kind.kv_heads), dtype, batch, seq_len, group_size, block_size)
             own = "  <- this model" if kind.kv_heads == cfg.num_kv_heads else ""
             lines.append(f"  {kind.name}   {kind.kv_heads:>8}  {kind.bytes_per_token:>12,}  {total:>21,}"
                          f"  {mha / kind.bytes_per_token:>8g}{own}")

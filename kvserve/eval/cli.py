@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--windows", type=int, default=4, help="text windows (default 4)")
     p.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
+    p.add_argument("--first-window", type=int, default=0,
+                   help="windows skipped at the text's start, to measure further windows (default 0)")
     p.add_argument("--greedy-prompts", type=int, default=8, help="prompts for greedy agreement (default 8)")
     p.add_argument("--greedy-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--passkey-lengths", default="256,512,1024",
@@ -77,9 +80,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     text = source.text
     # Enough text for the windows from the front and the greedy prompts from the back (at least
     # 499 tokens apart each, at no more than 8 characters a token).
-    chars = max(40 * args.window_len * args.windows, 8 * 499 * (args.greedy_prompts + 1))
+    if args.first_window < 0 or args.windows < 1:
+        raise ValueError(f"--first-window must be >= 0 and --windows >= 1, got {args.first_window}, {args.windows}")
+    starts = [(args.first_window + i) * args.stride for i in range(args.windows)]
+    chars = max(40 * (starts[-1] + args.window_len), 8 * 499 * (args.greedy_prompts + 1))
     ids = tok.encode(text[:chars], add_special_tokens=False)
-    windows = [ids[i * args.stride: i * args.stride + args.window_len] for i in range(args.windows)]
+    windows = [ids[start:start + args.window_len] for start in starts]
     if len(windows[-1]) < args.window_len:
         raise ValueError("--windows/--stride: the text is too short for these windows")
     prefill = args.window_len // 2
@@ -206,7 +212,7 @@ def _hf_rows(args: argparse.Namespace, windows: list[list[int]], prefill: int, b
 
 
 def _cell(value: Any) -> str:
-    if value is None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):  # not measured (e.g. --greedy-prompts 0)
         return "-"
     if isinstance(value, float) and value >= 100:
         return f"{value:,.0f}"
@@ -226,7 +232,8 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path, pre
     base = rows[0]  # the reference cache
     cols = ["bytes_per_token", "perplexity", "kl", "top1", "greedy_agree",
             *[k for k in rows[0] if k.startswith("passkey@")]]
-    lines = [f"{text_name}, {args.windows} windows of {args.window_len} tokens (stride {args.stride}): "
+    skipped = f", from window {args.first_window}" if args.first_window else ""
+    lines = [f"{text_name}, {args.windows} windows of {args.window_len} tokens (stride {args.stride}{skipped}): "
              f"{prefill} prefilled, {args.window_len - prefill} decoded token by token into the cache; "
              f"perplexity over the decoded targets. Reference cache: the model dtype ({args.dtype}); "
              f"KL(reference || format) and top-1 agreement per decoded position. Greedy: {args.greedy_prompts} "

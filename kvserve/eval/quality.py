@@ -70,7 +70,10 @@ def compare(logprobs: torch.Tensor, reference: torch.Tensor, targets: torch.Tens
 
 
 def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
-    """Mean number of leading tokens equal to the reference's continuation."""
+    """Mean number of leading tokens equal to the reference's continuation (nan without prompts)."""
+    if not reference:
+        return float("nan")
+
     def prefix(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return sum(prefix(o, r) for o, r in zip(outputs, reference)) / len(reference)

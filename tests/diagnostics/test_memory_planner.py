@@ -90,6 +90,10 @@ def test_kivi2_keys_per_channel_per_block() -> None:
     # Per layer and KV head: keys 128 * 2 bits = 32 B per token plus an fp16 scale and zero per
     # channel per 16-token block (128 * 4 / 16 = 32 B); values 32 B + 4 groups * 4 B = 48 B.
     assert kv_bytes_per_token(cfg, "kivi2") == 32 * 32 * (32 + 32 + 48)
+    # Blocks of 64 tokens and value groups of 64: keys 32 + 128 * 4 / 64 = 40 B, values 32 + 2 * 4 = 40 B,
+    # i.e. 2.5 bits per value; the block size given is the one priced (it once stayed at 16).
+    assert kv_bytes_per_token(cfg, "kivi2", group_size=64, block_size=64) == 32 * 32 * (40 + 40)
+    assert "KV per token: 81,920 bytes" in format_plan(cfg, "kivi2", 1, 64, 64, group_size=64)
 
 
 def test_sequences_that_fit_hand_worked() -> None:

@@ -22,6 +22,7 @@ def test_compare_against_hand_worked_values() -> None:
 
 def test_greedy_agreement_counts_tokens_before_divergence() -> None:
     assert greedy_agreement([[1, 2, 3], [1, 9, 3], [5]], [[1, 2, 3], [1, 2, 3], [4]]) == pytest.approx((3 + 1 + 0) / 3)
+    assert math.isnan(greedy_agreement([], []))  # `--greedy-prompts 0` skips the measure
 
 
 class WordTokenizer:
