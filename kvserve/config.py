@@ -86,6 +86,8 @@ class EngineConfig:
     kv_cache_dtype_k: str | None = _opt(None, "keys only (default: kv_cache_dtype)", choices=FORMAT_NAMES)
     kv_cache_dtype_v: str | None = _opt(None, "values only (default: kv_cache_dtype)", choices=FORMAT_NAMES)
     kv_group_size: int = _opt(32, "channels per scale/zero-point for int4, kivi values and outlier (4..128)")
+    kv_group_size_k: int | None = _opt(None, "keys only (default: kv_group_size)")
+    kv_group_size_v: int | None = _opt(None, "values only (default: kv_group_size)")
     kv_residual: int | None = _opt(None, "recent tokens kept in full precision (default: 128 with kivi, else 0)")
     kv_outliers: int = _opt(4, "exact entries per token and head for 'outlier'")
     kv_sparse_threshold: float = _opt(0.5, "'sparse' drops entries below this times the token-head RMS")
@@ -238,9 +240,17 @@ class EngineConfig:
         auto = _DTYPE_FORMAT[self.torch_dtype]
         if names == (auto, auto):
             return None
-        kwargs = {"group_size": self.kv_group_size, "outliers": self.kv_outliers,
-                  "sparse_threshold": self.kv_sparse_threshold, "sparse_capacity": self.kv_sparse_capacity}
-        return make_format(names[0], "k", **kwargs), make_format(names[1], "v", **kwargs)
+        kwargs = {"outliers": self.kv_outliers, "sparse_threshold": self.kv_sparse_threshold,
+                  "sparse_capacity": self.kv_sparse_capacity}
+        formats = []
+        for name, role in zip(names, ("k", "v")):
+            field = f"kv_group_size_{role}"
+            own = getattr(self, field)
+            try:
+                formats.append(make_format(name, role, group_size=self.kv_group_size if own is None else own, **kwargs))
+            except ValueError as err:  # name the field the bad group size came from
+                raise ValueError(str(err).replace("kv_group_size", field, 1) if own is not None else str(err)) from None
+        return formats[0], formats[1]
 
     @property
     def residual_tokens(self) -> int:

@@ -50,15 +50,16 @@ class CPUPagedBackend(AttentionBackend):
         # The kernel's per-layer arguments never change (the pool's tensors are fixed): built once.
         if self.dense:
             self.layer_args = [(DENSE, kv.k, e, e, e if kv.host_k is None else kv.host_k,
-                                DENSE, kv.v, e, e, e if kv.host_v is None else kv.host_v, 0)
+                                DENSE, kv.v, e, e, e if kv.host_v is None else kv.host_v, 0, 0)
                                for kv in pool.kv]
         else:
             self.kinds = [cpu_kind(f) for f in pool.formats]
             # Codes the kernel also encodes (bit for bit as kv_format does) when no token is staged.
             self.encodes = all(k in (ABSMAX, GROUPED) for k in self.kinds)
-            self.group = next((f.group_size for f, k in zip(pool.formats, self.kinds) if k == GROUPED), 0)
+            # Keys and values may group their channels differently (kv_group_size_k / _v).
+            self.groups = [f.group_size if k == GROUPED else 0 for f, k in zip(pool.formats, self.kinds)]
             self.layer_args = [(*self._source(self.kinds[0], kv.fields[0]), *self._source(self.kinds[1], kv.fields[1]),
-                                self.group) for kv in pool.kv]
+                                *self.groups) for kv in pool.kv]
 
     @classmethod
     def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
@@ -98,9 +99,9 @@ class CPUPagedBackend(AttentionBackend):
         else:
             plan = meta.step.kv_plan
             if self.encodes and plan.per_token:
-                for x, kind, fields in zip((k, v), self.kinds, kv.fields):
+                for x, kind, fields, group in zip((k, v), self.kinds, kv.fields, self.groups):
                     self.ext.encode_write(x, meta.step.slot_mapping, kind, fields["codes"], fields["scale"],
-                                          fields.get("zero", self._empty), self.group)
+                                          fields.get("zero", self._empty), group)
             else:
                 kv.write(k, v, meta.step)
             new, staging = (self._empty, self._empty, self._empty), kv.staging

@@ -30,6 +30,7 @@ PAGES = {"dense": {}, "int8": dict(kv_cache_dtype="int8"),
          "fp8-window": dict(kv_cache_dtype="fp8_e4m3", kv_residual=20),
          "int4-window": dict(kv_cache_dtype="int4", kv_group_size=16, kv_residual=20),
          "kivi4": dict(kv_cache_dtype="kivi4", kv_group_size=16, kv_residual=20),
+         "int4-groups-per-role": dict(kv_cache_dtype="int4", kv_group_size_k=8, kv_group_size_v=16),
          "block1": dict(block_size=1), "block128": dict(block_size=128)}
 # The Triton interpreter is slow: in CI it runs the page kinds (dense, absmax, grouped, channel).
 TRITON_LIGHT = ("dense", "int8", "kivi4")

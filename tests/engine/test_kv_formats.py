@@ -62,6 +62,9 @@ def test_same_budget_holds_more_tokens(tiny_llm: Callable[..., LLM]) -> None:
     # one fp16 scale and zero-point (4 B) = 12 B.
     assert int4.kv_bytes_per_token == dense.kv_bytes_per_token * 12 / 64
     assert int4.block_manager.num_blocks == 2**20 // round(dense.kv_bytes_per_token * 12 / 64 * 16)
+    # Keys in groups of 8 (8 B of codes + 2 x 4 B), values of 16 (12 B): 28 B where fp32 takes 128 B.
+    roles = tiny_llm(kv_cache_memory="1MiB", kv_cache_dtype="int4", kv_group_size_k=8, kv_group_size_v=16).engine
+    assert roles.kv_bytes_per_token == dense.kv_bytes_per_token * 28 / 128
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -70,6 +73,8 @@ def test_same_budget_holds_more_tokens(tiny_llm: Callable[..., LLM]) -> None:
     ({"kv_cache_dtype": "int8", "preemption_mode": "swap"}, "preemption_mode"),
     ({"kv_cache_dtype": "int8", "offload_memory": "1MiB"}, "offload_memory"),
     ({"kv_cache_dtype": "int4", "kv_group_size": 3}, "kv_group_size"),
+    ({"kv_cache_dtype": "int4", "kv_group_size_v": 3}, "kv_group_size_v"),
+    ({"kv_cache_dtype": "kivi4", "kv_group_size_v": 200}, "kv_group_size_v"),
     ({"kv_residual": -1}, "kv_residual"),
 ])
 def test_bad_format_settings_name_the_field(kwargs: dict, field: str) -> None:

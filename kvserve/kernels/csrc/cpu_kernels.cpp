@@ -402,7 +402,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
                            const at::Tensor& context_lens, const at::Tensor& block_tables, int64_t k_kind, const at::Tensor& k_data,
                            const at::Tensor& k_scale, const at::Tensor& k_zero, const at::Tensor& k_host,
                            int64_t v_kind, const at::Tensor& v_data, const at::Tensor& v_scale,
-                           const at::Tensor& v_zero, const at::Tensor& v_host, int64_t group,
+                           const at::Tensor& v_zero, const at::Tensor& v_host, int64_t k_group, int64_t v_group,
                            const at::Tensor& stage_of, const at::Tensor& k_staging,
                            const at::Tensor& v_staging, double scale, int64_t block_size,
                            int64_t num_kv_heads, const at::Tensor& score_first, at::Tensor scores) {
@@ -422,8 +422,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
-  const Pages kp = make_pages(k_kind, k_data, k_scale, k_zero, k_host, group);
-  const Pages vp = make_pages(v_kind, v_data, v_scale, v_zero, v_host, group);
+  const Pages kp = make_pages(k_kind, k_data, k_scale, k_zero, k_host, k_group);
+  const Pages vp = make_pages(v_kind, v_data, v_scale, v_zero, v_host, v_group);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attention_impl<scalar_t>(out, q, query_start, context_lens, block_tables, kp, vp, stage_of, k_staging,
                              v_staging, scale, block_size, num_kv_heads, score_first, scores);
