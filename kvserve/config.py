@@ -12,6 +12,7 @@ import torch
 from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.attention.rotation import ROTATIONS
 from kvserve.cache.kv_format import FORMAT_NAMES, KVFormat, make_format
+from kvserve.cache.kv_plan import KVPlan, plan_path
 from kvserve.eviction.policy import POLICY_NAMES, EvictionPolicy
 from kvserve.model.config import ModelConfig
 from kvserve.validate import is_int
@@ -78,8 +79,9 @@ class EngineConfig:
     # KV cache format (kvserve.cache.kv_format): "auto" stores K/V in the model dtype as computed;
     # a format name compresses the pages. Keys and values may differ.
     kv_cache_dtype: str = _opt("auto", "how K/V pages are stored: auto keeps the model dtype; fp8_e4m3, fp8_e5m2, "
-                                       "int8, int4, kivi2, kivi4, outlier and sparse compress them",
-                               choices=("auto", *FORMAT_NAMES))
+                                       "int8, int4, kivi2, kivi4, outlier and sparse compress them; plan:PATH "
+                                       "reads a per-layer plan (JSON: {'version': 1, 'layers': [{'k': 'int8', "
+                                       "'v': 'int4'}, ...]}), one entry per layer")
     kv_rotation: str = _opt("none", "rotate each head's q, k and v before the pages (QuaRot): spreads outlier "
                                     "channels so compressed pages lose less; hadamard (power-of-two head_dim) or "
                                     "random orthogonal", choices=ROTATIONS)
@@ -202,7 +204,7 @@ class EngineConfig:
         if parse_bytes(self.offload_memory):
             return "token eviction does not combine with offload_memory (host blocks are not compacted)"
         formats = self.kv_formats()
-        if formats is not None and (self.residual_tokens or not all(f.per_token for f in formats)):
+        if formats is not None and (self.residual_tokens or not all(f.per_token for pair in formats for f in pair)):
             return ("token eviction needs per-token KV formats without a full-precision residual (fp8, int8, "
                     "int4, outlier, sparse with kv_residual=0); kivi pages are encoded a block at a time")
         return None
@@ -210,6 +212,11 @@ class EngineConfig:
     def _check_kv_format(self) -> None:
         for name in ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v"):
             value = getattr(self, name)
+            if name == "kv_cache_dtype" and isinstance(value, str) and plan_path(value) is not None:
+                if self.kv_cache_dtype_k or self.kv_cache_dtype_v:
+                    raise ValueError("EngineConfig.kv_cache_dtype_k / kv_cache_dtype_v: a plan (kv_cache_dtype="
+                                     "'plan:...') names each layer's formats; drop the role overrides")
+                continue
             if value is not None and value != "auto" and value not in FORMAT_NAMES:
                 raise ValueError(f"EngineConfig.{name} must be 'auto' or one of {', '.join(FORMAT_NAMES)}, "
                                  f"got {value!r}")
@@ -218,7 +225,8 @@ class EngineConfig:
         try:
             formats = self.kv_formats()
         except ValueError as err:
-            raise ValueError(f"EngineConfig.{err}") from None
+            field = "kv_cache_dtype: " if str(err).startswith("kv plan") else ""
+            raise ValueError(f"EngineConfig.{field}{err}") from None
         if formats is not None:
             if self.preemption_mode != "recompute":
                 raise ValueError("EngineConfig.preemption_mode: compressed KV formats support only "
@@ -227,19 +235,40 @@ class EngineConfig:
                 raise ValueError("EngineConfig.offload_memory: offload needs dense pages; use "
                                  "kv_cache_dtype='auto' with it")
 
-    def kv_format_names(self) -> tuple[str, str]:
-        """(keys, values) format names, 'auto' resolved to the model dtype."""
+    def kv_format_names(self) -> list[tuple[str, str]]:
+        """(keys, values) format names, 'auto' resolved to the model dtype: a plan's, one pair
+        per layer, or one pair for every layer."""
         auto = _DTYPE_FORMAT[self.torch_dtype]
-        base = auto if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        k, v = self.kv_cache_dtype_k or base, self.kv_cache_dtype_v or base
-        return (auto if k == "auto" else k), (auto if v == "auto" else v)
+        path = plan_path(self.kv_cache_dtype)
+        if path is not None:
+            pairs = list(KVPlan.load(path).layers)
+        else:
+            base = auto if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+            pairs = [(self.kv_cache_dtype_k or base, self.kv_cache_dtype_v or base)]
+        return [(auto if k == "auto" else k, auto if v == "auto" else v) for k, v in pairs]
 
-    def kv_formats(self) -> tuple[KVFormat, KVFormat] | None:
-        """The (keys, values) formats of a compressed pool; None when pages hold the model dtype."""
-        names = self.kv_format_names()
+    def kv_formats(self) -> list[tuple[KVFormat, KVFormat]] | None:
+        """The (keys, values) formats of a compressed pool, as `kv_format_names` lists them; None
+        when every page holds the model dtype."""
         auto = _DTYPE_FORMAT[self.torch_dtype]
-        if names == (auto, auto):
+        pairs = self.kv_format_names()
+        if all(pair == (auto, auto) for pair in pairs):
             return None
+        return [self._format_pair(pair) for pair in pairs]
+
+    def kv_layer_formats(self, num_layers: int) -> list[tuple[KVFormat, KVFormat]] | None:
+        """`kv_formats` for each of a model's `num_layers` layers; a plan must name exactly that many."""
+        formats = self.kv_formats()
+        if formats is None:
+            return None
+        if plan_path(self.kv_cache_dtype) is None:
+            return formats * num_layers
+        if len(formats) != num_layers:
+            raise ValueError(f"EngineConfig.kv_cache_dtype: the plan names {len(formats)} layers, the model has "
+                             f"{num_layers}")
+        return formats
+
+    def _format_pair(self, names: tuple[str, str]) -> tuple[KVFormat, KVFormat]:
         kwargs = {"outliers": self.kv_outliers, "sparse_threshold": self.kv_sparse_threshold,
                   "sparse_capacity": self.kv_sparse_capacity}
         formats = []
@@ -256,7 +285,7 @@ class EngineConfig:
     def residual_tokens(self) -> int:
         if self.kv_residual is not None:
             return self.kv_residual
-        return 128 if any(n.startswith("kivi") for n in self.kv_format_names()) else 0
+        return 128 if any(n.startswith("kivi") for pair in self.kv_format_names() for n in pair) else 0
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -53,20 +53,22 @@ class CPUPagedBackend(AttentionBackend):
                                 DENSE, kv.v, e, e, e if kv.host_v is None else kv.host_v, 0, 0)
                                for kv in pool.kv]
         else:
-            self.kinds = [cpu_kind(f) for f in pool.formats]
-            # Codes the kernel also encodes (bit for bit as kv_format does) when no token is staged.
-            self.encodes = all(k in (ABSMAX, GROUPED) for k in self.kinds)
-            # Keys and values may group their channels differently (kv_group_size_k / _v).
-            self.groups = [f.group_size if k == GROUPED else 0 for f, k in zip(pool.formats, self.kinds)]
-            self.layer_args = [(*self._source(self.kinds[0], kv.fields[0]), *self._source(self.kinds[1], kv.fields[1]),
-                                *self.groups) for kv in pool.kv]
+            # Per layer (a plan may store layers apart), keys and values: their page kinds, and
+            # their channel groups (kv_group_size_k / _v may differ).
+            self.kinds = [[cpu_kind(f) for f in kv.formats] for kv in pool.kv]
+            self.groups = [[f.group_size if k == GROUPED else 0 for f, k in zip(kv.formats, kinds)]
+                           for kv, kinds in zip(pool.kv, self.kinds)]
+            # Layers whose codes the kernel also encodes (bit for bit as kv_format does) when no token is staged.
+            self.encodes = [all(k in (ABSMAX, GROUPED) for k in kinds) for kinds in self.kinds]
+            self.layer_args = [(*self._source(kinds[0], kv.fields[0]), *self._source(kinds[1], kv.fields[1]), *groups)
+                               for kv, kinds, groups in zip(pool.kv, self.kinds, self.groups)]
 
     @classmethod
     def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
         if device.type != "cpu":
             return "runs on the CPU only"
         if not isinstance(pool, KVPool):
-            names = [f.name for f in pool.formats if cpu_kind(f) is None]
+            names = sorted({f.name for f in pool.formats if cpu_kind(f) is None})
             if names:
                 return f"no in-kernel decoder for {', '.join(names)} pages"
         if cpu_extension.load() is None:
@@ -98,8 +100,8 @@ class CPUPagedBackend(AttentionBackend):
             new, staging = (k, v, meta.step.slot_mapping), (self._empty, self._empty)
         else:
             plan = meta.step.kv_plan
-            if self.encodes and plan.per_token:
-                for x, kind, fields, group in zip((k, v), self.kinds, kv.fields, self.groups):
+            if self.encodes[layer] and plan.per_token:
+                for x, kind, fields, group in zip((k, v), self.kinds[layer], kv.fields, self.groups[layer]):
                     self.ext.encode_write(x, meta.step.slot_mapping, kind, fields["codes"], fields["scale"],
                                           fields.get("zero", self._empty), group)
             else:

@@ -63,7 +63,7 @@ class TritonPagedBackend(AttentionBackend):
             if pool.host_layers:
                 return "offloaded host blocks are not reachable from a GPU kernel"
             return None
-        names = [f.name for f in pool.formats if page_kind(f) is None]
+        names = sorted({f.name for f in pool.formats if page_kind(f) is None})
         return f"no in-register decoder for {', '.join(names)} pages" if names else None
 
     def prepare(self, step: StepMetadata) -> TritonMetadata:
@@ -88,7 +88,7 @@ class TritonPagedBackend(AttentionBackend):
         if self.dense:
             return source(DENSE, kv.k, kv.k, kv.k), source(DENSE, kv.v, kv.v, kv.v)
         out = []
-        for fmt, fields in zip(self.pool.formats, kv.fields):
+        for fmt, fields in zip(kv.formats, kv.fields):
             kind = page_kind(fmt)
             if kind == DENSE:
                 out.append(source(kind, fields["data"], fields["data"], fields["data"]))

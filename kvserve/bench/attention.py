@@ -22,7 +22,7 @@ def _pool(fmt: str, num_blocks: int, block_size: int, kv_heads: int, dim: int,
     if fmt == "auto":
         return KVPool(1, num_blocks, block_size, kv_heads, dim, dtype, torch.device("cpu"))
     formats = make_format(fmt, "k"), make_format(fmt, "v")
-    return QuantizedKVPool(1, num_blocks, block_size, kv_heads, dim, dtype, torch.device("cpu"), *formats, 0, 0)
+    return QuantizedKVPool(num_blocks, block_size, kv_heads, dim, dtype, torch.device("cpu"), [formats], 0, 0)
 
 
 def time_backends(formats: list[str], heads: int = 9, kv_heads: int = 3, dim: int = 64, block_size: int = 16,

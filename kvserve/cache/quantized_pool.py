@@ -9,7 +9,8 @@ gets a staging slot while any of its tokens is within `residual` tokens of its s
 Once out of the window it is sealed: encoded from the staging slot into its own pages, and the
 slot is freed. A block whose tokens all arrive in one step already out of the window (most of a
 long prompt) is encoded directly. The plan for a step is made once (`plan_step`) and applied by
-every layer.
+every layer. Each layer has its own (keys, values) formats (one pair for all, or a per-layer
+plan, `cache/kv_plan.py`); a block holds every layer's fields, so its bytes are their sum.
 
 A block shared by several sequences (prefix cache, forks) is sealed when the first of them
 moves past it, so another sharer may read it encoded before its own window would: with
@@ -46,20 +47,24 @@ def encode_blocks(fmt: KVFormat, x: torch.Tensor) -> Fields:
     return {name: t.unflatten(0, x.shape[:2]) for name, t in fmt.encode(x.flatten(0, 1)).items()}
 
 
+LayerFormats = tuple[KVFormat, KVFormat]  # (keys, values)
+
+
 class QuantizedLayerKV:
-    def __init__(self, pool: "QuantizedKVPool") -> None:
+    def __init__(self, pool: "QuantizedKVPool", formats: LayerFormats) -> None:
         self.pool = pool
+        self.formats = formats
         p = pool
         self.fields = [{name: torch.zeros((p.num_blocks, *shape), dtype=dtype, device=p.device)
                         for name, (shape, dtype) in fmt.fields(p.num_kv_heads, p.head_dim, p.block_size).items()}
-                       for fmt in p.formats]
+                       for fmt in formats]
         staging = (p.num_staging, p.block_size, p.num_kv_heads, p.head_dim)
         self.staging = [torch.zeros(staging, dtype=p.dtype, device=p.device) for _ in range(2)]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
         plan: StepPlan = meta.kv_plan
         bs = self.pool.block_size
-        for x, fmt, fields, staging in zip((k, v), self.pool.formats, self.fields, self.staging):
+        for x, fmt, fields, staging in zip((k, v), self.formats, self.fields, self.staging):
             if plan.per_token:
                 for name, t in fmt.encode(x).items():
                     fields[name].view(-1, *t.shape[1:])[meta.slot_mapping] = t
@@ -77,7 +82,7 @@ class QuantizedLayerKV:
         tables = meta.block_tables
         plan: StepPlan = meta.kv_plan
         out = []
-        for fmt, fields, staging in zip(self.pool.formats, self.fields, self.staging):
+        for fmt, fields, staging in zip(self.formats, self.fields, self.staging):
             pages = fmt.decode({name: f[tables] for name, f in fields.items()}, self.pool.dtype)
             if plan.stage_of is not None:
                 stage = plan.stage_of[tables]
@@ -87,36 +92,37 @@ class QuantizedLayerKV:
 
 
 class QuantizedKVPool:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, k_format: KVFormat,
-                 v_format: KVFormat, residual: int, num_staging: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, layer_formats: list[LayerFormats], residual: int, num_staging: int) -> None:
         if num_blocks < 1:
             raise ValueError("KVPool.num_blocks must be at least 1")
         self.num_blocks, self.block_size, self.dtype, self.device = num_blocks, block_size, dtype, device
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.formats = (k_format, v_format)
         self.residual = residual
         self.staged = num_staging > 0
         self.num_staging = num_staging
-        self.kv = [QuantizedLayerKV(self) for _ in range(num_layers)]
+        self.kv = [QuantizedLayerKV(self, formats) for formats in layer_formats]
         self.stage_of: dict[int, int] = {}  # block -> staging slot
         self._stage_free = list(range(self.num_staging - 1, -1, -1))
         # Without staging every step's plan is the same: encode each token into its slot.
         none = torch.zeros(0, dtype=torch.long, device=device)
         self._per_token_plan = StepPlan(True, none, none, none, none, none, none, None)
 
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        k_format: KVFormat, v_format: KVFormat) -> int:
-        per_token = sum(f.bytes_per_token(num_kv_heads, head_dim, block_size) for f in (k_format, v_format))
-        return round(num_layers * block_size * per_token)
+    @property
+    def formats(self) -> list[KVFormat]:
+        """Every layer's formats, keys and values (as a backend asks: can I read all of them?)."""
+        return [f for layer in self.kv for f in layer.formats]
 
     @staticmethod
-    def staging_slots(max_num_seqs: int, block_size: int, residual: int, k_format: KVFormat,
-                      v_format: KVFormat) -> int:
-        """0 without a residual window or a block-wise format; else each running sequence
-        stages its window, its partial block, and one copy-on-write copy."""
-        if residual == 0 and k_format.per_token and v_format.per_token:
+    def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, layer_formats: list[LayerFormats]) -> int:
+        per_token = sum(f.bytes_per_token(num_kv_heads, head_dim, block_size) for pair in layer_formats for f in pair)
+        return round(block_size * per_token)
+
+    @staticmethod
+    def staging_slots(max_num_seqs: int, block_size: int, residual: int, layer_formats: list[LayerFormats]) -> int:
+        """0 without a residual window or a block-wise format in any layer; else each running
+        sequence stages its window, its partial block, and one copy-on-write copy."""
+        if residual == 0 and all(f.per_token for pair in layer_formats for f in pair):
             return 0
         return max_num_seqs * (-(-residual // block_size) + 2)
 
@@ -208,10 +214,11 @@ class QuantizedKVPool:
         """For sparse formats: the fraction of K / V entries stored, over every token-head written
         so far (one with any entry kept; the largest always passes the threshold)."""
         out = {}
-        for i, (kind, fmt) in enumerate(zip("kv", self.formats)):
-            if hasattr(fmt, "kept_fraction"):
-                written = torch.cat([f["val"][(f["val"] != 0).any(-1)] for f in (layer.fields[i] for layer in self.kv)])
-                out[kind] = fmt.kept_fraction({"val": written}) if len(written) else 0.0
+        for i, kind in enumerate("kv"):
+            layers = [layer for layer in self.kv if hasattr(layer.formats[i], "kept_fraction")]
+            if layers:
+                written = torch.cat([f["val"][(f["val"] != 0).any(-1)] for f in (layer.fields[i] for layer in layers)])
+                out[kind] = layers[0].formats[i].kept_fraction({"val": written}) if len(written) else 0.0
         return out
 
     @property

@@ -21,6 +21,7 @@ import numpy as np
 
 from kvserve.bench import workload
 from kvserve.cache.kv_format import FORMAT_NAMES, make_format
+from kvserve.cache.kv_plan import KVPlan, plan_path
 from kvserve.config import parse_bytes
 from kvserve.model.config import PRESETS, ModelConfig
 
@@ -34,12 +35,20 @@ def bytes_per_element(cfg: ModelConfig, dtype: str, group_size: int | None = Non
                       block_size: int = DEFAULT_BLOCK_SIZE) -> Fraction:
     """Bytes per K or V element, averaged over the codes and whatever scales, zero-points and side
     tables the format stores (kvserve.cache.kv_format, the engine's own layouts)."""
-    name = "fp8_e4m3" if dtype == "fp8" else dtype
-    if name not in FORMAT_NAMES:
-        raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(KV_DTYPES)}")
-    formats = [make_format(name, role, group_size=group_size or 32) for role in ("k", "v")]
-    per_token = sum(Fraction(f.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, block_size)) for f in formats)
-    return per_token / (2 * cfg.num_kv_heads * cfg.head_dim)
+    path = plan_path(dtype)
+    if path is not None:  # a per-layer plan: the mean over its layers ("auto" as bf16)
+        plan = KVPlan.load(path)
+        if len(plan.layers) != cfg.num_layers:
+            raise ValueError(f"kv plan {path}: names {len(plan.layers)} layers, the model has {cfg.num_layers}")
+        pairs = [tuple("bf16" if n == "auto" else n for n in pair) for pair in plan.layers]
+    else:
+        name = "fp8_e4m3" if dtype == "fp8" else dtype
+        if name not in FORMAT_NAMES:
+            raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(KV_DTYPES)} or plan:PATH")
+        pairs = [(name, name)]
+    per_token = sum(Fraction(make_format(n, role, group_size=group_size or 32).bytes_per_token(
+        cfg.num_kv_heads, cfg.head_dim, block_size)) for pair in pairs for n, role in zip(pair, "kv"))
+    return per_token / (2 * cfg.num_kv_heads * cfg.head_dim * len(pairs))
 
 
 # ---- model shapes ----------------------------------------------------------------------------
@@ -284,6 +293,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _kv_dtype(text: str) -> str:
+    if text not in KV_DTYPES and plan_path(text) is None:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(KV_DTYPES)} or plan:PATH, got {text!r}")
+    return text
+
+
 def _byte_size(text: str) -> int:
     try:
         return parse_bytes(text)
@@ -313,8 +328,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="explicit shape: query heads, for --compare-attention (default: --kv-heads)")
 
     cache = p.add_argument_group("cache")
-    cache.add_argument("--dtype", default="fp16", choices=list(KV_DTYPES),
-                       help="KV format, as the engine's --kv-cache-dtype (default fp16)")
+    cache.add_argument("--dtype", default="fp16", type=_kv_dtype, metavar="{" + ",".join(KV_DTYPES) + "} | plan:PATH",
+                       help="KV format, as the engine's --kv-cache-dtype, or a per-layer plan file (default fp16)")
     cache.add_argument("--group-size", type=_positive_int, default=None,
                        help="channels per fp16 scale and zero-point for int4, kivi values and outlier "
                             "(default 32)")

@@ -53,13 +53,13 @@ class KVSizes:
     def of(config: EngineConfig, cfg: ModelConfig) -> KVSizes:
         dense = KVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                                        config.torch_dtype)
-        formats = config.kv_formats()
+        formats = config.kv_layer_formats(cfg.num_layers)
         if formats is None:
             return KVSizes(dense, 0, 0)
         staging = QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size, config.residual_tokens,
-                                                *formats)
-        return KVSizes(QuantizedKVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads,
-                                                       cfg.head_dim, *formats), staging, dense * staging)
+                                                formats)
+        return KVSizes(QuantizedKVPool.bytes_per_block(config.block_size, cfg.num_kv_heads, cfg.head_dim, formats),
+                       staging, dense * staging)
 
     def memory_for(self, num_blocks: int) -> int:
         """The kv_cache_memory that gives exactly num_blocks blocks."""
@@ -92,7 +92,7 @@ class LLMEngine:
                              f">= max_model_len ({self.max_model_len}) so that any prompt can be prefilled "
                              f"(or enable_chunked_prefill)")
 
-        formats = config.kv_formats()
+        formats = config.kv_layer_formats(cfg.num_layers)
         residual = config.residual_tokens
         sizes = KVSizes.of(config, cfg)
         block_bytes, staging = sizes.block_bytes, sizes.staging_slots
@@ -119,9 +119,8 @@ class LLMEngine:
                 cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                 config.torch_dtype, self.device, num_host_blocks)
         else:
-            self.pool = QuantizedKVPool(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
-                                        cfg.head_dim, config.torch_dtype, self.device, *formats, residual,
-                                        staging)
+            self.pool = QuantizedKVPool(num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                        config.torch_dtype, self.device, formats, residual, staging)
         self.swap = None
         if config.preemption_mode != "recompute" and config.cache_mode == "paged":
             self.swap = SwapSpace(self.pool, parse_bytes(config.host_swap_memory) // block_bytes,

@@ -240,7 +240,7 @@ def test_bf16_compressed_pages_match_the_reference_backend(fmt: str) -> None:
     outs = []
     for name in BACKEND_NAMES:
         formats = make_format(fmt, "k", group_size=16), make_format(fmt, "v", group_size=16)
-        pool = QuantizedKVPool(1, 64, 16, 2, HEAD_DIM, bf16, CPU, *formats, 0, 0)
+        pool = QuantizedKVPool(64, 16, 2, HEAD_DIM, bf16, CPU, [formats], 0, 0)
         if BACKENDS[name].unsupported(pool, CPU) is not None:  # e.g. triton not installed here
             continue
         backend = BACKENDS[name](pool, heads)

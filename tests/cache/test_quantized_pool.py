@@ -51,8 +51,8 @@ class Driver:
         num_blocks = max(64, 1024 // bs)
         self.bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         formats = make_format(fmt, "k"), make_format(fmt, "v")
-        self.pool = QuantizedKVPool(1, num_blocks, bs, KV_HEADS, DIM, torch.float32, torch.device("cpu"), *formats,
-                                    residual, QuantizedKVPool.staging_slots(4, bs, residual, *formats))
+        self.pool = QuantizedKVPool(num_blocks, bs, KV_HEADS, DIM, torch.float32, torch.device("cpu"), [formats],
+                                    residual, QuantizedKVPool.staging_slots(4, bs, residual, [formats]))
         reason = BACKENDS[backend].unsupported(self.pool, torch.device("cpu"))
         if reason is not None:
             pytest.skip(f"{backend}: {reason}")
@@ -147,7 +147,7 @@ def test_bytes_per_block_follow_the_formats() -> None:
     # 2*64*2 B of scales/zeros per head; values 16 B codes + 2 groups * 4 B per token-head.
     keys = 2 * (16 * 16 + 64 * 2 * 2)
     values = 2 * 16 * (16 + 2 * 4)
-    assert QuantizedKVPool.bytes_per_block(2, 16, 2, 64, k, v) == 2 * (keys + values)
+    assert QuantizedKVPool.bytes_per_block(16, 2, 64, [(k, v)] * 2) == 2 * (keys + values)
 
 
 def test_reused_block_drops_the_stale_staging_slot() -> None:

@@ -194,3 +194,17 @@ def test_planner_matches_the_engines_pool(dtype: str, torch_dtype: torch.dtype) 
     assert pool.nbytes == kv_bytes_per_token(cfg, dtype) * num_blocks * block_size
     assert KVPool.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
                                   torch_dtype) == kv_bytes(cfg, dtype, 1, block_size)
+
+
+def test_a_per_layer_plan_is_priced_layer_by_layer(tmp_path: Path) -> None:
+    from kvserve.cache.kv_plan import KVPlan
+
+    cfg = model_shape("tiny")  # 2 layers, 2 KV heads, head_dim 16
+    path = tmp_path / "plan.json"
+    KVPlan((("int8", "int8"), ("auto", "int4"))).save(path)
+    # Per KV head: int8 16 B + 2 B scale for K and V (36 B); bf16 keys 32 B; int4 g32 over 16 channels
+    # is refused, so group 16: 8 B + 4 B. Layers: 36 + (32 + 12) = 80 B per head, 2 heads.
+    assert kv_bytes_per_token(cfg, f"plan:{path}", group_size=16) == 2 * 80
+    KVPlan((("int8", "int8"),)).save(path)
+    with pytest.raises(ValueError, match="names 1 layers, the model has 2"):
+        kv_bytes_per_token(cfg, f"plan:{path}")

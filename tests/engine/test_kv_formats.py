@@ -3,6 +3,7 @@ group-wise formats use groups of 16)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ GROUP = 16
 def budget(fmt: str, blocks: int, residual: int, max_num_seqs: int) -> str:
     """Bytes for exactly `blocks` compressed blocks plus the staging the pool will reserve."""
     k, v = make_format(fmt, "k", group_size=GROUP), make_format(fmt, "v", group_size=GROUP)
-    block = QuantizedKVPool.bytes_per_block(TINY.num_layers, 16, TINY.num_kv_heads, TINY.head_dim, k, v)
-    staging = QuantizedKVPool.staging_slots(max_num_seqs, 16, residual, k, v)
+    block = QuantizedKVPool.bytes_per_block(16, TINY.num_kv_heads, TINY.head_dim, [(k, v)] * TINY.num_layers)
+    staging = QuantizedKVPool.staging_slots(max_num_seqs, 16, residual, [(k, v)])
     dense = KVPool.bytes_per_block(TINY.num_layers, 16, TINY.num_kv_heads, TINY.head_dim, torch.float32)
     return str(blocks * block + staging * dense)
 
@@ -80,3 +81,80 @@ def test_same_budget_holds_more_tokens(tiny_llm: Callable[..., LLM]) -> None:
 def test_bad_format_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
+
+
+def plan_file(tmp_path: Any, *layers: tuple[str, str]) -> str:
+    from kvserve.cache.kv_plan import KVPlan
+
+    path = tmp_path / "plan.json"
+    KVPlan(tuple(layers)).save(path)
+    return f"plan:{path}"
+
+
+def test_a_uniform_plan_equals_the_format_and_each_layer_keeps_its_own(tiny_llm: Callable[..., LLM],
+                                                                       tmp_path: Any) -> None:
+    """A plan naming int8 for both layers is uniform int8, bit for bit. In a mixed plan each layer's
+    pages are in its own format: layer 0's K/V do not depend on the cache, so its int4 fields equal
+    those of a uniform int4 engine, and layer 1 holds plain fp32 pages."""
+    windows = [[(7 * i + 3 * j) % 128 for j in range(60)] for i in range(2)]
+
+    def run(**kwargs: Any) -> tuple[torch.Tensor, LLM]:
+        from kvserve.engine.llm_engine import KVSizes
+
+        # The same 12 blocks whatever the format, so that both engines hand out the same block ids.
+        config = EngineConfig(model=TINY, dtype="float32", max_num_seqs=2, kv_group_size=GROUP, **kwargs)
+        llm = tiny_llm(max_num_seqs=2, kv_group_size=GROUP, kv_cache_memory=str(KVSizes.of(config, TINY).memory_for(12)),
+                       **kwargs)
+        return forced_logprobs(llm, windows, prefill_len=30), llm
+
+    uniform, _ = run(kv_cache_dtype="int8")
+    planned, _ = run(kv_cache_dtype=plan_file(tmp_path, ("int8", "int8"), ("int8", "int8")))
+    assert torch.equal(planned, uniform)
+    _, int4 = run(kv_cache_dtype="int4")
+    mixed_out, mixed = run(kv_cache_dtype=plan_file(tmp_path, ("int4", "int4"), ("auto", "auto")))
+    dense, _ = run()
+    layer0, layer1 = mixed.engine.pool.kv
+    assert [f.name for f in layer0.formats] == ["int4", "int4"] and [f.name for f in layer1.formats] == ["fp32"] * 2
+    for got, want in zip(layer0.fields, int4.engine.pool.kv[0].fields):
+        for name in want:
+            assert torch.equal(got[name], want[name])
+    assert layer1.fields[0]["data"].dtype == torch.float32
+    # Compressing one layer of two costs less than compressing both, and more than none.
+    err_one, err_all = (mixed_out - dense).abs().max(), (run(kv_cache_dtype="int4")[0] - dense).abs().max()
+    assert 0 < err_one < err_all
+    # Per token and KV head: int4 g16 12 B for K and for V in layer 0, fp32 64 B each in layer 1.
+    assert mixed.engine.kv_bytes_per_token == TINY.num_kv_heads * (2 * 12 + 2 * 64)
+
+
+def test_a_mixed_plan_survives_preemption_prefix_caching_and_leaks_nothing(tiny_llm: Callable[..., LLM],
+                                                                          tmp_path: Any) -> None:
+    from kvserve.config import EngineConfig
+    from kvserve.engine.llm_engine import KVSizes
+
+    plan = plan_file(tmp_path, ("kivi4", "int8"), ("auto", "int4"))
+    config = EngineConfig(model=TINY, dtype="float32", kv_cache_dtype=plan, kv_group_size=GROUP, kv_residual=16,
+                          max_num_seqs=3)
+    memory = str(KVSizes.of(config, TINY).memory_for(9))
+    llm = tiny_llm(kv_cache_dtype=plan, kv_group_size=GROUP, kv_residual=16, max_num_seqs=3, kv_cache_memory=memory)
+    assert llm.engine.block_manager.num_blocks == 9
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [24] * 3
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.prefix_stats.cached_tokens > 0
+
+
+def test_a_plan_for_another_layer_count_names_the_field(tiny_llm: Callable[..., LLM], tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype: the plan names 3 layers, the model has 2"):
+        tiny_llm(kv_cache_dtype=plan_file(tmp_path, *[("int8", "int8")] * 3))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_backends_read_a_mixed_plan_as_the_reference_does(tiny_llm: Callable[..., LLM], tmp_path: Any,
+                                                          backend: str) -> None:
+    plan = plan_file(tmp_path, ("int4", "int8"), ("auto", "fp8_e4m3"))
+    windows = [[(5 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
+    want = forced_logprobs(tiny_llm(max_num_seqs=3, kv_cache_dtype=plan, kv_group_size=GROUP,
+                                    attention_backend="torch", cpu_kernels=False), windows, prefill_len=30)
+    got = forced_logprobs(tiny_llm(max_num_seqs=3, kv_cache_dtype=plan, kv_group_size=GROUP,
+                                   attention_backend=backend), windows, prefill_len=30)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
