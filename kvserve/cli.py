@@ -1,4 +1,4 @@
-"""The `kvserve` command line: generate, chat, serve, bench, memory, eval, doctor."""
+"""The `kvserve` command line: generate, chat, serve, bench, memory, eval, tune-kv, doctor."""
 from __future__ import annotations
 
 import argparse
@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     from kvserve.eval.cli import add_parser as add_eval
     add_eval(sub)
+    from kvserve.eval.tune import add_parser as add_tune_kv
+    add_tune_kv(sub)
     from kvserve.diagnostics.doctor import add_parser as add_doctor
     add_doctor(sub)
     return parser
