@@ -1,12 +1,16 @@
 """`kvserve tune-kv`: per-layer KV formats chosen by a quality budget, written as a plan file.
 
 1. Sensitivity: on a calibration text, for every layer and candidate format, the KL against the
-   model-dtype cache (and the perplexity change) when only that layer's pages use the format,
-   measured through the engine's real cache path (teacher-forced windows, as `kvserve eval`).
-2. Solve (`plan_solver`): the cheapest assignment whose summed per-layer loss meets the budget
-   (`--max-kl`, `--max-ppl-increase`), or the least loss within `--bytes-per-token`.
-3. Check: the plan is run on the same windows; if it misses its budget (per-layer losses do
-   not add exactly), the budget the solver sees is tightened and it solves again.
+   model-dtype cache when only that layer's pages use the format, measured through the engine's
+   real cache path (teacher-forced windows, as `kvserve eval`). KL, not the perplexity change,
+   even for a perplexity budget: one layer's perplexity change is within the noise of a few
+   windows (and can be negative), where its KL is positive and steady.
+2. Solve (`plan_solver`): the cheapest assignment whose summed per-layer KL is within a limit,
+   or the least KL within `--bytes-per-token`.
+3. Check: each plan is run whole on the same windows and judged by the budget's own measure
+   (KL for `--max-kl`, perplexity for `--max-ppl-increase`); the KL limit is searched (doubled
+   while plans pass, then bisected) for the smallest plan that passes, since per-layer losses
+   need not add up and KL is only a proxy for perplexity.
 The plan loads with `kv_cache_dtype="plan:PATH"`.
 """
 from __future__ import annotations
@@ -30,7 +34,7 @@ from kvserve.eval.plan_solver import solve
 from kvserve.texts import DATA_HELP, load_text
 
 DEFAULT_CANDIDATES = ("int8", "fp8_e4m3", "kivi4", "int4", "kivi2")
-CHECK_ROUNDS = 4
+CHECK_ROUNDS = 6
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,11 @@ class Budget:
         return self.bytes_per_token is None
 
     def loss_limit(self) -> float:
-        """The bound on the summed loss: KL in nats, or the mean NLL increase log(1 + x)."""
+        """The bound on the measured loss: KL in nats, or the mean NLL increase log(1 + x)."""
         return self.max_kl if self.max_kl is not None else math.log1p(self.max_ppl_increase)
 
     def loss(self, q: quality.DecodeQuality, reference_nll: float) -> float:
+        """A whole plan's loss as the budget measures it."""
         if self.max_ppl_increase is not None:
             return q.nll.double().mean().item() - reference_nll
         return q.kl
@@ -90,7 +95,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--plan", default="kv_plan.json", help="where to write the plan (default kv_plan.json)")
     add_engine_args(p)
-    p.set_defaults(func=cmd_tune_kv, kv_residual=0)
+    # Every probe builds an engine: a pool sized for the windows, not the engine's 2GiB default.
+    p.set_defaults(func=cmd_tune_kv, kv_residual=0, kv_cache_memory="256MiB")
 
 
 def cmd_tune_kv(args: argparse.Namespace) -> None:
@@ -109,8 +115,8 @@ class TuneResult:
     plan: KVPlan
     names: list[str]          # "auto" then the candidates: the columns of `size` and `loss`
     size: np.ndarray          # [L, F] bytes per block of each layer in each format
-    loss: np.ndarray          # [L, F] the budget's loss with only that layer in that format
-    measured: float           # the plan's loss, run whole on the calibration windows
+    loss: np.ndarray          # [L, F] KL with only that layer in that format
+    measured: float           # the plan's loss as the budget measures it, run whole on the calibration windows
     kl: float
     ppl: float
     reference_ppl: float
@@ -132,7 +138,7 @@ class TuneResult:
         for layer, pair in enumerate(self.plan.layers):
             cells = [f"{self.loss[layer, f]:.2e}" + ("*" if n == pair[0] else " ") for f, n in enumerate(self.names)]
             lines.append(f"  {layer:>5} | " + " | ".join(cells))
-        lines.append("  (* the plan's choice; each cell the loss with only that layer in that format)")
+        lines.append("  (* the plan's choice; each cell the KL with only that layer in that format)")
         return "\n".join(lines)
 
 
@@ -186,26 +192,49 @@ def tune(args: argparse.Namespace, budget: Budget, candidates: list[str], text: 
                     pairs = [("auto", "auto")] * layers
                     pairs[layer] = (name, name)
                     q = quality.compare(quality.forced_logprobs(make(plan_spec(pairs)), windows, prefill), ref, targets)
-                    loss[layer, f] = max(budget.loss(q, ref_nll), 0.0)  # a gain is noise, not credit
+                    loss[layer, f] = max(q.kl, 0.0)  # rounding can leave a hair below zero
                     bar.update()
-        limit = budget.loss_limit() if budget.on_loss else None
-        max_size = None if budget.on_loss else int(budget.bytes_per_token * args.block_size)
-        for _ in range(CHECK_ROUNDS):
-            picks = solve(size, loss, max_loss=limit, max_size=max_size)
+
+        def check(picks: list[int]) -> tuple[list[tuple[str, str]], quality.DecodeQuality, float]:
+            """A plan run whole: (its pairs, its quality, its KV bytes per token)."""
             pairs = [(names[f], names[f]) for f in picks]
             llm = make(plan_spec(pairs))
             q = quality.compare(quality.forced_logprobs(llm, windows, prefill), ref, targets)
-            measured = budget.loss(q, ref_nll)
-            if not budget.on_loss or measured <= budget.loss_limit():
-                break
-            # Per-layer losses under-counted the whole: ask the solver for proportionally less.
-            limit *= 0.9 * budget.loss_limit() / measured
+            return pairs, q, llm.engine.kv_bytes_per_token
+
+        if not budget.on_loss:
+            pairs, q, plan_bytes = check(solve(size, loss, max_size=int(budget.bytes_per_token * args.block_size)))
         else:
-            raise SystemExit(f"tune-kv: no plan met the budget on the calibration text after {CHECK_ROUNDS} "
-                             f"rounds (last: loss {measured:.4g} > {budget.loss_limit():.4g}); loosen it")
+            pairs, q, plan_bytes = search(size, loss, budget, ref_nll, check)
     finally:
         scratch.unlink(missing_ok=True)
+    measured = budget.loss(q, ref_nll)
     note = (f"kvserve tune-kv: {', '.join(f'{k}={v}' for k, v in vars(budget).items() if v is not None)}, "
             f"{args.windows} x {args.window_len} calibration tokens, model dtype {args.dtype}")
     return TuneResult(KVPlan(tuple(pairs), note), names, size, loss, measured, q.kl, q.perplexity,
-                      ref_q.perplexity, llm.engine.kv_bytes_per_token, dense_bytes, budget)
+                      ref_q.perplexity, plan_bytes, dense_bytes, budget)
+
+
+def search(size: np.ndarray, loss: np.ndarray, budget: Budget, ref_nll: float,
+           check: Any) -> tuple[list[tuple[str, str]], quality.DecodeQuality, float]:
+    """The smallest plan that passes `budget` when run whole, over KL limits: doubled from the
+    budget's own value while plans pass, bisected (geometrically) once one fails."""
+    target = budget.loss_limit()
+    limit, passed, failed = target, 0.0, math.inf
+    best, tried = None, {}
+    for _ in range(CHECK_ROUNDS):
+        picks = tuple(solve(size, loss, max_loss=limit))
+        if picks not in tried:
+            tried[picks] = check(list(picks))
+        q = tried[picks][1]
+        if budget.loss(q, ref_nll) <= target:
+            passed = limit
+            if best is None or tried[picks][2] < best[2]:
+                best = tried[picks]
+        else:
+            failed = limit
+        limit = limit * 2 if math.isinf(failed) else (math.sqrt(passed * failed) if passed else failed / 4)
+    if best is None:
+        raise SystemExit(f"tune-kv: no plan met the budget on the calibration text in {CHECK_ROUNDS} rounds "
+                         f"(the last lost {budget.loss(q, ref_nll):.4g} > {target:.4g}); loosen it")
+    return best

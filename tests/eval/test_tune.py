@@ -54,6 +54,20 @@ def test_the_plan_meets_its_budget_on_the_calibration_text(tmp_path: Path, max_k
     assert "plan written to" in result.report("tokens", args.plan)
 
 
+def test_a_perplexity_budget_is_met_by_the_plan_run_whole(tmp_path: Path) -> None:
+    args = tune_args(tmp_path, "--max-ppl-increase", "0.1%")
+    assert args.max_ppl_increase == pytest.approx(0.001)
+    result = tune(args, Budget(max_ppl_increase=0.001), ["int8", "int4"], tokens(96))
+    result.plan.save(args.plan)
+    windows = [tokens(96)[i * 48:(i + 1) * 48] for i in range(2)]
+    targets = torch.tensor([w[24:] for w in windows])
+    runs = [quality.forced_logprobs(llm_from_args(args, kv_cache_dtype=s, enable_prefix_caching=False), windows, 24)
+            for s in ("auto", f"plan:{args.plan}")]
+    ppl = [quality.compare(run, run, targets).perplexity for run in runs]
+    assert ppl[1] / ppl[0] - 1 <= 0.001 and ppl[1] == pytest.approx(result.ppl)
+    assert result.bytes_per_token < result.dense_bytes_per_token  # int8 is near free here: something compressed
+
+
 def test_a_size_budget_gives_the_least_loss_within_it(tmp_path: Path) -> None:
     args = tune_args(tmp_path)
     # Per token and KV head (fp32, head_dim 16): fp32 128 B, int8 36 B, int4 g16 24 B; 2 heads, 2 layers.
