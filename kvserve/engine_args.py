@@ -43,12 +43,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                        choices=f.metadata.get("choices"), help=f.metadata["help"] + shown)
 
 
-def llm_from_args(args: argparse.Namespace, cache_mode: str | None = None, **overrides: Any) -> Any:
-    from kvserve import LLM
+def engine_kwargs(args: argparse.Namespace, cache_mode: str | None = None, **overrides: Any) -> dict[str, Any]:
+    """The EngineConfig fields the command line gave (flags renamed by metadata read back), with overrides."""
     kwargs = {f.name: getattr(args, dest) for f, dest in _engine_flags()}
     if cache_mode is not None:
         kwargs["cache_mode"] = cache_mode
-    return LLM(**{**kwargs, **overrides})
+    return {**kwargs, **overrides}
+
+
+def llm_from_args(args: argparse.Namespace, cache_mode: str | None = None, **overrides: Any) -> Any:
+    from kvserve import LLM
+    return LLM(**engine_kwargs(args, cache_mode, **overrides))
 
 
 def kv_format_overrides(spec: str, args: argparse.Namespace) -> dict[str, Any]:

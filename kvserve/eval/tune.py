@@ -28,7 +28,7 @@ from tqdm import tqdm
 from kvserve.cache.kv_plan import KVPlan
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import KVSizes
-from kvserve.engine_args import add_engine_args, llm_from_args
+from kvserve.engine_args import add_engine_args, engine_kwargs, llm_from_args
 from kvserve.eval import quality
 from kvserve.eval.plan_solver import solve
 from kvserve.texts import DATA_HELP, load_text
@@ -145,11 +145,8 @@ class TuneResult:
 @torch.inference_mode()
 def tune(args: argparse.Namespace, budget: Budget, candidates: list[str], text: str | list[int]) -> TuneResult:
     """`text` is the calibration text, or its token ids (a model without a tokenizer)."""
-    def make(kv_cache_dtype: str) -> Any:
-        return llm_from_args(args, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False,
-                             max_num_seqs=max(args.max_num_seqs, args.windows))
-
-    reference = make("auto")
+    probe = dict(enable_prefix_caching=False, max_num_seqs=max(args.max_num_seqs, args.windows))
+    reference = llm_from_args(args, kv_cache_dtype="auto", **probe)
     if isinstance(text, str):
         if reference.tokenizer is None:
             raise SystemExit("tune-kv: this model has no tokenizer to read the calibration text with")
@@ -172,18 +169,16 @@ def tune(args: argparse.Namespace, budget: Budget, candidates: list[str], text: 
     plan_dir = Path(args.plan).resolve().parent
     scratch = plan_dir / f".{Path(args.plan).name}.probe.json"
 
-    def plan_spec(pairs: list[tuple[str, str]]) -> str:
+    def run(pairs: list[tuple[str, str]]) -> tuple[quality.DecodeQuality, float]:
+        """The windows through an engine whose layers use `pairs`: (quality, KV bytes per token)."""
         KVPlan(tuple(pairs)).save(scratch)
-        return f"plan:{scratch}"
-
-    def config_for(spec: str) -> EngineConfig:
-        fields = {f: getattr(args, f) for f in EngineConfig.__dataclass_fields__ if hasattr(args, f)}
-        return EngineConfig(**{**fields, "kv_cache_dtype": spec})
+        llm = llm_from_args(args, kv_cache_dtype=f"plan:{scratch}", **probe)
+        return quality.compare(quality.forced_logprobs(llm, windows, prefill), ref, targets), llm.engine.kv_bytes_per_token
 
     size = np.zeros((layers, len(names)), dtype=np.int64)
     loss = np.zeros((layers, len(names)))
     for f, name in enumerate(names):
-        sizes = KVSizes.of(config_for(name), cfg)
+        sizes = KVSizes.of(EngineConfig(**engine_kwargs(args, kv_cache_dtype=name, **probe)), cfg)
         size[:, f] = round(sizes.block_bytes / layers)  # a uniform format: every layer the same share
     try:
         with tqdm(total=layers * len(candidates), desc="tune-kv: layer x format", unit="run") as bar:
@@ -191,16 +186,13 @@ def tune(args: argparse.Namespace, budget: Budget, candidates: list[str], text: 
                 for f, name in enumerate(names[1:], start=1):
                     pairs = [("auto", "auto")] * layers
                     pairs[layer] = (name, name)
-                    q = quality.compare(quality.forced_logprobs(make(plan_spec(pairs)), windows, prefill), ref, targets)
-                    loss[layer, f] = max(q.kl, 0.0)  # rounding can leave a hair below zero
+                    loss[layer, f] = max(run(pairs)[0].kl, 0.0)  # rounding can leave a hair below zero
                     bar.update()
 
         def check(picks: list[int]) -> tuple[list[tuple[str, str]], quality.DecodeQuality, float]:
             """A plan run whole: (its pairs, its quality, its KV bytes per token)."""
             pairs = [(names[f], names[f]) for f in picks]
-            llm = make(plan_spec(pairs))
-            q = quality.compare(quality.forced_logprobs(llm, windows, prefill), ref, targets)
-            return pairs, q, llm.engine.kv_bytes_per_token
+            return pairs, *run(pairs)
 
         if not budget.on_loss:
             pairs, q, plan_bytes = check(solve(size, loss, max_size=int(budget.bytes_per_token * args.block_size)))
