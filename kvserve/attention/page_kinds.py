@@ -3,19 +3,22 @@
 DENSE: values as stored. ABSMAX: int8 / fp8 codes times one scale per token and head.
 GROUPED: packed `bits`-bit codes with a scale and zero-point per `group` channels of each token
 (int4, KIVI values). CHANNEL: packed codes with a scale and zero-point per block, head and
-channel (KIVI keys). Formats with no kind (outlier, sparse) are decoded by the torch backend.
+channel (KIVI keys). HEAD_ABSMAX: fp8 codes times one fixed fp32 scale per KV head
+(`kv_fp8_scales="head"`), the scale held by the format, not the pages. Formats with no kind (outlier, sparse) are decoded by the torch backend.
 """
 from __future__ import annotations
 
-from kvserve.cache.kv_format import KVFormat
+from kvserve.cache.kv_format import HeadScaleFormat, KVFormat
 
-DENSE, ABSMAX, GROUPED, CHANNEL = 0, 1, 2, 3
+DENSE, ABSMAX, GROUPED, CHANNEL, HEAD_ABSMAX = 0, 1, 2, 3, 4
 _ABSMAX_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 _PLAIN_FORMATS = ("bf16", "fp16", "fp32")
 _GROUPED_FORMATS = ("int4", "kivi2", "kivi4")
 
 
 def page_kind(fmt: KVFormat) -> int | None:
+    if isinstance(fmt, HeadScaleFormat):
+        return HEAD_ABSMAX
     if fmt.name in _PLAIN_FORMATS:
         return DENSE
     if fmt.name in _ABSMAX_FORMATS:

@@ -16,7 +16,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.metadata import StepMetadata
-from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, page_kind
+from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, HEAD_ABSMAX, page_kind
 from kvserve.cache.kv_pool import KVPool
 
 
@@ -94,6 +94,8 @@ class TritonPagedBackend(AttentionBackend):
                 out.append(source(kind, fields["data"], fields["data"], fields["data"]))
             elif kind == ABSMAX:
                 out.append(source(kind, fields["codes"], fields["scale"], fields["codes"]))
+            elif kind == HEAD_ABSMAX:
+                out.append(source(kind, fields["codes"], fmt.head_scale, fields["codes"]))
             else:
                 out.append(source(kind, fields["codes"], fields["scale"], fields["zero"], bits=fmt.bits,
                                   group=fmt.group_size if kind == GROUPED else 1))

@@ -81,6 +81,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     at.add_argument("--out", default="bench_out")
     at.set_defaults(func=run)
 
+    rp = kinds.add_parser("replicas", help="replicas on Ray Serve: prefix-aware vs Ray's default vs round-robin "
+                                           "routing, with and without the Redis KV tier")
+    rp.add_argument("--replicas", type=int, default=2, help="replicas (default 2)")
+    rp.add_argument("--num-system-prompts", type=int, default=8, help="system prompts the requests share (default 8)")
+    rp.add_argument("--num-requests", type=int, default=64, help="requests (default 64)")
+    rp.add_argument("--system-len", type=int, default=256, help="tokens per system prompt (default 256)")
+    rp.add_argument("--user-len", type=int, default=32, help="tokens of each request's own turn (default 32)")
+    rp.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
+    rp.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    rp.add_argument("--routers", default="prefix,power-of-two,round-robin",
+                    help="comma-separated routers to compare (default: all three)")
+    rp.add_argument("--remote", default="none,redis",
+                    help="comma-separated: none, and redis (a local redis-server this run starts and empties "
+                         "before each configuration); default both")
+    rp.add_argument("--router-stats-period", type=float, default=1.0,
+                    help="seconds between each replica's report of its cached blocks (default 1)")
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--data", default=None, help=DATA_HELP)
+    rp.add_argument("--out", default="bench_out")
+    add_engine_args(rp)
+    rp.set_defaults(func=run)
+
     sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
     sc.add_argument("--prompt-len", type=int, default=32)
     sc.add_argument("--num-tokens", type=int, default=512)
@@ -96,7 +118,38 @@ def run(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     {"throughput": run_throughput, "scaling": run_scaling, "memory": run_memory,
      "serve": run_serve, "kv-formats": run_kv_formats, "attention": run_attention,
-     "soak": run_soak_bench, "evictions": run_evictions}[args.bench](args, out)
+     "soak": run_soak_bench, "evictions": run_evictions, "replicas": run_replicas}[args.bench](args, out)
+
+
+def run_replicas(args: argparse.Namespace, out: Path) -> None:
+    import redis
+
+    from kvserve.bench.replicas import format_runs, run_config, shared_prefix_prompts
+    from kvserve.bench.workload import load_text_ids
+    from kvserve.config import EngineConfig
+    from kvserve.engine_args import engine_kwargs
+    from kvserve.server.local_redis import start_local_redis
+
+    config = EngineConfig(**engine_kwargs(args))
+    tokenizer = llm_from_args(args, kv_cache_memory="16MiB").tokenizer  # for the text's ids only
+    name, ids = load_text_ids(tokenizer, args.data)
+    prompts = shared_prefix_prompts(ids, args.num_system_prompts, args.num_requests, args.system_len,
+                                    args.user_len, args.seed)
+    runs = []
+    for remote in args.remote.split(","):
+        url = start_local_redis() if remote == "redis" else None
+        for router in args.routers.split(","):
+            if url is not None:
+                redis.Redis.from_url(url).flushall()
+            runs.append(run_config(config, prompts, router, url, args.replicas, args.max_tokens, args.concurrency,
+                                   args.router_stats_period))
+            print(format_runs(runs[-1:]).splitlines()[-1], flush=True)
+    text = (f"{args.replicas} replicas (Ray Serve, one machine of {torch.get_num_threads()} threads shared), "
+            f"{args.num_requests} requests sharing {args.num_system_prompts} system prompts of {args.system_len} "
+            f"tokens (+{args.user_len} own), {args.max_tokens} tokens out, {args.concurrency} in flight; text {name}; "
+            f"dtype {args.dtype}\n\n" + format_runs(runs))
+    print(text)
+    (out / "replicas.md").write_text(text + "\n")
 
 
 def run_attention(args: argparse.Namespace, out: Path) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.cache.compaction import Compaction
+from kvserve.cache.kv_remote import RemoteKVTier
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ def salt_root(salt: str | None) -> bytes | None:
 @dataclass
 class PrefixStats:
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # not computed: found in the pool, or in the remote tier
+    remote_tokens: int = 0  # of those, loaded from the remote tier
 
     @property
     def hit_rate(self) -> float:
@@ -81,7 +83,9 @@ def on_device(block_id: int) -> bool:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, remote: RemoteKVTier | None = None) -> None:
+        """`remote`: a shared tier asked for the full blocks after a prompt's local prefix hit
+        (cache/kv_remote.py); what it serves is loaded into new blocks before the step runs."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -98,6 +102,8 @@ class BlockManager:
         self._host_free = [HostBlock(i, num_blocks) for i in reversed(range(num_host_blocks))]
         self.pending_offloads: list[tuple[int, HostBlock]] = []  # (device block, host block) to copy
         self.pending_compactions: list[Compaction] = []
+        self.remote = remote
+        self.pending_loads: list[tuple[int, bytes]] = []  # (device block, payload from the remote tier)
         self.evicted_blocks = 0  # blocks returned to the pool by compaction, since the start
         self.peak_used = 0
 
@@ -177,7 +183,12 @@ class BlockManager:
             return None
         for block_id in hits:
             self._share(block_id)
-        self.tables[seq_id] = hits + [self._take_free() for _ in range(need)]
+        fresh = [self._take_free() for _ in range(need)]
+        self.tables[seq_id] = hits + fresh
+        if self.remote is not None and self.enable_prefix_caching and use_cache and prefill_chunk is None:
+            remote = self._load_remote(token_ids, hashes, fresh, parent=hashes[-1] if hashes else root)
+            self.prefix_stats.remote_tokens += remote
+            cached += remote
         self.num_tokens[seq_id] = room
         self._hashes[seq_id] = hashes
         if root is not None:
@@ -186,6 +197,26 @@ class BlockManager:
         self.prefix_stats.cached_tokens += cached
         self._note_peak()
         return cached
+
+    def _load_remote(self, token_ids: list[int], hashes: list[bytes], fresh: list[int], parent: bytes | None) -> int:
+        """Asks the remote tier for the full blocks after the local hit (`hashes`, extended in
+        place with the ones it serves), which go into the first `fresh` blocks, loaded and cached.
+        Returns the tokens they hold."""
+        bs = self.block_size
+        wanted: list[tuple[bytes, tuple[int, ...]]] = []
+        for i in range(len(hashes), (len(token_ids) - 1) // bs):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent = block_hash(parent, chunk)
+            wanted.append((parent, chunk))
+        payloads = self.remote.fetch([h for h, _ in wanted])
+        for block_id, (h, chunk), payload in zip(fresh, wanted, payloads):
+            self.pending_loads.append((block_id, payload))
+            hashes.append(h)
+            if h not in self.cache:
+                block = self.blocks[block_id]
+                block.hash, block.token_ids = h, chunk
+                self.cache[h] = block_id
+        return len(payloads) * bs
 
     def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int = 0) -> bool:
         """Grow `seq_id`'s table to hold `max(num_tokens, reserve_tokens)` slots, record that it
@@ -210,10 +241,12 @@ class BlockManager:
         self._note_peak()
         return True
 
-    def take_moves(self) -> tuple[list[Compaction], list[tuple[int, HostBlock]], list[tuple[int, int]]]:
-        """(compactions, offloads, copy-on-write copies) recorded since the last call, handed over once."""
-        moves = self.pending_compactions, self.pending_offloads, self.pending_copies
-        self.pending_compactions, self.pending_offloads, self.pending_copies = [], [], []
+    def take_moves(self) -> tuple[list[Compaction], list[tuple[int, HostBlock]], list[tuple[int, bytes]],
+                                  list[tuple[int, int]]]:
+        """(compactions, offloads, remote loads, copy-on-write copies) recorded since the last
+        call, handed over once."""
+        moves = self.pending_compactions, self.pending_offloads, self.pending_loads, self.pending_copies
+        self.pending_compactions, self.pending_offloads, self.pending_loads, self.pending_copies = [], [], [], []
         return moves
 
     def compact(self, seq_id: str, layer: torch.Tensor, head: torch.Tensor, src: torch.Tensor,
@@ -285,10 +318,12 @@ class BlockManager:
         if parent_id in self._roots:
             self._roots[child_id] = self._roots[parent_id]
 
-    def register_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Put the sequence's newly filled blocks (their K/V written) into the prefix cache."""
+    def register_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> list[tuple[int, bytes]]:
+        """Put the sequence's newly filled blocks (their K/V written) into the prefix cache.
+        Returns the (block, hash) pairs that joined it, for the remote tier."""
         if not self.enable_prefix_caching:
-            return
+            return []
+        joined: list[tuple[int, bytes]] = []
         hashes = self._hashes[seq_id]
         table = self.tables[seq_id]
         for i in range(len(hashes), num_computed // self.block_size):
@@ -309,6 +344,8 @@ class BlockManager:
             if twin is None:
                 block.hash, block.token_ids = h, chunk
                 self.cache[h] = block.block_id
+                joined.append((block.block_id, h))
+        return joined
 
     def free(self, seq_id: str) -> None:
         # Deepest block first: among blocks freed together, the deeper is evicted first.

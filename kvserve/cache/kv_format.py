@@ -21,6 +21,7 @@ Fields = dict[str, torch.Tensor]
 
 FORMAT_NAMES: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
                                  "kivi2", "kivi4", "outlier", "sparse")
+FP8_SCALES: tuple[str, ...] = ("token", "head")
 
 # Smallest scale ever stored: fp16's smallest normal number. A smaller one (1e-6, say) would still
 # be representable, but as a subnormal: with a fixed step of 2^-24 it keeps few significant bits,
@@ -175,6 +176,40 @@ class _AbsMaxFormat(_PerTokenFormat):
         return (fields["codes"].float() * fields["scale"].float().unsqueeze(-1)).to(dtype)
 
 
+class HeadScaleFormat(_PerTokenFormat):
+    """fp8 codes with one fixed fp32 scale per KV head, calibrated once (vLLM's per-head scales):
+    no scale is computed or stored per token, so a page is its codes alone. An entry beyond the
+    calibrated range saturates at the code's max. Built uncalibrated (`head_scale` None: its
+    size is known, it cannot encode yet); `calibrated` gives the format that can."""
+
+    def __init__(self, name: str, code_dtype: torch.dtype, head_scale: torch.Tensor | None = None) -> None:
+        self.name, self.code_dtype = name, code_dtype
+        self.qmax = torch.finfo(code_dtype).max
+        self.head_scale = None if head_scale is None else head_scale.float()  # [num_kv_heads]
+
+    def calibrated(self, amax: torch.Tensor) -> "HeadScaleFormat":
+        """This format with scales that map each head's calibrated |x| max, `amax` [H], to the code's max."""
+        return HeadScaleFormat(self.name, self.code_dtype, (amax.float() / self.qmax).clamp_min(MIN_SCALE))
+
+    def _scale(self, device: torch.device) -> torch.Tensor:
+        if self.head_scale is None:
+            raise RuntimeError(f"{self.name} with per-head scales: calibrate it before use (calibrated())")
+        return self.head_scale.to(device).unsqueeze(-1)
+
+    def token_fields(self, num_kv_heads: int, head_dim: int) -> FieldSpec:
+        if self.head_scale is not None and num_kv_heads != len(self.head_scale):
+            raise ValueError(f"{self.name}: calibrated for {len(self.head_scale)} KV heads, got {num_kv_heads}")
+        return {"codes": ((num_kv_heads, head_dim), self.code_dtype)}
+
+    def encode(self, x: torch.Tensor) -> Fields:
+        y = x.float() / self._scale(x.device)
+        return {"codes": y.clamp(-self.qmax, self.qmax).to(self.code_dtype)}
+
+    def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
+        codes = fields["codes"]
+        return (codes.float() * self._scale(codes.device)).to(dtype)
+
+
 class _GroupFormat(_PerTokenFormat):
     """Asymmetric `bits`-bit codes, one fp16 scale and zero-point per `group_size` consecutive
     channels of each token and head; codes packed 8 / bits per byte."""
@@ -319,8 +354,10 @@ class _SparseFormat(_PerTokenFormat):
 
 
 def make_format(name: str, role: str, *, group_size: int = 32, outliers: int = 4,
-                sparse_threshold: float = 0.5, sparse_capacity: float = 0.5) -> KVFormat:
-    """The format called `name` for keys (role "k") or values (role "v"). Every setting is checked,
+                sparse_threshold: float = 0.5, sparse_capacity: float = 0.5, fp8_scales: str = "token") -> KVFormat:
+    """The format called `name` for keys (role "k") or values (role "v"); `fp8_scales` "head"
+    gives fp8 formats one calibrated scale per KV head (uncalibrated until `calibrated`) instead
+    of a dynamic one per token. Every setting is checked,
     whether or not `name` uses it, so a bad configuration fails the same way for every format.
     head_dim-dependent checks (group_size divides it, ...) happen in `fields`."""
     if name not in FORMAT_NAMES:
@@ -336,12 +373,16 @@ def make_format(name: str, role: str, *, group_size: int = 32, outliers: int = 4
         raise ValueError(f"kv_sparse_threshold must be >= 0, got {sparse_threshold}")
     if not 0 < sparse_capacity <= 1:
         raise ValueError(f"kv_sparse_capacity must be in (0, 1], got {sparse_capacity}")
+    if fp8_scales not in FP8_SCALES:
+        raise ValueError(f"kv_fp8_scales must be one of {', '.join(FP8_SCALES)}, got {fp8_scales!r}")
 
     plain = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     absmax = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
     if name in plain:
         return _PlainFormat(name, plain[name])
     if name in absmax:
+        if fp8_scales == "head" and name != "int8":
+            return HeadScaleFormat(name, absmax[name])
         return _AbsMaxFormat(name, absmax[name])
     if name == "int4":
         return _GroupFormat(name, 4, group_size)

@@ -64,6 +64,11 @@ class KVPool:
         self.kv = [DenseLayerKV(k, v, *(self.host_layers[i] if self.host_layers else (None, None)))
                    for i, (k, v) in enumerate(self.layers)]
 
+    @property
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by device block, in a fixed order (cache/block_bytes.py)."""
+        return [t for pair in self.layers for t in pair]
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:

@@ -113,6 +113,12 @@ class QuantizedKVPool:
         """Every layer's formats, keys and values (as a backend asks: can I read all of them?)."""
         return [f for layer in self.kv for f in layer.formats]
 
+    @property
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every field indexed by block, in a fixed order (cache/block_bytes.py); a staged block's
+        full-precision copy is not among them (EngineConfig keeps kv_remote off staged pools)."""
+        return [t for layer in self.kv for fields in layer.fields for t in fields.values()]
+
     @staticmethod
     def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, layer_formats: list[LayerFormats]) -> int:
         per_token = sum(f.bytes_per_token(num_kv_heads, head_dim, block_size) for pair in layer_formats for f in pair)

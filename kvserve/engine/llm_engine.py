@@ -16,12 +16,16 @@ import torch
 
 from kvserve.attention import make_backend
 from kvserve.attention.rotation import rotation_matrix
+from kvserve.cache.block_bytes import read_blocks
 from kvserve.cache.block_manager import BlockManager, BlockUsage
+from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
 from kvserve.engine.beam_search import BeamGroup
+from kvserve.engine.remote_namespace import remote_namespace
+from kvserve.engine.kv_calibration import calibrate_formats, calibration_tokens, measure_kv_amax, needs_calibration
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.penalties import apply_penalties
 from kvserve.engine.logprobs import prompt_span, token_logprobs
@@ -31,6 +35,7 @@ from kvserve.eviction.state import EvictionState
 from kvserve.kernels import cpu_extension
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
+from kvserve.model.ops import resolve_ops
 from kvserve.profiling import label
 from kvserve.sampling_params import SamplingParams
 
@@ -93,6 +98,15 @@ class LLMEngine:
                              f"(or enable_chunked_prefill)")
 
         formats = config.kv_layer_formats(cfg.num_layers)
+        rotation = rotation_matrix(config.kv_rotation, cfg.head_dim, config.seed)
+        kernels = cpu_extension.load() if config.cpu_kernels and self.device.type == "cpu" else None
+        if needs_calibration(formats):
+            start = time.perf_counter()
+            ids = calibration_tokens(self.tokenizer, cfg.vocab_size, config.kv_calibration_tokens, config.seed)
+            amax = measure_kv_amax(self.model, resolve_ops(kernels), ids, rotation, config.torch_dtype, self.device)
+            formats = calibrate_formats(formats, amax)
+            logger.info("kvserve: per-head fp8 scales calibrated on %d tokens in %.1f s", len(ids),
+                        time.perf_counter() - start)
         residual = config.residual_tokens
         sizes = KVSizes.of(config, cfg)
         block_bytes, staging = sizes.block_bytes, sizes.staging_slots
@@ -107,9 +121,11 @@ class LLMEngine:
         contiguous = config.cache_mode == "contiguous"
         num_host_blocks = parse_bytes(config.offload_memory) // block_bytes if config.cache_mode == "paged" else 0
         # The baselines stand for engines without sharing: no prefix cache for them.
+        self.remote = None if config.kv_remote is None else RemoteKVTier(
+            config.kv_remote, remote_namespace(self.model, config, formats), config.kv_remote_timeout)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching and config.cache_mode == "paged",
-                                          num_host_blocks)
+                                          num_host_blocks, self.remote)
         if contiguous and self.block_manager.blocks_for(self.max_model_len) > num_blocks:
             raise ValueError(f"EngineConfig.kv_cache_memory: contiguous mode preallocates max_model_len "
                              f"({self.max_model_len}) tokens per sequence, more than the "
@@ -132,9 +148,8 @@ class LLMEngine:
                                    swap=self.swap, prefer_swap=self._prefer_swap,
                                    chunked_prefill=self.chunked_prefill)
         self.attention_backend = make_backend(config.attention_backend, self.pool, cfg.num_heads, self.device)
-        kernels = cpu_extension.load() if config.cpu_kernels and self.device.type == "cpu" else None
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device, self.attention_backend,
-                                  kernels, self.swap, rotation_matrix(config.kv_rotation, cfg.head_dim, config.seed))
+                                  kernels, self.swap, rotation)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
                              else cfg.eos_token_id)
         self.tokens_computed = 0  # tokens run through the model, prefill and decode
@@ -268,9 +283,13 @@ class LLMEngine:
         if prompt_logits.shape[0]:
             self._score_prompts(batch.seqs, batch.num_scheduled, prompt_logits)
         done = self.scheduler.complete_step(batch)  # a prompt chunk with more to come gets no token
+        joined: list[tuple[int, bytes]] = []
         for seq in batch.seqs:  # blocks the step filled join the prefix cache, before any eviction
             if not seq.num_evicted:  # blocks computed after an eviction do not match a plain prefix
-                self.block_manager.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                joined += self.block_manager.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if joined and self.remote is not None and self.remote.available:
+            payloads = read_blocks(self.pool.block_tensors, [block for block, _ in joined])
+            self.remote.store([(h, payload) for (_, h), payload in zip(joined, payloads)])
         self._evict(batch.seqs, batch.num_scheduled, score_from, result.scores or {})
         ready = batch.seqs
         if len(done) < len(ready):  # only then copy the logits rows that get a token

@@ -8,6 +8,7 @@ import torch
 
 from kvserve.attention import AttentionBackend, StepAttention, StepMetadata
 from kvserve.attention.scores import ScorePlan
+from kvserve.cache.block_bytes import write_blocks
 from kvserve.cache.block_manager import BlockManager, on_device
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
@@ -54,6 +55,8 @@ class ModelRunner:
             self.swap.apply(self.pool, ops.swap_out, ops.swap_in)
         if ops.offloads:  # only dense pools offload (EngineConfig checks)
             self.pool.offload_blocks(list(ops.offloads))
+        if ops.loads:
+            write_blocks(self.pool.block_tensors, list(ops.loads))
         self.pool.copy_blocks(list(ops.copies))
         bm = self.block_manager
         starts = [s.num_computed_tokens for s in seqs]

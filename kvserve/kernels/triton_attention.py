@@ -4,7 +4,7 @@ A program owns one query tile of one sequence (BLOCK_M new tokens x the GQA grou
 head, flattened to BLOCK_M * GROUP_P2 rows so the heads of a group share every K/V load) and
 one split of that tile's keys. It walks the keys BLOCK_N at a time through the sequence's block
 table, so any block size works and nothing is padded to the longest context of the batch.
-Compressed pages are decoded in registers: int8 / fp8 codes times a per-token scale, packed
+Compressed pages are decoded in registers: int8 / fp8 codes times a per-token (or per-head) scale, packed
 int4 / int2 codes with per-group (per token) or per-channel (per block, KIVI keys) scale and
 zero-point; a block holding a full-precision staging slot is read from there instead.
 
@@ -27,11 +27,11 @@ import triton.language as tl
 @dataclass(frozen=True)
 class PageSource:
     """Where one of K or V lives for one layer, and how to decode it (`kind`: DENSE 0, ABSMAX 1,
-    GROUPED 2, CHANNEL 3, see kvserve/attention/page_kinds.py). Unused tensors point at `data`
+    GROUPED 2, CHANNEL 3, HEAD_ABSMAX 4, see kvserve/attention/page_kinds.py). Unused tensors point at `data`
     (the kernel never reads them, but needs a valid pointer)."""
     kind: int
     data: torch.Tensor          # [blocks, bs, kv_heads, D] values or codes ([..., D * bits / 8] packed)
-    scale: torch.Tensor         # ABSMAX [blocks, bs, kvh]; GROUPED [blocks, bs, kvh, D / group]; CHANNEL [blocks, kvh, D]
+    scale: torch.Tensor         # ABSMAX [blocks, bs, kvh]; HEAD_ABSMAX [kvh] fp32; GROUPED [blocks, bs, kvh, D / group]; CHANNEL [blocks, kvh, D]
     zero: torch.Tensor          # like scale, GROUPED and CHANNEL only
     bits: int = 8
     group: int = 1
@@ -53,6 +53,8 @@ def _load_pages(data, scale, zero, tok, page, h, d, ok,
         x = tl.load(data + (tok2 * H + h) * D + d2, mask=ok2).to(tl.float32)
         s = tl.load(scale + tok * H + h, mask=ok).to(tl.float32)
         x = x * s[:, None]
+    elif KIND == 4:
+        x = tl.load(data + (tok2 * H + h) * D + d2, mask=ok2).to(tl.float32) * tl.load(scale + h)
     else:
         PER: tl.constexpr = 8 // BITS
         byte = tl.load(data + (tok2 * H + h) * (D // PER) + d2 // PER, mask=ok2).to(tl.int32)

@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.sequence import RequestOutput, TokenLogprobs
-from kvserve.server.async_engine import AsyncEngine, Done, Draining, QueueFull
-from kvserve.server.kv_state import kv_state
+from kvserve.server.async_engine import Done, Draining, QueueFull
+from kvserve.server.front import EngineFront
 from kvserve.server.settings import ServerSettings
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, error_body,
                                      param_of)
@@ -80,11 +80,10 @@ class _Guard:
         return None
 
 
-def build_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
-    engine = aengine.engine
-    tokenizer = engine.tokenizer
-    model_name = settings.model_name or engine.model_name
+    tokenizer = aengine.tokenizer
+    model_name = settings.model_name or aengine.model_name
     app = FastAPI(title="kvserve", description="OpenAI-compatible server of the kvserve engine")
 
     app.add_middleware(_Guard, settings=settings)
@@ -111,16 +110,15 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> F
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvserve", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "kvserve", "max_model_len": aengine.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        await aengine.call(aengine.metrics.observe_gauges)
-        return Response(aengine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(await aengine.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/kv/state")
     async def state() -> dict[str, Any]:
-        return await aengine.call(lambda e: kv_state(e, settings.expose_request_ids))
+        return await aengine.kv_state(settings.expose_request_ids)
 
     @app.get("/", response_class=HTMLResponse)
     async def dashboard() -> str:
@@ -156,7 +154,7 @@ def build_app(aengine: AsyncEngine, settings: ServerSettings | None = None) -> F
         ids = await asyncio.to_thread(lambda: tokenizer.encode(
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)))
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
-                          max(engine.max_model_len - len(ids), 1))
+                          max(aengine.max_model_len - len(ids), 1))
         return await _generate(req, [ids], max_tokens, True, request)
 
     def token_text(token: int) -> str:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.sequence import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.kv_state import kv_state
 from kvserve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,26 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._thread.start()
+
+    # -- what the HTTP layer reads (server/front.py) ----------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def metrics_text(self) -> bytes:
+        await self.call(self.metrics.observe_gauges)
+        return self.metrics.render()
+
+    async def kv_state(self, expose_request_ids: bool) -> dict[str, Any]:
+        return await self.call(lambda e: kv_state(e, expose_request_ids))
 
     # -- called from the event loop ------------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:

@@ -11,7 +11,8 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvserve.engine_args import add_engine_args, llm_from_args
+from kvserve.engine_args import add_engine_args, engine_kwargs, llm_from_args
+from kvserve.replicas.settings import ROUTERS
 
 
 def add_parser(sub: Any) -> None:
@@ -40,6 +41,20 @@ def add_parser(sub: Any) -> None:
                         "when bound to loopback, the bound address otherwise, any for 0.0.0.0")
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                    help="largest request body accepted; larger ones get 413 (default 4 MiB)")
+    p.add_argument("--start-redis", action="store_true",
+                   help="start a redis-server of this server's own (loopback, nothing on disk) and use it as "
+                        "--kv-remote: a quick try of the shared KV tier on one machine")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engines to run, as one Ray Serve deployment behind a router (ray[serve]: pip install "
+                        "'kvserve[ray]'); a local Ray cluster starts unless RAY_ADDRESS names one; 1: one engine "
+                        "in this process (default)")
+    p.add_argument("--router", default="prefix", choices=ROUTERS,
+                   help="with --replicas: prefix sends a request to the replica holding the longest run of its "
+                        "prompt's blocks, balanced against queue length; power-of-two is Ray Serve's default; "
+                        "round-robin reads no state (default: prefix)")
+    p.add_argument("--router-stats-period", type=float, default=1.0,
+                   help="with --replicas: seconds between each replica's report of its cached blocks and queue "
+                        "to the router (default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -60,19 +75,37 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from kvserve.server.settings import ServerSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    llm = llm_from_args(args)
-    aengine = AsyncEngine(llm.engine, Metrics(), args.max_waiting)
+    if args.start_redis:
+        if args.kv_remote is not None:
+            raise SystemExit("kvserve serve: --start-redis and --kv-remote both name the KV tier; pass one")
+        from kvserve.server.local_redis import start_local_redis
+        args.kv_remote = start_local_redis()
+        print(f"kvserve: KV tier in a local redis-server at {args.kv_remote}", flush=True)
+    if args.replicas > 1:
+        from kvserve.config import EngineConfig
+        from kvserve.replicas.front import ReplicaFront
+        from kvserve.replicas.settings import ReplicaSettings
+
+        replica_settings = ReplicaSettings(args.replicas, args.router, args.router_stats_period)
+        aengine: Any = ReplicaFront.start(EngineConfig(**engine_kwargs(args)), replica_settings, args.max_waiting)
+        on_start, on_stop = (lambda: None), ReplicaFront.stop
+        serving = f"{aengine.model_name} ({args.replicas} replicas, {args.router} routing)"
+    else:
+        llm = llm_from_args(args)
+        aengine = AsyncEngine(llm.engine, Metrics(), args.max_waiting)
+        on_start, on_stop = aengine.start, (lambda: aengine.shutdown(timeout=0))
+        serving = llm.engine.model_name
     settings = ServerSettings(args.retry_after, args.served_model_name, args.api_key, args.expose_request_ids,
                               ServerSettings.hosts_for(args.host, args.allowed_hosts), args.max_request_bytes)
     app = build_app(aengine, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
-        aengine.start()
-        print(f"kvserve: serving {llm.engine.model_name} on http://{args.host}:{args.port}", flush=True)
+        on_start()
+        print(f"kvserve: serving {serving} on http://{args.host}:{args.port}", flush=True)
         yield
         # uvicorn has already waited for open requests (up to the timeout); abort what is left.
-        aengine.shutdown(timeout=0)
+        on_stop()
 
     app.router.lifespan_context = lifespan
 

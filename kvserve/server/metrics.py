@@ -1,6 +1,7 @@
 """Prometheus metrics of one server, in a registry of its own (no process-global state)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -46,6 +47,10 @@ class Metrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.engine_info = Gauge("kvserve_engine_info", "the engine's kernel choices (value 1)",
                                  ["attention_backend", "linear", "chunked_prefill"], registry=r)
+        self.remote = Counter("kvserve_kv_remote_blocks", "remote KV tier (kv_remote) blocks by event: lookups, "
+                              "hits, stored, corrupt (failed checksum or foreign), errors (failed calls)",
+                              ["event"], registry=r)
+        self._seen_remote: dict[str, int] = {}
         self._seen_preemptions: dict[str, int] = {}
         self._seen_evicted: dict[str, int] = {}
         self._seen_generated = 0
@@ -55,6 +60,8 @@ class Metrics:
         """Counters that the engine keeps as running totals; cheap enough for every step."""
         _catch_up(self.preemptions, "mode", engine.scheduler.preemptions, self._seen_preemptions)
         _catch_up(self.evicted_tokens, "policy", engine.evicted_tokens, self._seen_evicted)
+        if engine.remote is not None:
+            _catch_up(self.remote, "event", dataclasses.asdict(engine.remote.stats), self._seen_remote)
         freed = engine.block_manager.evicted_blocks
         self.evicted_blocks.inc(freed - self._seen_evicted_blocks)
         self._seen_evicted_blocks = freed

@@ -190,7 +190,7 @@ def test_offloaded_entries_are_host_blocks_addressed_past_the_device_pool() -> N
     assert table[2:] == device[2:] and len(hosts) == 2 and table[:2] == hosts
     assert [int(b) for b in hosts] == [4 + b.host_index for b in hosts]
     assert sorted(b.host_index for b in hosts) == [0, 1]
-    _, offloads, _ = bm.take_moves()
+    _, offloads, _, _ = bm.take_moves()
     assert offloads == [(device[0], hosts[0]), (device[1], hosts[1])]
     assert bm.usage().offloaded == 2 and len(bm.free_blocks) == 2
     bm.free("a")
@@ -211,7 +211,7 @@ def test_compaction_frees_the_tail_blocks_hand_count() -> None:
     assert bm.compact("a", *_moves([45, 49], [3, 17]), kept=20)
     assert bm.tables["a"] == table[:3] and bm.num_tokens["a"] == 20
     assert bm.evicted_blocks == 4 and len(bm.free_blocks) == 10 - 3
-    (c,), _, _ = bm.take_moves()
+    (c,), _, _, _ = bm.take_moves()
     assert c.copies == ()
     assert c.src.tolist() == [table[5] * 8 + 5, table[6] * 8 + 1]
     assert c.dst.tolist() == [table[0] * 8 + 3, table[2] * 8 + 1]
@@ -230,7 +230,7 @@ def test_compaction_copies_shared_and_cached_blocks_it_writes() -> None:
     original = list(bm.tables["a"])
     # Keep 6 slots: writes land in block 0 (slot 2) and block 1 (slot 5), and block 1 is partial.
     assert bm.compact("a", *_moves([14, 15], [2, 5]), kept=6)
-    (c,), _, _ = bm.take_moves()
+    (c,), _, _, _ = bm.take_moves()
     assert [s for s, _ in c.copies] == original[:2]
     fresh = [d for _, d in c.copies]
     assert bm.tables["a"] == fresh and bm.tables["b"] == original
@@ -249,4 +249,4 @@ def test_compaction_changes_nothing_when_copies_cannot_be_made() -> None:
     assert bm.allocate("a", 16)
     bm.fork("a", "b")
     assert not bm.compact("a", *_moves([13], [1]), kept=8)
-    assert bm.tables["a"] == bm.tables["b"] and bm.take_moves() == ([], [], [])
+    assert bm.tables["a"] == bm.tables["b"] and bm.take_moves() == ([], [], [], [])

@@ -389,3 +389,32 @@ def test_every_name_builds_for_both_roles() -> None:
         for role in ROLES:
             fmt = make_format(name, role)
             assert fmt.name == name and isinstance(fmt.per_token, bool)
+
+
+@pytest.mark.parametrize("name, mantissa, smallest_subnormal", [("fp8_e4m3", 3, 2.0 ** -9), ("fp8_e5m2", 2, 2.0 ** -16)])
+def test_head_scaled_fp8_within_half_an_ulp_of_its_fixed_scale(name: str, mantissa: int,
+                                                              smallest_subnormal: float) -> None:
+    """Per-head scales: each head's calibrated max maps to the code's max; inside that range the
+    error is fp8's half ulp times the head's one scale; beyond it, entries saturate."""
+    x = kv_data(*TOKENS)
+    amax = x.abs().amax((0, 2))
+    fmt = make_format(name, "k", fp8_scales="head").calibrated(amax)
+    f, y = round_trip(fmt, x)
+    assert set(f) == {"codes"} and fmt.bytes_per_token(3, 64, 16) == 3 * 64  # codes alone
+    scale = (amax / torch.finfo(f["codes"].dtype).max)[:, None]
+    assert torch.equal(fmt.head_scale, scale.squeeze(-1))
+    bound = 2.0 ** -(mantissa + 1) * x.abs() + smallest_subnormal / 2 * scale
+    assert_within((y - x).abs(), bound, x)
+    assert torch.equal(y.abs().amax((0, 2)), amax)  # the max is exactly representable
+    saturated = fmt.decode(fmt.encode(4 * x), torch.float32)
+    assert torch.equal(saturated.abs().amax((0, 2)), amax)
+
+
+def test_head_scaled_fp8_refuses_to_encode_before_calibration() -> None:
+    fmt = make_format("fp8_e4m3", "v", fp8_scales="head")
+    assert fmt.bytes_per_token(2, 64, 16) == 2 * 64  # its size is known before its scales
+    with pytest.raises(RuntimeError, match="calibrate"):
+        fmt.encode(torch.ones(1, 2, 64))
+    assert make_format("int8", "v", fp8_scales="head").name == "int8"  # int8 keeps per-token scales
+    with pytest.raises(ValueError, match="kv_fp8_scales"):
+        make_format("fp8_e4m3", "v", fp8_scales="tensor")

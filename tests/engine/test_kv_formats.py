@@ -158,3 +158,50 @@ def test_backends_read_a_mixed_plan_as_the_reference_does(tiny_llm: Callable[...
     got = forced_logprobs(tiny_llm(max_num_seqs=3, kv_cache_dtype=plan, kv_group_size=GROUP,
                                    attention_backend=backend), windows, prefill_len=30)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_per_head_fp8_scales_are_the_calibration_texts_maxima(tiny_llm: Callable[..., LLM]) -> None:
+    """The scales an engine calibrates at start-up equal the maxima a plain fp32 engine stores
+    for the same tokens, read from its own pages after an ordinary prefill."""
+    from kvserve.engine.kv_calibration import calibration_tokens
+
+    llm = tiny_llm(kv_cache_dtype="fp8_e4m3", kv_fp8_scales="head", kv_calibration_tokens=100)
+    ids = calibration_tokens(None, TINY.vocab_size, 100, seed=0)
+    dense = tiny_llm()
+    dense.generate([ids], SamplingParams(max_tokens=1), use_tqdm=False)
+    # The finished prompt's blocks stay cached, in allocation order: blocks 0.. hold tokens 0..
+    for layer, (k, v) in zip(llm.engine.pool.kv, dense.engine.pool.layers):
+        for fmt, pages in zip(layer.formats, (k, v)):
+            want = pages.flatten(0, 1)[:100].abs().amax((0, 2)) / torch.finfo(torch.float8_e4m3fn).max
+            torch.testing.assert_close(fmt.head_scale, want, rtol=1e-5, atol=0)
+    assert llm.engine.kv_bytes_per_token == TINY.num_layers * 2 * TINY.num_kv_heads * TINY.head_dim  # 1 B per value
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+def test_backends_read_per_head_fp8_pages_as_the_reference_does(tiny_llm: Callable[..., LLM], backend: str) -> None:
+    windows = [[(5 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
+    kwargs = {"max_num_seqs": 3, "kv_cache_dtype": "fp8_e4m3", "kv_fp8_scales": "head", "kv_rotation": "hadamard"}
+    want = forced_logprobs(tiny_llm(**kwargs, attention_backend="torch", cpu_kernels=False), windows, prefill_len=30)
+    got = forced_logprobs(tiny_llm(**kwargs, attention_backend=backend), windows, prefill_len=30)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    dense = forced_logprobs(tiny_llm(max_num_seqs=3), windows, prefill_len=30)
+    assert 0 < (got - dense).abs().max() < 0.1  # quantized, but close
+
+
+def test_per_head_fp8_generates_with_prefix_caching_and_preemption(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm(kv_cache_dtype="fp8_e5m2", kv_fp8_scales="head", max_num_seqs=3,
+                   kv_cache_memory=str(9 * 16 * TINY.num_layers * 2 * TINY.num_kv_heads * TINY.head_dim))
+    assert llm.engine.block_manager.num_blocks == 9
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [24] * 3
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.prefix_stats.cached_tokens > 0
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"kv_fp8_scales": "tensor"}, "kv_fp8_scales"),
+    ({"kv_cache_dtype": "fp8_e4m3", "kv_fp8_scales": "head", "kv_calibration_tokens": 0}, "kv_calibration_tokens"),
+])
+def test_bad_fp8_scale_settings_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)

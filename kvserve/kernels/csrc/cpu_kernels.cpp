@@ -25,8 +25,8 @@ namespace {
 // Page layouts, matching kvserve.cache.kv_format: dense [blocks, bs, H, D] in the model dtype;
 // absmax codes [blocks, bs, H, D] (int8 / fp8) with an fp16 scale [blocks, bs, H]; group-wise
 // 4-bit codes [blocks, bs, H, D / 2] (first code in the low nibble) with fp16 scale and zero
-// [blocks, bs, H, D / group].
-enum Kind : int64_t { kDense = 0, kAbsMax = 1, kGroup4 = 2 };
+// [blocks, bs, H, D / group]; head-scaled fp8 codes [blocks, bs, H, D] with one fp32 scale [H].
+enum Kind : int64_t { kDense = 0, kAbsMax = 1, kGroup4 = 2, kHeadAbsMax = 4 };
 
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
@@ -179,14 +179,16 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
     }
     return;
   }
-  const c10::Half* scale = p.scale->data_ptr<c10::Half>();
-  if (p.kind == kAbsMax) {
+  if (p.kind == kAbsMax || p.kind == kHeadAbsMax) {
     const int64_t H = data.size(2);
     const int64_t s_base = (block * data.size(1)) * H + h;
+    const bool per_head = p.kind == kHeadAbsMax;
+    const c10::Half* token_scale = per_head ? nullptr : p.scale->data_ptr<c10::Half>();
+    const float head_scale = per_head ? p.scale->data_ptr<float>()[h] : 0.0f;
     auto run = [&](auto* codes) {
       for (int64_t t = 0; t < n; ++t) {
         const auto* row = codes + ((block * data.size(1) + t) * H + h) * D;
-        const float s = to_f(scale[s_base + t * H]);
+        const float s = per_head ? head_scale : to_f(token_scale[s_base + t * H]);
         float* o = out + t * D;
         for (int64_t d = 0; d < D; ++d) o[d] = through<T>(to_f(row[d]) * s);
       }
@@ -200,6 +202,7 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
     return;
   }
   TORCH_CHECK(p.kind == kGroup4, "paged_attention: unknown page kind ", p.kind);
+  const c10::Half* scale = p.scale->data_ptr<c10::Half>();
   const uint8_t* codes = data.data_ptr<uint8_t>();
   const c10::Half* zero = p.zero->data_ptr<c10::Half>();
   const int64_t H = data.size(2), bs = data.size(1), G = D / p.group;

@@ -1,0 +1,114 @@
+"""`kvserve bench replicas`: N replicas on Ray Serve, requests that share a few system prompts,
+each router with and without the Redis tier; prefix hits, tokens computed, TTFT and throughput.
+
+Every configuration starts fresh replicas (cold caches) and, with the tier, an emptied
+redis-server, and runs the same requests in the same order through `ReplicaFront` (the path
+`kvserve serve --replicas` takes, without the HTTP hop).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvserve.config import EngineConfig
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ReplicaRun:
+    router: str
+    remote: bool
+    wall_s: float
+    requests: int
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int       # prompt tokens not computed: local prefix hits and remote blocks
+    remote_tokens: int       # of those, loaded from the Redis tier
+    tokens_computed: int     # prompt and decode tokens run through the model, all replicas
+    ttft_mean_s: float
+    ttft_p50_s: float
+    requests_per_replica: tuple[int, ...]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def shared_prefix_prompts(ids: list[int], num_system: int, num_requests: int, system_len: int, user_len: int,
+                          seed: int) -> list[list[int]]:
+    """`num_requests` prompts: one of `num_system` system prompts (text slices of `system_len`
+    tokens) then a user turn of its own (`user_len` tokens), in a random order."""
+    rng = random.Random(seed)
+    span = system_len + user_len
+    if len(ids) < (num_system + num_requests) * span:
+        raise ValueError("bench replicas: the text is too short for this many prompts; lower the lengths")
+    systems = [ids[i * span:i * span + system_len] for i in range(num_system)]
+    base = num_system * span
+    return [systems[rng.randrange(num_system)] + ids[base + i * span:base + i * span + user_len]
+            for i in range(num_requests)]
+
+
+async def _drive(front: Any, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[tuple[float, int, str]]:
+    """(TTFT, output tokens, replica) per request, `concurrency` in flight at a time."""
+    from kvserve.server.async_engine import Done
+
+    gate = asyncio.Semaphore(concurrency)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> tuple[float, int, str]:
+        async with gate:
+            start = time.perf_counter()
+            ids, sink = await front.submit([prompt], params, f"bench-{i}")
+            first, tokens = None, 0
+            while not isinstance(item := await sink.get(), Done):
+                if isinstance(item, Exception):
+                    raise item
+                if first is None and item.token_ids:
+                    first = time.perf_counter() - start
+                tokens = len(item.token_ids)
+            return first or 0.0, tokens, front.served_by[ids[0]].replica
+
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+def run_config(config: EngineConfig, prompts: list[list[int]], router: str, remote_url: str | None,
+               num_replicas: int, max_tokens: int, concurrency: int, stats_period_s: float) -> ReplicaRun:
+    from kvserve.replicas.front import ReplicaFront
+    from kvserve.replicas.settings import ReplicaSettings
+
+    front = ReplicaFront.start(replace(config, kv_remote=remote_url),
+                               ReplicaSettings(num_replicas, router, stats_period_s), max_waiting=len(prompts))
+    try:
+        start = time.perf_counter()
+        results = asyncio.run(_drive(front, prompts, max_tokens, concurrency))
+        wall = time.perf_counter() - start
+        counters = asyncio.run(front.each_replica("counters"))
+    finally:
+        ReplicaFront.stop()
+    ttfts = [t for t, _, _ in results]
+    served = [r for _, _, r in results]
+    total = {key: sum(c[key] for c in counters.values())
+             for key in ("prompt_tokens", "cached_tokens", "remote_tokens", "tokens_computed")}
+    return ReplicaRun(router, remote_url is not None, wall, len(prompts), sum(n for _, n, _ in results),
+                      total["prompt_tokens"], total["cached_tokens"], total["remote_tokens"], total["tokens_computed"],
+                      statistics.mean(ttfts), statistics.median(ttfts),
+                      tuple(sorted((served.count(r) for r in set(served)), reverse=True)))
+
+
+def format_runs(runs: list[ReplicaRun]) -> str:
+    lines = ["| router | redis tier | prefix hit rate | of it remote | tokens computed | TTFT mean | TTFT p50 "
+             "| output tok/s | requests per replica |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r.router} | {'yes' if r.remote else 'no'} | {r.hit_rate:.1%} | "
+                     f"{r.remote_tokens / max(r.prompt_tokens, 1):.1%} | {r.tokens_computed:,} | {r.ttft_mean_s:.2f} s | "
+                     f"{r.ttft_p50_s:.2f} s | {r.tokens_per_s:.1f} | {' / '.join(map(str, r.requests_per_replica))} |")
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""A KV tier shared by every engine that can reach one Redis (or Valkey) server (`kv_remote`).
+
+Full prefix blocks are stored when they join the prefix cache and fetched on a local prefix
+miss, so a replica with a cold cache reuses blocks another replica computed (LMCache's idea,
+on an existing store). An entry is keyed by the engine's namespace (model fingerprint, page
+formats, block size, rotation, layout version, tensor-parallel rank) and the block's chain hash,
+which names the block's tokens and everything before them. Its value starts with a header: a
+magic tag, the namespace's digest and a checksum of the payload; a corrupted or foreign entry
+fails the check, is counted in `stats.corrupt` and treated as a miss.
+
+The tier never fails a request: a connection error or a reply slower than `timeout_s` logs a
+warning, counts in `stats.errors`, and turns the tier off for `retry_after_s` (every lookup a
+miss, every store dropped), after which it tries again. What it would have served is computed.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1
+_MAGIC = b"KVS1"
+_DIGEST = 16  # blake2b digest bytes, for the namespace and the checksum
+_HEADER = len(_MAGIC) + 2 * _DIGEST
+
+
+@dataclass
+class RemoteStats:
+    """Counters since the start, for /metrics and tests."""
+    lookups: int = 0       # blocks asked for
+    hits: int = 0          # blocks served
+    stored: int = 0        # blocks written
+    corrupt: int = 0       # entries that failed their checksum or belong to another namespace
+    errors: int = 0        # connection errors and timeouts
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST).digest()
+
+
+class RemoteKVTier:
+    """Blocks as bytes in Redis, through redis-py."""
+
+    def __init__(self, url: str, namespace: str, timeout_s: float = 0.25, retry_after_s: float = 10.0) -> None:
+        import redis  # only engines with a tier need it
+
+        self.url, self.namespace = url, namespace
+        self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
+        self._ns_digest = _digest(namespace.encode())
+        self._prefix = f"kvserve:{self._ns_digest.hex()}:".encode()
+        self.stats = RemoteStats()
+        self._down_until = 0.0
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+    def key(self, block_hash: bytes) -> bytes:
+        return self._prefix + block_hash.hex().encode()
+
+    def pack(self, payload: bytes) -> bytes:
+        return _MAGIC + self._ns_digest + _digest(payload) + payload
+
+    def unpack(self, value: bytes | None) -> bytes | None:
+        """The payload of a stored value, or None when absent; a value that fails its checks is
+        counted and treated as absent."""
+        if value is None:
+            return None
+        payload = value[_HEADER:]
+        if (len(value) < _HEADER or value[:len(_MAGIC)] != _MAGIC
+                or value[len(_MAGIC):len(_MAGIC) + _DIGEST] != self._ns_digest
+                or value[len(_MAGIC) + _DIGEST:_HEADER] != _digest(payload)):
+            self.stats.corrupt += 1
+            return None
+        return payload
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, err: Exception) -> None:
+        self.stats.errors += 1
+        self._down_until = time.monotonic() + self.retry_after_s
+        logger.warning("kvserve: KV tier %s %s failed (%s: %s); computing instead, retrying in %.0f s",
+                       self.url, what, type(err).__name__, err, self.retry_after_s)
+
+    def fetch(self, hashes: list[bytes]) -> list[bytes]:
+        """Payloads of the longest run of `hashes`, from the first, that the tier holds intact."""
+        if not hashes or not self.available:
+            return []
+        self.stats.lookups += len(hashes)
+        try:
+            values = self._client.mget([self.key(h) for h in hashes])
+        except Exception as err:  # redis-py raises its own ConnectionError / TimeoutError, OSError below
+            self._failed("lookup", err)
+            return []
+        out = []
+        for value in values:
+            payload = self.unpack(value)
+            if payload is None:
+                break
+            out.append(payload)
+        self.stats.hits += len(out)
+        return out
+
+    def store(self, blocks: list[tuple[bytes, bytes]]) -> None:
+        """(chain hash, payload) pairs; an entry already there is left as it is (same name, same
+        content), so replicas computing the same block write it once."""
+        if not blocks or not self.available:
+            return
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for block_hash, payload in blocks:
+                pipe.set(self.key(block_hash), self.pack(payload), nx=True)
+            pipe.execute()
+        except Exception as err:
+            self._failed("store", err)
+            return
+        self.stats.stored += len(blocks)

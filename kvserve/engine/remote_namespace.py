@@ -1,0 +1,38 @@
+"""What a remote KV tier's entries are valid for: two engines may share a block only if every
+byte of its pages would be the same, so the namespace names the model's weights (a fingerprint,
+not a path: two copies of a model share blocks, two fine-tunes do not) and every setting that
+shapes the pages."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from kvserve.cache.kv_remote import LAYOUT_VERSION
+from kvserve.cache.quantized_pool import LayerFormats
+from kvserve.config import EngineConfig
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A digest of every parameter's name, shape, dtype and first 256 values: cheap at start-up,
+    and weights that differ anywhere almost surely differ there too (each tensor is sampled)."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        head = p.detach().flatten()[:256].float().cpu()
+        digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode() + head.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def remote_namespace(model: torch.nn.Module, config: EngineConfig, formats: list[LayerFormats] | None,
+                     rank: int = 0, world_size: int = 1) -> str:
+    pages = "dense" if formats is None else ";".join(
+        f"{k!r}/{v!r}/{getattr(k, 'group_size', '')}/{getattr(v, 'group_size', '')}" for k, v in formats)
+    # Per-head fp8 scales are calibrated, so blocks encoded with other scales decode wrongly: their
+    # values are part of the name.
+    scales = [f.head_scale for pair in formats or [] for f in pair if getattr(f, "head_scale", None) is not None]
+    if scales:
+        pages += "@" + hashlib.sha256(torch.cat(scales).cpu().numpy().tobytes()).hexdigest()[:16]
+    rotation = config.kv_rotation if config.kv_rotation == "none" else f"{config.kv_rotation}:{config.seed}"
+    return (f"{model_fingerprint(model)}@{config.torch_dtype}@bs{config.block_size}@{pages}@rot={rotation}"
+            f"@outliers={config.kv_outliers}@sparse={config.kv_sparse_threshold},{config.kv_sparse_capacity}"
+            f"@layout{LAYOUT_VERSION}@tp{rank}/{world_size}")

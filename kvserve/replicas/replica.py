@@ -1,0 +1,98 @@
+"""One engine as a Ray Serve replica: the same AsyncEngine the single-process server runs,
+reached through Ray instead of in-process calls.
+
+Methods take keyword arguments the router reads and the replica ignores: `block_keys` (the
+prompt's full blocks, for prefix affinity) and `pin` (a replica id: calls meant for one replica,
+such as its metrics). `record_routing_stats` is Ray Serve's hook: the router receives what it
+returns every `request_routing_stats_period_s`, here the keys of every block in this replica's
+prefix cache and its queue, so the router's view follows blocks stored and evicted.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.replicas.block_keys import block_key
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.async_engine import AsyncEngine, Done
+from kvserve.server.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The first item of every stream: which replica (Serve's id, its process) took the request."""
+    replica: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class ReplicaDescription:
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    block_size: int
+
+
+def routing_view(engine: LLMEngine) -> dict[str, Any]:
+    """Runs on the engine thread: the blocks a new prompt could hit here, and the queue."""
+    sched = engine.scheduler
+    return {"blocks": [block_key(h) for h in engine.block_manager.cache],
+            "queue": len(sched.running) + len(sched.waiting)}
+
+
+class EngineReplica:
+    def __init__(self, config: EngineConfig, max_waiting: int, threads: int) -> None:
+        from ray import serve
+
+        torch.set_num_threads(threads)  # replicas share the machine's cores
+        self.engine = LLMEngine(config)
+        self.aengine = AsyncEngine(self.engine, Metrics(), max_waiting)
+        self.aengine.start()
+        self.tag = Accepted(serve.get_replica_context().replica_id.unique_id, os.getpid())
+
+    def describe(self, pin: str | None = None) -> ReplicaDescription:
+        e = self.engine
+        return ReplicaDescription(e.tokenizer, e.model_name, e.max_model_len, e.config.block_size)
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                       cache_salt: str | None = None, block_keys: list[str] | None = None) -> AsyncIterator[Any]:
+        """`Accepted`, then the AsyncEngine's items (RequestOutputs, exceptions, one Done per
+        request). Bad input, a full queue or draining raise before anything is yielded. A caller
+        that cancels the stream (its client left) aborts what is still running."""
+        ids, sink = await self.aengine.submit(prompts, params, request_id, cache_salt)
+        pending = set(ids)
+        try:
+            yield self.tag
+            while pending:
+                item = await sink.get()
+                if isinstance(item, Done):
+                    pending.discard(item.request_id)
+                yield item
+        finally:
+            if pending:
+                self.aengine.abort(sorted(pending))
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        return await self.aengine.call(routing_view)
+
+    async def metrics_text(self, pin: str | None = None) -> bytes:
+        return await self.aengine.metrics_text()
+
+    async def kv_state(self, expose_request_ids: bool, pin: str | None = None) -> dict[str, Any]:
+        return await self.aengine.kv_state(expose_request_ids)
+
+    async def counters(self, pin: str | None = None) -> dict[str, Any]:
+        """Prefix-cache and compute totals, for benchmarks and tests."""
+        def read(e: LLMEngine) -> dict[str, Any]:
+            return {"replica": self.tag.replica, "pid": self.tag.pid, "tokens_computed": e.tokens_computed,
+                    **asdict(e.block_manager.prefix_stats)}
+        return await self.aengine.call(read)
+
+    def __del__(self) -> None:
+        self.aengine.shutdown(timeout=0)

@@ -1,0 +1,64 @@
+"""Prefix-aware routing on Ray Serve's RequestRouter API (SGLang's cache-aware router and Ray's
+PrefixCacheAffinityRouter are the models).
+
+Each replica publishes the keys of the blocks in its prefix cache (`record_routing_stats`); the
+router adds the blocks of every request it routes since (the replica will hold them once the
+prompt runs), so two requests with a new shared prefix sent before the next publication still
+meet. A request goes to the replica holding the longest run of its prompt's blocks, unless the
+queues are out of balance by more than `imbalance` requests, or no replica holds at least
+`min_match` of them: then to the shortest queue, a random one of equals (so requests with
+nothing cached spread). Equal matches go to the shorter queue.
+"""
+from __future__ import annotations
+
+import random
+
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from kvserve.replicas.block_keys import matched_blocks
+
+
+class PrefixAwareRouter(RequestRouter):
+    def initialize_state(self, imbalance: int = 8, min_match: float = 0.1) -> None:
+        self.imbalance, self.min_match = imbalance, min_match
+        self._routed: dict[ReplicaID, set[str]] = {}       # keys sent there since its last publication
+        self._published: dict[ReplicaID, list[str]] = {}   # its last published keys, to spot a new one
+        self.decisions = {"prefix": 0, "balance": 0, "pinned": 0}
+
+    def _held(self, replica: RunningReplica) -> set[str]:
+        published = (replica.routing_stats or {}).get("blocks", [])
+        if self._published.get(replica.replica_id) is not published:  # a new publication supersedes our guesses
+            self._published[replica.replica_id] = published
+            self._routed[replica.replica_id] = set()
+        return set(published) | self._routed.get(replica.replica_id, set())
+
+    def _queue(self, replica: RunningReplica) -> int:
+        cached = self._replica_queue_len_cache.get(replica.replica_id)
+        return cached if cached is not None else (replica.routing_stats or {}).get("queue", 0)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        pin = kwargs.get("pin")
+        if pin is not None:  # a call for one replica (its metrics, its pool)
+            self.decisions["pinned"] += 1
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
+        keys = kwargs.get("block_keys") or []
+        queues = {r.replica_id: self._queue(r) for r in candidate_replicas}
+        by_queue = sorted(candidate_replicas, key=lambda r: (queues[r.replica_id], random.random()))
+        balanced = max(queues.values(), default=0) - min(queues.values(), default=0) <= self.imbalance
+        if keys and balanced:
+            match = {r.replica_id: matched_blocks(keys, self._held(r)) for r in candidate_replicas}
+            best = max(match.values(), default=0)
+            if best >= max(1, self.min_match * len(keys)):
+                self.decisions["prefix"] += 1
+                ranked = sorted(candidate_replicas, key=lambda r: (-match[r.replica_id], queues[r.replica_id]))
+                return [[r] for r in ranked]
+        self.decisions["balance"] += 1
+        return [[r] for r in by_queue]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        keys = pending_request.kwargs.get("block_keys")
+        if keys:
+            self._routed.setdefault(replica_id, set()).update(keys)

@@ -1,0 +1,25 @@
+"""How `kvserve serve --replicas` runs its replicas: checked on construction, importable without Ray."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROUTERS = ("prefix", "power-of-two", "round-robin")
+ROUTER_CLASSES = {"prefix": "kvserve.replicas.router:PrefixAwareRouter",
+                  "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+                  "round-robin": "kvserve.replicas.round_robin:RoundRobinRouter"}
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    num_replicas: int = 2
+    router: str = "prefix"              # one of ROUTERS; power-of-two is Ray Serve's default
+    stats_period_s: float = 1.0         # how often replicas publish their blocks to the router
+    threads_per_replica: int | None = None  # torch threads each (default: the cores / replicas)
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"ReplicaSettings.num_replicas must be >= 1, got {self.num_replicas}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"ReplicaSettings.router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if not self.stats_period_s > 0:
+            raise ValueError(f"ReplicaSettings.stats_period_s must be > 0, got {self.stats_period_s}")

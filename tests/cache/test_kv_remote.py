@@ -1,0 +1,90 @@
+"""The remote KV tier against a real redis-server: round trips, checks, and faults."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+import torch
+
+from kvserve.cache.block_bytes import read_blocks, write_blocks
+from kvserve.cache.kv_format import make_format
+from kvserve.cache.kv_pool import KVPool
+from kvserve.cache.kv_remote import RemoteKVTier
+from kvserve.cache.quantized_pool import QuantizedKVPool
+from tests.conftest import RedisServer
+
+HASHES = [bytes([i]) * 32 for i in range(4)]
+PAYLOADS = [bytes(range(i, i + 100)) for i in range(4)]
+
+
+def test_stored_blocks_come_back_in_order_up_to_the_first_miss(redis_server: RedisServer) -> None:
+    tier = RemoteKVTier(redis_server.url, "model-a")
+    tier.store(list(zip(HASHES[:2], PAYLOADS[:2])) + [(HASHES[3], PAYLOADS[3])])
+    assert tier.fetch(HASHES) == PAYLOADS[:2]  # the third is missing: the fourth cannot extend a prefix
+    assert (tier.stats.lookups, tier.stats.hits, tier.stats.stored) == (4, 2, 3)
+    assert RemoteKVTier(redis_server.url, "model-b").fetch(HASHES) == []  # another namespace, other keys
+
+
+def test_a_corrupted_or_foreign_entry_is_ignored_and_counted(redis_server: RedisServer) -> None:
+    tier = RemoteKVTier(redis_server.url, "model-a")
+    tier.store(list(zip(HASHES, PAYLOADS)))
+    value = bytearray(redis_server.client.get(tier.key(HASHES[1])))
+    value[-1] ^= 1  # one flipped bit of the payload
+    redis_server.client.set(tier.key(HASHES[1]), bytes(value))
+    assert tier.fetch(HASHES) == PAYLOADS[:1] and tier.stats.corrupt == 1
+    # An entry another namespace wrote, put under this namespace's key (a version or model change
+    # that kept the key): its header names the other namespace.
+    other = RemoteKVTier(redis_server.url, "model-a-layout-2")
+    redis_server.client.set(tier.key(HASHES[0]), other.pack(PAYLOADS[0]))
+    assert tier.fetch(HASHES) == [] and tier.stats.corrupt == 2
+
+
+def test_a_dead_server_costs_a_warning_and_a_miss_then_the_tier_comes_back(redis_server: RedisServer,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    tier = RemoteKVTier(redis_server.url, "m", retry_after_s=0.5)
+    tier.store(list(zip(HASHES, PAYLOADS)))
+    redis_server.stop()
+    assert tier.fetch(HASHES) == [] and tier.stats.errors == 1
+    assert "computing instead" in caplog.text and not tier.available
+    tier.store(list(zip(HASHES, PAYLOADS)))  # dropped without another attempt while off
+    assert tier.stats.errors == 1
+    redis_server.start()  # the same port again, empty
+    time.sleep(0.5)
+    tier.store(list(zip(HASHES, PAYLOADS)))
+    assert tier.fetch(HASHES) == PAYLOADS and tier.stats.errors == 1
+
+
+def test_a_slow_server_times_out_instead_of_stalling_the_step(redis_server: RedisServer) -> None:
+    tier = RemoteKVTier(redis_server.url, "m", timeout_s=0.2)
+    tier.store(list(zip(HASHES, PAYLOADS)))
+    sleeper = threading.Thread(target=lambda: redis.Redis.from_url(redis_server.url).execute_command("DEBUG", "SLEEP", 1.5))
+    sleeper.start()
+    time.sleep(0.1)
+    start = time.perf_counter()
+    got = tier.fetch(HASHES)
+    waited = time.perf_counter() - start
+    sleeper.join()
+    assert got == [] and tier.stats.errors == 1
+    assert waited < 1.0  # the timeout, not the server's 1.5 s stall
+
+
+@pytest.mark.parametrize("fmt", ["auto", "int8", "int4"])
+def test_a_blocks_bytes_rebuild_it_in_another_pool(fmt: str) -> None:
+    def pool() -> KVPool | QuantizedKVPool:
+        if fmt == "auto":
+            return KVPool(2, 6, 4, 2, 16, torch.bfloat16, torch.device("cpu"))
+        formats = [(make_format(fmt, "k", group_size=8), make_format(fmt, "v", group_size=8))] * 2
+        return QuantizedKVPool(6, 4, 2, 16, torch.bfloat16, torch.device("cpu"), formats, 0, 0)
+
+    src, dst = pool(), pool()
+    g = torch.Generator().manual_seed(0)
+    for t in src.block_tensors:
+        t.copy_(torch.randint(0, 100, t.shape, generator=g).to(t.dtype) if t.dtype == torch.uint8
+                else torch.randn(t.shape, generator=g).to(t.dtype))
+    write_blocks(dst.block_tensors, list(zip([5, 0], read_blocks(src.block_tensors, [1, 3]))))
+    for s, d in zip(src.block_tensors, dst.block_tensors):
+        assert torch.equal(d[5].view(torch.uint8), s[1].view(torch.uint8))
+        assert torch.equal(d[0].view(torch.uint8), s[3].view(torch.uint8))
+        assert not d[1].view(torch.uint8).any()  # nothing else written

@@ -1,0 +1,73 @@
+"""Engines sharing prefix blocks through a real redis-server (kv_remote)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from tests.conftest import RedisServer
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+PROMPT = [(7 * j + 3) % 128 for j in range(70)]  # 4 full blocks before the last token
+
+
+def outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
+    return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("fmt", ["auto", "int8", "fp8_e4m3"])
+def test_a_second_engine_computes_only_the_suffix(tiny_llm: Callable[..., LLM], redis_server: RedisServer,
+                                                  fmt: str) -> None:
+    a = tiny_llm(kv_remote=redis_server.url, kv_cache_dtype=fmt)
+    b = tiny_llm(kv_remote=redis_server.url, kv_cache_dtype=fmt)
+    alone = tiny_llm(kv_cache_dtype=fmt)
+    want = outputs(alone, [PROMPT])
+    assert outputs(a, [PROMPT]) == want
+    assert a.engine.remote.stats.stored >= 4
+    assert outputs(b, [PROMPT]) == want  # the same pages, so the same tokens and logprobs
+    assert b.engine.block_manager.prefix_stats.remote_tokens == 64
+    assert b.engine.tokens_computed == a.engine.tokens_computed - 64
+    # Blocks loaded from the tier join the local cache: a third run hits locally.
+    outputs(b, [PROMPT])
+    assert b.engine.remote.stats.hits == 4
+
+
+def test_engines_whose_pages_differ_share_nothing(tiny_llm: Callable[..., LLM], redis_server: RedisServer) -> None:
+    outputs(tiny_llm(kv_remote=redis_server.url), [PROMPT])
+    for kwargs in ({"kv_cache_dtype": "int8"}, {"seed": 1}, {"block_size": 8}, {"kv_rotation": "hadamard"}):
+        other = tiny_llm(kv_remote=redis_server.url, **kwargs)
+        outputs(other, [PROMPT])
+        assert other.engine.block_manager.prefix_stats.remote_tokens == 0, kwargs
+
+
+def test_killing_redis_mid_run_loses_no_request(tiny_llm: Callable[..., LLM], redis_server: RedisServer) -> None:
+    prompts = [[(5 * i + 3 * j) % 128 for j in range(40 + 9 * i)] for i in range(6)]
+    want = outputs(tiny_llm(max_num_seqs=2), prompts)
+    llm = tiny_llm(kv_remote=redis_server.url, max_num_seqs=2)
+    engine = llm.engine
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    finished = {}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = (out.token_ids, out.logprobs)
+        steps += 1
+        if steps == 5:
+            redis_server.stop()
+    assert [finished[i] for i in ids] == want
+    assert engine.remote.stats.errors >= 1 and engine.remote.stats.stored > 0
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"kv_remote": "http://127.0.0.1:6379"}, "kv_remote"),
+    ({"kv_remote": "redis://x", "enable_prefix_caching": False}, "kv_remote"),
+    ({"kv_remote": "redis://x", "kv_cache_dtype": "kivi4"}, "kv_remote"),
+    ({"kv_remote": "redis://x", "kv_cache_dtype": "int8", "kv_residual": 16}, "kv_remote"),
+    ({"kv_remote_timeout": 0}, "kv_remote_timeout"),
+])
+def test_bad_remote_settings_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)

@@ -1,0 +1,131 @@
+"""Two tiny-model replicas on a local Ray cluster, behind the prefix-aware router and the HTTP app."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'kvserve[ray]')")
+
+from kvserve import SamplingParams  # noqa: E402
+from kvserve.config import EngineConfig  # noqa: E402
+from kvserve.replicas.front import ReplicaFront  # noqa: E402
+from kvserve.replicas.settings import ReplicaSettings  # noqa: E402
+from kvserve.server.async_engine import Done  # noqa: E402
+from tests.conftest import TINY, _free_port  # noqa: E402
+
+SHARED = [(11 * j + 5) % 128 for j in range(64)]  # four full blocks
+
+
+class Served:
+    """The front and the app on a uvicorn thread, with one event loop for direct calls."""
+
+    def __init__(self) -> None:
+        import uvicorn
+
+        from kvserve.server.app import build_app
+
+        config = EngineConfig(model=TINY, dtype="float32", device="cpu", kv_cache_memory="4MiB", max_model_len=512)
+        self.front = ReplicaFront.start(config, ReplicaSettings(2, "prefix", stats_period_s=0.2), max_waiting=64)
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(build_app(self.front), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def run(self, coro: Any) -> Any:
+        """Runs a coroutine on a loop of the test's own (the app's requests run on uvicorn's)."""
+        if not hasattr(self, "loop"):
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def generate(self, prompt: list[int], max_tokens: int = 4) -> tuple[str, list[int]]:
+        """(the replica that served it, its tokens)."""
+        async def go() -> tuple[str, list[int]]:
+            ids, sink = await self.front.submit([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                         ignore_eos=True), f"t-{time.monotonic_ns()}")
+            tokens: list[int] = []
+            while True:
+                item = await sink.get()
+                if isinstance(item, Done):
+                    return self.front.served_by[ids[0]].replica, tokens
+                if isinstance(item, Exception):
+                    raise item
+                tokens = item.token_ids
+        return self.run(go())
+
+    def counters(self) -> dict[str, dict[str, Any]]:
+        return self.run(self.front.each_replica("counters"))
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        ReplicaFront.stop()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    s = Served()
+    yield s
+    s.stop()
+
+
+def test_a_cached_prefix_draws_its_requests_to_the_replica_holding_it(served: Served) -> None:
+    owner, _ = served.generate(SHARED + [1, 2, 3])
+    time.sleep(0.6)  # a few routing-stats periods: the router now knows from the replicas themselves
+    before = served.counters()
+    for i in range(4):
+        replica, _ = served.generate(SHARED + [7, i, 9])
+        assert replica == owner
+    after = served.counters()
+    assert after[owner]["cached_tokens"] - before[owner]["cached_tokens"] == 4 * 64
+    other = next(r for r in after if r != owner)
+    assert after[other]["cached_tokens"] == before[other]["cached_tokens"]
+
+
+def test_requests_without_a_cached_prefix_spread_over_both(served: Served) -> None:
+    seen = {served.generate([(j * (i + 3) + i) % 128 for j in range(20)])[0] for i in range(12)}
+    assert len(seen) == 2
+
+
+def test_the_openai_client_works_unchanged(served: Served) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused")
+    done = client.completions.create(model=served.front.model_name, prompt=SHARED[:20], max_tokens=5, temperature=0)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 5
+    chunks = list(client.completions.create(model=served.front.model_name, prompt=SHARED[:20], max_tokens=5,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    import httpx
+    metrics = httpx.get(f"http://127.0.0.1:{served.port}/metrics").text
+    assert metrics.count('kvserve_prompt_tokens_total{replica="') == 2  # both replicas, one page
+    state = httpx.get(f"http://127.0.0.1:{served.port}/kv/state").json()
+    assert len(state["replicas"]) == 2 and all(r["blocks"] for r in state["replicas"])
+
+
+def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_the_next_request_succeeds(
+        served: Served) -> None:
+    import json
+
+    import httpx
+    body = {"prompt": SHARED[:10], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{served.port}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        victim = served.front.served_by[json.loads(first[5:])["id"]]
+        os.kill(victim.pid, signal.SIGKILL)
+        events = [line for line in lines if line.startswith("data:")]
+    assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+    for _ in range(3):  # Serve restarts the replica; the router sends elsewhere meanwhile
+        reply = httpx.post(f"http://127.0.0.1:{served.port}/v1/completions",
+                           json={"prompt": SHARED[:12], "max_tokens": 3}, timeout=60)
+        assert reply.status_code == 200, reply.text
