@@ -128,6 +128,9 @@ class EngineConfig:
                                        "the prefix cache and read on a local prefix miss")
     kv_remote_timeout: float = _opt(0.25, "seconds a kv_remote reply may take; a slower or failed one turns the "
                                           "tier off for 10 s (a warning; the blocks are computed instead)")
+    tensor_parallel_size: int = _opt(1, "ranks to split the model over (attention heads and KV heads, MLP "
+                                        "columns), each a process kvserve spawns, over torch.distributed (gloo on "
+                                        "CPU, NCCL on CUDA); each rank's pool holds only its KV heads")
     attention_backend: str = _opt(
         "auto", "auto: the fastest backend that serves the configuration (cpu: a C++ kernel reading pages "
                 "in place; triton: Triton kernels, on CUDA); torch: the gather + SDPA reference",
@@ -245,6 +248,13 @@ class EngineConfig:
         except ValueError as err:
             field = "kv_cache_dtype: " if str(err).startswith("kv plan") else ""
             raise ValueError(f"EngineConfig.{field}{err}") from None
+        if not (is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1):
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be an integer >= 1, got "
+                             f"{self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1:
+            reason = self._tensor_parallel_unsupported(formats)
+            if reason:
+                raise ValueError(f"EngineConfig.tensor_parallel_size: {reason}")
         if self.kv_remote is not None:
             reason = self._remote_unsupported(formats)
             if reason:
@@ -259,6 +269,19 @@ class EngineConfig:
             if parse_bytes(self.offload_memory):
                 raise ValueError("EngineConfig.offload_memory: offload needs dense pages; use "
                                  "kv_cache_dtype='auto' with it")
+
+    def _tensor_parallel_unsupported(self, formats: list[tuple[KVFormat, KVFormat]] | None) -> str | None:
+        """What a first tensor-parallel engine leaves out: moves whose state lives on rank 0 only."""
+        if self.cache_mode != "paged" or self.preemption_mode != "recompute" or parse_bytes(self.offload_memory):
+            return "needs cache_mode='paged', preemption_mode='recompute' and no offload_memory"
+        if self.kv_eviction != "none":
+            return "token eviction (kv_eviction) is not split across ranks yet"
+        if self.kv_remote is not None:
+            return "kv_remote is not split across ranks yet"
+        if formats is not None and (self.residual_tokens or not all(f.per_token for pair in formats for f in pair)):
+            return ("formats with a full-precision window or encoded a block at a time (kivi, kv_residual > 0) "
+                    "keep staging state on rank 0 only")
+        return None
 
     def _remote_unsupported(self, formats: list[tuple[KVFormat, KVFormat]] | None) -> str | None:
         if not (isinstance(self.kv_remote, str) and self.kv_remote.startswith(REMOTE_SCHEMES)):

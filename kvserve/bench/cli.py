@@ -150,6 +150,7 @@ def run_replicas(args: argparse.Namespace, out: Path) -> None:
             f"dtype {args.dtype}\n\n" + format_runs(runs))
     print(text)
     (out / "replicas.md").write_text(text + "\n")
+    (out / "replicas.json").write_text(json.dumps([asdict(r) for r in runs], indent=2))
 
 
 def run_attention(args: argparse.Namespace, out: Path) -> None:

@@ -91,6 +91,8 @@ def run_config(config: EngineConfig, prompts: list[list[int]], router: str, remo
         results = asyncio.run(_drive(front, prompts, max_tokens, concurrency))
         wall = time.perf_counter() - start
         counters = asyncio.run(front.each_replica("counters"))
+        if len(counters) != num_replicas:
+            raise RuntimeError(f"bench replicas: {num_replicas - len(counters)} replica(s) did not report counters")
     finally:
         ReplicaFront.stop()
     ttfts = [t for t, _, _ in results]
@@ -104,11 +106,11 @@ def run_config(config: EngineConfig, prompts: list[list[int]], router: str, remo
 
 
 def format_runs(runs: list[ReplicaRun]) -> str:
-    lines = ["| router | redis tier | prefix hit rate | of it remote | tokens computed | TTFT mean | TTFT p50 "
-             "| output tok/s | requests per replica |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| router | redis tier | prompt tokens | prefix hit rate | of it remote | tokens computed | TTFT mean "
+             "| TTFT p50 | output tok/s | requests per replica |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        lines.append(f"| {r.router} | {'yes' if r.remote else 'no'} | {r.hit_rate:.1%} | "
+        lines.append(f"| {r.router} | {'yes' if r.remote else 'no'} | {r.prompt_tokens:,} | {r.hit_rate:.1%} | "
                      f"{r.remote_tokens / max(r.prompt_tokens, 1):.1%} | {r.tokens_computed:,} | {r.ttft_mean_s:.2f} s | "
                      f"{r.ttft_p50_s:.2f} s | {r.tokens_per_s:.1f} | {' / '.join(map(str, r.requests_per_replica))} |")
     return "\n".join(lines)

@@ -343,6 +343,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan = p.add_argument_group("planning")
     plan.add_argument("--budget", type=_byte_size, default=None,
                       help="KV memory to fill, e.g. 80GiB: prints how many --seq-len sequences fit")
+    plan.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                      help="plan one rank of an engine split over this many (each rank's pool holds only its "
+                           "KV heads; --budget is then per rank); default 1")
     plan.add_argument("--compare-attention", action="store_true",
                       help="show the same model with MHA, GQA and MQA side by side")
     plan.add_argument("--lengths-median", type=_positive_int, default=None,
@@ -374,6 +377,15 @@ def _shape_from_args(args: argparse.Namespace) -> tuple[str, ModelConfig]:
 
 def run(args: argparse.Namespace) -> None:
     name, cfg = _shape_from_args(args)
+    if args.tensor_parallel_size > 1:
+        from kvserve.distributed.sharding import shard_config, shard_of
+
+        shard = shard_of(cfg, 0, args.tensor_parallel_size)
+        note = (f"each of its KV heads replicated on {args.tensor_parallel_size // cfg.num_kv_heads} ranks"
+                if shard.replicated_kv else f"the most of any rank; {cfg.num_kv_heads} KV heads in all")
+        print(f"Per rank of tensor_parallel_size {args.tensor_parallel_size}: rank 0 holds {len(shard.kv_heads)} "
+              f"KV head(s) ({note}) and {len(shard.q_heads)} query heads")
+        cfg = shard_config(cfg, shard)
     max_len = args.max_len or cfg.max_position
     lengths = None
     if args.lengths_median is not None:

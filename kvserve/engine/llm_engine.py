@@ -23,9 +23,12 @@ from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
+from kvserve.distributed.sharding import shard_config, shard_model, shard_of
+from kvserve.distributed.tp_group import TPGroup
 from kvserve.engine.beam_search import BeamGroup
+from kvserve.engine.rank_setup import make_pool, rank_formats
+from kvserve.engine.tp_worker import tp_worker_main
 from kvserve.engine.remote_namespace import remote_namespace
-from kvserve.engine.kv_calibration import calibrate_formats, calibration_tokens, measure_kv_amax, needs_calibration
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.penalties import apply_penalties
 from kvserve.engine.logprobs import prompt_span, token_logprobs
@@ -35,7 +38,6 @@ from kvserve.eviction.state import EvictionState
 from kvserve.kernels import cpu_extension
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
-from kvserve.model.ops import resolve_ops
 from kvserve.profiling import label
 from kvserve.sampling_params import SamplingParams
 
@@ -97,18 +99,18 @@ class LLMEngine:
                              f">= max_model_len ({self.max_model_len}) so that any prompt can be prefilled "
                              f"(or enable_chunked_prefill)")
 
-        formats = config.kv_layer_formats(cfg.num_layers)
         rotation = rotation_matrix(config.kv_rotation, cfg.head_dim, config.seed)
         kernels = cpu_extension.load() if config.cpu_kernels and self.device.type == "cpu" else None
-        if needs_calibration(formats):
-            start = time.perf_counter()
-            ids = calibration_tokens(self.tokenizer, cfg.vocab_size, config.kv_calibration_tokens, config.seed)
-            amax = measure_kv_amax(self.model, resolve_ops(kernels), ids, rotation, config.torch_dtype, self.device)
-            formats = calibrate_formats(formats, amax)
-            logger.info("kvserve: per-head fp8 scales calibrated on %d tokens in %.1f s", len(ids),
-                        time.perf_counter() - start)
-        residual = config.residual_tokens
-        sizes = KVSizes.of(config, cfg)
+        # With tensor parallelism this process is rank 0: its pool holds its own KV heads, the
+        # most of any rank, so the block count it derives from the budget fits every rank.
+        world = config.tensor_parallel_size
+        shard = shard_of(cfg, 0, world) if world > 1 else None
+        formats = rank_formats(config, self.model, self.tokenizer, kernels, rotation, shard)
+        pool_cfg = cfg if shard is None else shard_config(cfg, shard)
+        if shard is not None and shard.replicated_kv:
+            logger.warning("kvserve: %d KV heads over %d ranks: each KV head is replicated on %d ranks",
+                           cfg.num_kv_heads, world, world // cfg.num_kv_heads)
+        sizes = KVSizes.of(config, pool_cfg)
         block_bytes, staging = sizes.block_bytes, sizes.staging_slots
         self.kv_bytes_per_token = block_bytes / config.block_size
         budget = config.kv_budget_bytes()
@@ -130,13 +132,7 @@ class LLMEngine:
             raise ValueError(f"EngineConfig.kv_cache_memory: contiguous mode preallocates max_model_len "
                              f"({self.max_model_len}) tokens per sequence, more than the "
                              f"{num_blocks * config.block_size} slots the budget holds")
-        if formats is None:
-            self.pool: KVPool | QuantizedKVPool = KVPool(
-                cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                config.torch_dtype, self.device, num_host_blocks)
-        else:
-            self.pool = QuantizedKVPool(num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                        config.torch_dtype, self.device, formats, residual, staging)
+        self.pool = make_pool(config, pool_cfg, num_blocks, formats, staging, num_host_blocks, self.device)
         self.swap = None
         if config.preemption_mode != "recompute" and config.cache_mode == "paged":
             self.swap = SwapSpace(self.pool, parse_bytes(config.host_swap_memory) // block_bytes,
@@ -147,9 +143,13 @@ class LLMEngine:
                                    recompute_all=config.cache_mode == "no-cache",
                                    swap=self.swap, prefer_swap=self._prefer_swap,
                                    chunked_prefill=self.chunked_prefill)
-        self.attention_backend = make_backend(config.attention_backend, self.pool, cfg.num_heads, self.device)
+        self.attention_backend = make_backend(config.attention_backend, self.pool, pool_cfg.num_heads, self.device)
+        self.tp = None
+        if shard is not None:
+            self.tp = TPGroup.start(config, num_blocks, tp_worker_main)
+            self.model = shard_model(self.model, shard, self.tp.group)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device, self.attention_backend,
-                                  kernels, self.swap, rotation)
+                                  kernels, self.swap, rotation, self.tp)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
                              else cfg.eos_token_id)
         self.tokens_computed = 0  # tokens run through the model, prefill and decode
@@ -172,6 +172,19 @@ class LLMEngine:
         block_bytes = self.pool.nbytes // self.block_manager.num_blocks
         swap_s = 2 * self.block_manager.blocks_for(num_tokens) * block_bytes / self._COPY_BYTES_PER_S.get(kind, 2e10)
         return swap_s < recompute_s
+
+    def fatal_error(self) -> str | None:
+        """Why this engine can run no further step (a tensor-parallel rank died), or None."""
+        if self.tp is not None:
+            dead = self.tp.dead_workers()
+            if dead:
+                return f"tensor-parallel rank(s) {', '.join(dead)} died; the engine cannot continue"
+        return None
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (an engine without them holds no process)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # -- requests ---------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Protocol
 
 import torch
 
@@ -23,6 +24,23 @@ from kvserve.model.ops import resolve_ops
 
 
 @dataclass(frozen=True)
+class StepInput:
+    """One step as every tensor-parallel rank runs it (rank 0 builds it, the others receive it)."""
+    ops: BlockOps
+    input_ids: list[int]
+    metadata: StepMetadata
+    rows: torch.Tensor                  # the logits rows: each sequence's last token, then prompt_span's
+    scoring: ScorePlan | None
+    num_seqs: int
+
+
+class StepPeers(Protocol):
+    """The other tensor-parallel ranks (distributed/tp_group.py), as rank 0's runner sees them."""
+
+    def broadcast(self, step: StepInput) -> None: ...
+
+
+@dataclass(frozen=True)
 class StepResult:
     logits: torch.Tensor                # [len(seqs), vocab]: after each sequence's last token run
     prompt_logits: torch.Tensor         # [R, vocab]: after each position `prompt_span` names, in batch order
@@ -30,11 +48,15 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool | QuantizedKVPool, block_manager: BlockManager,
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool | QuantizedKVPool, block_manager: BlockManager | None,
                  device: torch.device, backend: AttentionBackend, kernels: ModuleType | None,
-                 swap: SwapSpace | None = None, rotation: torch.Tensor | None = None) -> None:
-        """`rotation`: the [D, D] rotation of q, k and v before the pages (attention/rotation.py)."""
+                 swap: SwapSpace | None = None, rotation: torch.Tensor | None = None,
+                 peers: StepPeers | None = None) -> None:
+        """`rotation`: the [D, D] rotation of q, k and v before the pages (attention/rotation.py);
+        `peers`: the tensor-parallel ranks that run each step beside this one (rank 0's runner);
+        `block_manager` is None on those ranks, which only `execute`."""
         self.model, self.pool, self.block_manager, self.device = model, pool, block_manager, device
+        self.peers = peers
         self.rotation = None if rotation is None else rotation.to(device)
         self.backend, self.ops, self.swap = backend, resolve_ops(kernels), swap
         self.linear_kind = cpu_linear_kind(device, next(model.parameters()).dtype, kernels)
@@ -44,20 +66,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], num_scheduled: list[int], ops: BlockOps,
                 score_from: list[int | None] | None = None) -> StepResult:
-        """Applies the step's block moves, then runs the next `num_scheduled[i]` uncomputed tokens
-        of each sequence (all of them, or a prompt chunk). `score_from[i]`: the position from
-        which sequence i's queries count toward the attention scores its eviction policy reads
-        (None: not scored)."""
-        if ops.compactions:  # first: they read blocks the moves below may reuse
-            self.pool.compact(ops.compactions)
-        if ops.swap_out or ops.swap_in:
-            assert self.swap is not None, "swaps scheduled without a swap space"
-            self.swap.apply(self.pool, ops.swap_out, ops.swap_in)
-        if ops.offloads:  # only dense pools offload (EngineConfig checks)
-            self.pool.offload_blocks(list(ops.offloads))
-        if ops.loads:
-            write_blocks(self.pool.block_tensors, list(ops.loads))
-        self.pool.copy_blocks(list(ops.copies))
+        """Runs the next `num_scheduled[i]` uncomputed tokens of each sequence (all of them, or a
+        prompt chunk), after the step's block moves. `score_from[i]`: the position from which
+        sequence i's queries count toward the attention scores its eviction policy reads (None:
+        not scored). With tensor-parallel peers, they run the same step first."""
+        step = self.prepare(seqs, num_scheduled, ops, score_from)
+        if self.peers is not None:
+            self.peers.broadcast(step)
+        return self.execute(step)
+
+    def prepare(self, seqs: list[Sequence], num_scheduled: list[int], ops: BlockOps,
+                score_from: list[int | None] | None = None) -> StepInput:
+        """Everything a rank needs to run the step, from the scheduler's state (rank 0 only)."""
         bm = self.block_manager
         starts = [s.num_computed_tokens for s in seqs]
         ends = [start + n for start, n in zip(starts, num_scheduled)]
@@ -74,18 +94,36 @@ class ModelRunner:
             evicted=evicted if any(evicted) else None)
         first_rows = {i: max(f - start, 0) for i, (f, start) in enumerate(zip(score_from or [], starts))
                       if f is not None}
-        attention = StepAttention.of(self.backend, step, ScorePlan.build(step, first_rows) if first_rows else None,
-                                     self.rotation)
         rows = step.query_start[1:] - 1
         # Row of position p of sequence i: query_start[i] + p - start_i.
         spans = [(i, *prompt_span(s, start, end)) for i, (s, start, end) in enumerate(zip(seqs, starts, ends))]
         extra = [torch.arange(lo, hi) + int(step.query_start[i]) - starts[i] for i, lo, hi in spans if hi > lo]
         if extra:
             rows = torch.cat([rows, *extra])
-        logits = self.model(torch.tensor(input_ids, device=self.device), attention, rows.to(self.device), self.ops)
+        return StepInput(ops, input_ids, step, rows, ScorePlan.build(step, first_rows) if first_rows else None,
+                         len(seqs))
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepResult:
+        """Applies the step's block moves to this rank's pool, then runs the model."""
+        ops = step.ops
+        if ops.compactions:  # first: they read blocks the moves below may reuse
+            self.pool.compact(ops.compactions)
+        if ops.swap_out or ops.swap_in:
+            assert self.swap is not None, "swaps scheduled without a swap space"
+            self.swap.apply(self.pool, ops.swap_out, ops.swap_in)
+        if ops.offloads:  # only dense pools offload (EngineConfig checks)
+            self.pool.offload_blocks(list(ops.offloads))
+        if ops.loads:
+            write_blocks(self.pool.block_tensors, list(ops.loads))
+        self.pool.copy_blocks(list(ops.copies))
+        attention = StepAttention.of(self.backend, step.metadata, step.scoring, self.rotation)
+        logits = self.model(torch.tensor(step.input_ids, device=self.device), attention,
+                            step.rows.to(self.device), self.ops)
         scores = None if attention.scoring is None else dict(zip(attention.scoring.batch_index,
                                                                  attention.scores.cpu().unbind(1)))
-        return StepResult(logits[:len(seqs)], logits[len(seqs):], scores)
+        n = step.num_seqs
+        return StepResult(logits[:n], logits[n:], scores)
 
     @staticmethod
     def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

@@ -51,7 +51,10 @@ class ReplicaFront:
         from ray.serve.config import RequestRouterConfig
 
         if not ray.is_initialized():
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no phoning home from a server
             ray.init(include_dashboard=False, log_to_driver=False)
+        # Our app is the HTTP ingress: Serve's own HTTP proxies are not started.
+        serve.start(http_options={"location": "NoServer"})
         threads = settings.threads_per_replica or max(1, (os.cpu_count() or 1) // settings.num_replicas)
         deployment = serve.deployment(EngineReplica, name="EngineReplica").options(
             num_replicas=settings.num_replicas,
@@ -156,9 +159,13 @@ class ReplicaFront:
     async def metrics_text(self) -> bytes:
         return merge_metrics({rid: text.decode() for rid, text in (await self.each_replica("metrics_text")).items()})
 
-    async def kv_state(self, expose_request_ids: bool) -> dict[str, Any]:
-        states = await self.each_replica("kv_state", expose_request_ids)
-        return {"replicas": [{"replica": rid, **state} for rid, state in sorted(states.items())]}
+    async def kv_state(self, expose_request_ids: bool, replica: str | None = None) -> dict[str, Any]:
+        ids = self.replica_ids()
+        if not ids:
+            raise RuntimeError("no replica is running")
+        chosen = replica if replica in ids else ids[0]
+        state = await asyncio.wait_for(self.handle.kv_state.remote(expose_request_ids, pin=chosen), _CALL_TIMEOUT_S)
+        return {**state, "replica": chosen, "replicas": ids}
 
 
 def _unwrap(err: Exception) -> Exception:

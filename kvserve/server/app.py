@@ -117,8 +117,8 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
         return Response(await aengine.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/kv/state")
-    async def state() -> dict[str, Any]:
-        return await aengine.kv_state(settings.expose_request_ids)
+    async def state(replica: str | None = None) -> dict[str, Any]:
+        return await aengine.kv_state(settings.expose_request_ids, replica)
 
     @app.get("/", response_class=HTMLResponse)
     async def dashboard() -> str:

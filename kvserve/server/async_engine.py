@@ -55,10 +55,15 @@ def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int) -> None:
+    def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int,
+                 on_fatal: Callable[[], None] | None = None) -> None:
+        """`on_fatal`: called (on the engine thread) once the engine can run no further step,
+        after every request was failed; the server stops on it and exits non-zero."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self._on_fatal = on_fatal
+        self.fatal: str | None = None  # why the engine stopped for good
         self._inbox: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future | None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -86,7 +91,8 @@ class AsyncEngine:
         await self.call(self.metrics.observe_gauges)
         return self.metrics.render()
 
-    async def kv_state(self, expose_request_ids: bool) -> dict[str, Any]:
+    async def kv_state(self, expose_request_ids: bool, replica: str | None = None) -> dict[str, Any]:
+        """One engine: `replica` names nothing here."""
         return await self.call(lambda e: kv_state(e, expose_request_ids))
 
     # -- called from the event loop ------------------------------------------------------------
@@ -194,6 +200,16 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except Exception:
+                fatal = engine.fatal_error()
+                if fatal is not None:  # no later step can run: end everything and stop
+                    logger.error("kvserve: %s; failing every request and stopping", fatal)
+                    self.fatal = fatal
+                    self._draining = True
+                    for rid in list(self._sinks):
+                        self._end(rid, "error", RuntimeError(fatal))
+                    if self._on_fatal is not None:
+                        self._on_fatal()
+                    break
                 # The forward pass of the whole batch failed: no single request is to blame.
                 logger.exception("engine step failed; aborting the batch")
                 self._fail_running("internal error in the engine step")

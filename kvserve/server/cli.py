@@ -92,8 +92,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         serving = f"{aengine.model_name} ({args.replicas} replicas, {args.router} routing)"
     else:
         llm = llm_from_args(args)
-        aengine = AsyncEngine(llm.engine, Metrics(), args.max_waiting)
-        on_start, on_stop = aengine.start, (lambda: aengine.shutdown(timeout=0))
+        # An engine that can run no further step (a tensor-parallel rank died) has already failed
+        # every request: stop the server as a second Ctrl-C would, and exit non-zero below.
+        aengine = AsyncEngine(llm.engine, Metrics(), args.max_waiting,
+                              on_fatal=lambda: os.kill(os.getpid(), signal.SIGINT))
+        on_start, on_stop = aengine.start, (lambda: (aengine.shutdown(timeout=0), llm.engine.close()))
         serving = llm.engine.model_name
     settings = ServerSettings(args.retry_after, args.served_model_name, args.api_key, args.expose_request_ids,
                               ServerSettings.hosts_for(args.host, args.allowed_hosts), args.max_request_bytes)
@@ -133,3 +136,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # with this one, a drained server exits with status 0 instead of dying by SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     Server(config).run()
+    if getattr(aengine, "fatal", None):
+        print(f"kvserve: stopped: {aengine.fatal}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -27,5 +27,6 @@ class EngineFront(Protocol):
     async def metrics_text(self) -> bytes:
         """Prometheus exposition text."""
 
-    async def kv_state(self, expose_request_ids: bool) -> dict[str, Any]:
-        """The dashboard's picture of the KV pool(s)."""
+    async def kv_state(self, expose_request_ids: bool, replica: str | None = None) -> dict[str, Any]:
+        """The dashboard's picture of a KV pool; with replicas, `replica`'s (default the first),
+        with "replica" and the ids of all in "replicas"."""

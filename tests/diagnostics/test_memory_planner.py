@@ -208,3 +208,14 @@ def test_a_per_layer_plan_is_priced_layer_by_layer(tmp_path: Path) -> None:
     KVPlan((("int8", "int8"),)).save(path)
     with pytest.raises(ValueError, match="names 1 layers, the model has 2"):
         kv_bytes_per_token(cfg, f"plan:{path}")
+
+
+def test_a_tensor_parallel_plan_prices_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    """SmolLM2's 3 KV heads over 2 ranks: rank 0 holds 2, so per token 30 layers x 2 (K, V) x
+    2 heads x 64 x 2 bytes = 15,360 bytes, against 23,040 for the whole model."""
+    main(["--preset", "smollm2-135m", "--tensor-parallel-size", "2", "--dtype", "fp16"])
+    out = capsys.readouterr().out
+    assert "rank 0 holds 2 KV head(s)" in out and "KV per token: 15,360 bytes" in out
+    main(["--preset", "llama-3-8b", "--tensor-parallel-size", "16"])  # 8 KV heads over 16 ranks
+    out = capsys.readouterr().out
+    assert "replicated on 2 ranks" in out and "KV per token: 16,384 bytes" in out  # 32 x 2 x 1 x 128 x 2

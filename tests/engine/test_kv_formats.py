@@ -14,6 +14,7 @@ from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.config import EngineConfig
 from kvserve.eval.quality import forced_logprobs
+from tests.backend_cases import heavy_case
 from tests.conftest import TINY
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -177,7 +178,7 @@ def test_per_head_fp8_scales_are_the_calibration_texts_maxima(tiny_llm: Callable
     assert llm.engine.kv_bytes_per_token == TINY.num_layers * 2 * TINY.num_kv_heads * TINY.head_dim  # 1 B per value
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "torch", heavy_case("triton", backend="triton")])
 def test_backends_read_per_head_fp8_pages_as_the_reference_does(tiny_llm: Callable[..., LLM], backend: str) -> None:
     windows = [[(5 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
     kwargs = {"max_num_seqs": 3, "kv_cache_dtype": "fp8_e4m3", "kv_fp8_scales": "head", "kv_rotation": "hadamard"}

@@ -109,7 +109,9 @@ def test_the_openai_client_works_unchanged(served: Served) -> None:
     metrics = httpx.get(f"http://127.0.0.1:{served.port}/metrics").text
     assert metrics.count('kvserve_prompt_tokens_total{replica="') == 2  # both replicas, one page
     state = httpx.get(f"http://127.0.0.1:{served.port}/kv/state").json()
-    assert len(state["replicas"]) == 2 and all(r["blocks"] for r in state["replicas"])
+    assert len(state["replicas"]) == 2 and state["replica"] == state["replicas"][0]
+    second = httpx.get(f"http://127.0.0.1:{served.port}/kv/state", params={"replica": state["replicas"][1]}).json()
+    assert second["replica"] == state["replicas"][1] and len(second["states"]) == second["num_blocks"]
 
 
 def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_the_next_request_succeeds(
@@ -118,13 +120,15 @@ def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_the_next
 
     import httpx
     body = {"prompt": SHARED[:10], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    before = set(served.front.served_by)
     with httpx.stream("POST", f"http://127.0.0.1:{served.port}/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data:"))
-        victim = served.front.served_by[json.loads(first[5:])["id"]]
-        os.kill(victim.pid, signal.SIGKILL)
-        events = [line for line in lines if line.startswith("data:")]
-    assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+        # The headers come once a replica accepted the request: kill that replica right away,
+        # a few tokens into its 400.
+        (request_id,) = set(served.front.served_by) - before
+        os.kill(served.front.served_by[request_id].pid, signal.SIGKILL)
+        events = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert len(events) >= 2 and '"error"' in events[-2] and events[-1] == "data: [DONE]", events
+    assert json.loads(events[-2][5:])["error"]["message"].startswith("the replica serving this request failed")
     for _ in range(3):  # Serve restarts the replica; the router sends elsewhere meanwhile
         reply = httpx.post(f"http://127.0.0.1:{served.port}/v1/completions",
                            json={"prompt": SHARED[:12], "max_tokens": 3}, timeout=60)

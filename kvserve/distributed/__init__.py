@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed: one engine, its heads and MLP split across ranks."""

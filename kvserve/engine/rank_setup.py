@@ -1,0 +1,44 @@
+"""What every tensor-parallel rank builds the same way, the engine (rank 0) and its workers
+(tp_worker.py): each layer's page formats for the rank's KV heads, and its pool."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from kvserve.cache.kv_pool import KVPool
+from kvserve.cache.quantized_pool import LayerFormats, QuantizedKVPool
+from kvserve.config import EngineConfig
+from kvserve.distributed.sharding import Shard
+from kvserve.engine.kv_calibration import calibrate_formats, calibration_tokens, measure_kv_amax, needs_calibration
+from kvserve.model.config import ModelConfig
+from kvserve.model.ops import resolve_ops
+
+logger = logging.getLogger(__name__)
+
+
+def rank_formats(config: EngineConfig, model: torch.nn.Module, tokenizer: Any, kernels: Any,
+                 rotation: torch.Tensor | None, shard: Shard | None) -> list[LayerFormats] | None:
+    """Each layer's (keys, values) formats for a rank's pool (`shard` None: the whole model's);
+    per-head fp8 scales calibrated on the whole model, then cut to the rank's KV heads."""
+    formats = config.kv_layer_formats(model.config.num_layers)
+    if not needs_calibration(formats):
+        return formats
+    start = time.perf_counter()
+    ids = calibration_tokens(tokenizer, model.config.vocab_size, config.kv_calibration_tokens, config.seed)
+    amax = measure_kv_amax(model, resolve_ops(kernels), ids, rotation, config.torch_dtype, config.torch_device)
+    if shard is not None:
+        amax = amax[:, :, list(shard.kv_heads)]
+    logger.info("kvserve: per-head fp8 scales calibrated on %d tokens in %.1f s", len(ids), time.perf_counter() - start)
+    return calibrate_formats(formats, amax)
+
+
+def make_pool(config: EngineConfig, cfg: ModelConfig, num_blocks: int, formats: list[LayerFormats] | None,
+              staging: int, num_host_blocks: int, device: torch.device) -> KVPool | QuantizedKVPool:
+    if formats is None:
+        return KVPool(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                      config.torch_dtype, device, num_host_blocks)
+    return QuantizedKVPool(num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype,
+                           device, formats, config.residual_tokens, staging)

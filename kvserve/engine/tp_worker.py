@@ -1,0 +1,46 @@
+"""A tensor-parallel rank other than 0: the engine's model slice, pool and runner, and no
+scheduler. It loads the model as rank 0 does, keeps its shard, builds a pool of rank 0's block
+count over its own KV heads, and runs every step rank 0 broadcasts until told to stop."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.attention import make_backend
+from kvserve.attention.rotation import rotation_matrix
+from kvserve.cache.quantized_pool import QuantizedKVPool
+from kvserve.config import EngineConfig
+from kvserve.distributed.sharding import shard_config, shard_model, shard_of
+from kvserve.distributed.tp_group import broadcast_object, init_group
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.rank_setup import make_pool, rank_formats
+from kvserve.kernels import cpu_extension
+from kvserve.model.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+def tp_worker_main(config: EngineConfig, rank: int, port: int, num_blocks: int, timeout_s: float) -> None:
+    device = config.torch_device
+    torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
+    loaded = load_model(config.model, config.torch_dtype, device, config.seed)
+    cfg = loaded.config
+    shard = shard_of(cfg, rank, config.tensor_parallel_size)
+    rotation = rotation_matrix(config.kv_rotation, cfg.head_dim, config.seed)
+    kernels = cpu_extension.load() if config.cpu_kernels and device.type == "cpu" else None
+    formats = rank_formats(config, loaded.model, loaded.tokenizer, kernels, rotation, shard)
+    rank_cfg = shard_config(cfg, shard)
+    staging = 0 if formats is None else QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size,
+                                                                      config.residual_tokens, formats)
+    pool = make_pool(config, rank_cfg, num_blocks, formats, staging, 0, device)
+    group = init_group(rank, config.tensor_parallel_size, port, device.type, timeout_s)
+    model = shard_model(loaded.model, shard, group)
+    del loaded
+    backend = make_backend(config.attention_backend, pool, rank_cfg.num_heads, device)
+    runner = ModelRunner(model, pool, None, device, backend, kernels, None, rotation)
+    try:
+        while (step := broadcast_object(group, None, rank)) is not None:
+            runner.execute(step)
+    except RuntimeError as err:  # rank 0 went away without a goodbye (its process ended): so do we
+        logger.debug("tensor-parallel rank %d stops: %s", rank, err)

@@ -1,0 +1,103 @@
+"""Tensor parallelism over gloo on this machine: TP=2 against TP=1, same weights, fp32."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.distributed.sharding import shard_of
+from kvserve.eval.quality import forced_logprobs
+from tests.conftest import TINY
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 5, [9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8] * 5 + [12, 13]]
+
+
+@pytest.mark.parametrize("fmt", ["auto", "int8", "fp8_e4m3", "int4"])
+def test_two_ranks_generate_what_one_does(tiny_llm: Callable[..., LLM], fmt: str) -> None:
+    one = tiny_llm(kv_cache_dtype=fmt, kv_group_size=16)
+    two = tiny_llm(kv_cache_dtype=fmt, kv_group_size=16, tensor_parallel_size=2)
+    want = [o.token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert [o.token_ids for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    again = two.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].token_ids  # a prefix hit on both ranks' pages
+    assert two.engine.block_manager.prefix_stats.cached_tokens > 0 and again == want[2]
+    windows = [[(7 * i + 3 * j) % 128 for j in range(60)] for i in range(2)]
+    torch.testing.assert_close(forced_logprobs(two, windows, prefill_len=20),
+                               forced_logprobs(one, windows, prefill_len=20), atol=1e-4, rtol=1e-4)
+    # Each rank's pool holds its own KV head of two: half the bytes per token, twice the blocks.
+    assert two.engine.kv_bytes_per_token * 2 == one.engine.kv_bytes_per_token
+    assert two.engine.block_manager.num_blocks >= 2 * one.engine.block_manager.num_blocks - 1
+
+
+def test_preemption_under_two_ranks_changes_nothing(tiny_llm: Callable[..., LLM]) -> None:
+    # 9 blocks of 16 slots hold 144 tokens; the three sequences grow to 157: someone is preempted.
+    longer = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in tiny_llm(max_num_seqs=3).generate(PROMPTS, longer, use_tqdm=False)]
+    # A rank's block: 2 layers x K and V x 16 slots x 1 KV head x 16 dims x 4 bytes.
+    small = tiny_llm(max_num_seqs=3, tensor_parallel_size=2, kv_cache_memory=str(9 * 2 * 2 * 16 * 1 * 16 * 4))
+    assert small.engine.block_manager.num_blocks == 9
+    assert [o.token_ids for o in small.generate(PROMPTS, longer, use_tqdm=False)] == want
+    assert small.engine.scheduler.num_preemptions > 0
+
+
+def test_shards_cover_every_head_once_or_replicate_kv_heads() -> None:
+    smol = replace(TINY, num_heads=9, num_kv_heads=3, intermediate_size=1536)
+    shards = [shard_of(smol, r, 2) for r in range(2)]
+    assert [s.kv_heads for s in shards] == [(0, 1), (2,)] and [len(s.q_heads) for s in shards] == [6, 3]
+    assert shards[0].mlp == (0, 768) and shards[1].mlp == (768, 1536)
+    mqa = replace(TINY, num_heads=4, num_kv_heads=1)
+    shards = [shard_of(mqa, r, 2) for r in range(2)]
+    assert all(s.kv_heads == (0,) and s.replicated_kv for s in shards)
+    assert [s.q_heads for s in shards] == [(0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"tensor_parallel_size": 0},
+    {"tensor_parallel_size": 2, "kv_eviction": "window", "kv_budget": 32},
+    {"tensor_parallel_size": 2, "kv_cache_dtype": "kivi4"},
+    {"tensor_parallel_size": 2, "preemption_mode": "swap"},
+])
+def test_unsupported_tensor_parallel_settings_name_the_field(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(**kwargs)
+
+
+@pytest.mark.model
+def test_the_bundled_model_split_over_two_ranks_generates_what_one_does(smol: LLM) -> None:
+    """SmolLM2's 3 KV heads split unevenly (2 and 1): rank 0's pool holds 2/3 of the bytes."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    want = [o.token_ids for o in smol.generate(prompts, greedy, use_tqdm=False)]
+    two = LLM(dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=512, tensor_parallel_size=2)
+    assert [o.token_ids for o in two.generate(prompts, greedy, use_tqdm=False)] == want
+    assert two.engine.kv_bytes_per_token * 3 == smol.engine.kv_bytes_per_token * 2
+
+
+def test_a_dead_rank_fails_every_request_clearly_and_stops_the_engine(tiny_llm: Callable[..., LLM]) -> None:
+    import asyncio
+
+    from kvserve.server.async_engine import AsyncEngine, Done
+    from kvserve.server.metrics import Metrics
+
+    llm = tiny_llm(tensor_parallel_size=2)
+    stopped = []
+    aengine = AsyncEngine(llm.engine, Metrics(), 8, on_fatal=lambda: stopped.append(True))
+    aengine.start()
+
+    async def run() -> list:
+        _, sink = await aengine.submit([PROMPTS[0]], SamplingParams(max_tokens=200, ignore_eos=True), "r1")
+        items = [await sink.get()]
+        llm.engine.tp.workers[0].kill()
+        while not isinstance(items[-1], Done):
+            items.append(await asyncio.wait_for(sink.get(), 30))
+        return items
+
+    items = asyncio.run(run())
+    errors = [i for i in items if isinstance(i, Exception)]
+    assert errors and "tensor-parallel rank(s) kvserve-tp-rank-1 died" in str(errors[0])
+    assert stopped and aengine.fatal is not None
+    aengine.shutdown(timeout=1)
