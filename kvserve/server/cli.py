@@ -93,9 +93,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     else:
         llm = llm_from_args(args)
         # An engine that can run no further step (a tensor-parallel rank died) has already failed
-        # every request: stop the server as a second Ctrl-C would, and exit non-zero below.
+        # every request: stop serving (`server` is bound below, before anything can fail) and
+        # exit non-zero after uvicorn's shutdown.
         aengine = AsyncEngine(llm.engine, Metrics(), args.max_waiting,
-                              on_fatal=lambda: os.kill(os.getpid(), signal.SIGINT))
+                              on_fatal=lambda: setattr(server, "should_exit", True))
         on_start, on_stop = aengine.start, (lambda: (aengine.shutdown(timeout=0), llm.engine.close()))
         serving = llm.engine.model_name
     settings = ServerSettings(args.retry_after, args.served_model_name, args.api_key, args.expose_request_ids,
@@ -135,7 +136,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # uvicorn re-raises the signal after its graceful shutdown, under the handler found at start:
     # with this one, a drained server exits with status 0 instead of dying by SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    Server(config).run()
+    server = Server(config)
+    server.run()
     if getattr(aengine, "fatal", None):
         print(f"kvserve: stopped: {aengine.fatal}", file=sys.stderr, flush=True)
         sys.exit(1)

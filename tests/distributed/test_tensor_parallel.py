@@ -101,3 +101,35 @@ def test_a_dead_rank_fails_every_request_clearly_and_stops_the_engine(tiny_llm: 
     assert errors and "tensor-parallel rank(s) kvserve-tp-rank-1 died" in str(errors[0])
     assert stopped and aengine.fatal is not None
     aengine.shutdown(timeout=1)
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The server's multiprocessing-spawned children (its tensor-parallel ranks)."""
+    from pathlib import Path
+
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children
+            if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_a_server_whose_rank_dies_fails_the_stream_and_exits_non_zero() -> None:
+    import json
+    import os
+    import signal
+
+    import httpx
+
+    from kvserve.bench.serve_load import ServerProcess
+
+    srv = ServerProcess("--model", "random:tiny", "--dtype", "float32", "--kv-cache-memory", "16MiB",
+                        "--tensor-parallel-size", "2")
+    try:
+        (worker,) = _spawned_children(srv.proc.pid)
+        body = {"prompt": list(range(10)), "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+            os.kill(worker, signal.SIGKILL)
+            events = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert "tensor-parallel rank(s)" in json.loads(events[-2][5:])["error"]["message"]
+        assert srv.proc.wait(60) == 1
+    finally:
+        srv.stop()

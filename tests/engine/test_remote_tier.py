@@ -71,3 +71,16 @@ def test_killing_redis_mid_run_loses_no_request(tiny_llm: Callable[..., LLM], re
 def test_bad_remote_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
+
+
+def test_the_tier_counts_show_in_metrics(tiny_llm: Callable[..., LLM], redis_server: RedisServer) -> None:
+    from kvserve.server.metrics import Metrics
+
+    outputs(tiny_llm(kv_remote=redis_server.url), [PROMPT])
+    b = tiny_llm(kv_remote=redis_server.url)
+    outputs(b, [PROMPT])
+    metrics = Metrics()
+    metrics.observe_step(b.engine)
+    text = metrics.render().decode()
+    assert 'kvserve_kv_remote_blocks_total{event="hits"} 4.0' in text
+    assert 'kvserve_kv_remote_blocks_total{event="corrupt"} 0.0' in text
