@@ -252,7 +252,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.tensor_parallel_size must be an integer >= 1, got "
                              f"{self.tensor_parallel_size!r}")
         if self.tensor_parallel_size > 1:
-            reason = self._tensor_parallel_unsupported(formats)
+            reason = self._tensor_parallel_unsupported()
             if reason:
                 raise ValueError(f"EngineConfig.tensor_parallel_size: {reason}")
         if self.kv_remote is not None:
@@ -270,7 +270,7 @@ class EngineConfig:
                 raise ValueError("EngineConfig.offload_memory: offload needs dense pages; use "
                                  "kv_cache_dtype='auto' with it")
 
-    def _tensor_parallel_unsupported(self, formats: list[tuple[KVFormat, KVFormat]] | None) -> str | None:
+    def _tensor_parallel_unsupported(self) -> str | None:
         """What a first tensor-parallel engine leaves out: moves whose state lives on rank 0 only."""
         if self.cache_mode != "paged" or self.preemption_mode != "recompute" or parse_bytes(self.offload_memory):
             return "needs cache_mode='paged', preemption_mode='recompute' and no offload_memory"
@@ -278,9 +278,6 @@ class EngineConfig:
             return "token eviction (kv_eviction) is not split across ranks yet"
         if self.kv_remote is not None:
             return "kv_remote is not split across ranks yet"
-        if formats is not None and (self.residual_tokens or not all(f.per_token for pair in formats for f in pair)):
-            return ("formats with a full-precision window or encoded a block at a time (kivi, kv_residual > 0) "
-                    "keep staging state on rank 0 only")
         return None
 
     def _remote_unsupported(self, formats: list[tuple[KVFormat, KVFormat]] | None) -> str | None:

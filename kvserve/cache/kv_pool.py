@@ -78,8 +78,9 @@ class KVPool:
         """Pages hold K/V as computed: nothing to decide per step (see QuantizedKVPool)."""
         return None
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block `src`'s K/V into block `dst`, in every layer."""
+    def copy_blocks(self, pairs: list[tuple[int, int]], plan: None = None) -> None:
+        """Copy-on-write: block `src`'s K/V into block `dst`, in every layer (`plan`: a
+        compressed pool's; dense pages have none)."""
         if not pairs:
             return
         device = self.layers[0][0].device

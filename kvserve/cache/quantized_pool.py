@@ -194,13 +194,20 @@ class QuantizedKVPool:
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: codes, scales and (if staged) the full-precision staging copy."""
+    def copy_blocks(self, pairs: list[tuple[int, int]], plan: StepPlan | None = None) -> None:
+        """Copy-on-write: codes, scales and (if staged) the full-precision staging copy, between
+        the staging slots the step's `plan` gives source and destination (the destination is the
+        block the step's new token lands in, so the plan always stages it). The plan, not this
+        pool's own bookkeeping, says where: tensor-parallel ranks other than 0 never plan."""
         if not pairs:
             return
         src = self._dev(torch.tensor([s for s, _ in pairs]))
         dst = self._dev(torch.tensor([d for _, d in pairs]))
-        staged = [(self.stage_of[s], self._take_stage(d)) for s, d in pairs if s in self.stage_of]
+        staged: list[tuple[int, int]] = []
+        if plan is not None and plan.stage_of is not None:
+            stage = plan.stage_of.tolist()
+            staged = [(stage[s], stage[d]) for s, d in pairs if stage[s] >= 0]
+            assert all(d >= 0 for _, d in staged), "copy-on-write into a block the step does not stage"
         for layer in self.kv:
             for fields, staging in zip(layer.fields, layer.staging):
                 for f in fields.values():

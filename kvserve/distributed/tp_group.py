@@ -70,7 +70,11 @@ class TPGroup:
             w.start()
         return cls(init_group(0, world, port, config.torch_device.type, timeout_s), workers)
 
-    def dead_workers(self) -> list[str]:
+    def dead_workers(self, grace_s: float = 0.0) -> list[str]:
+        """Names of the ranks whose process has ended; `grace_s`: how long to let a rank that is
+        dying finish (a collective can fail on a closed socket before its peer is reaped)."""
+        for w in self.workers:
+            w.join(grace_s)
         return [w.name for w in self.workers if not w.is_alive()]
 
     def broadcast(self, step: Any) -> None:

@@ -176,7 +176,7 @@ class LLMEngine:
     def fatal_error(self) -> str | None:
         """Why this engine can run no further step (a tensor-parallel rank died), or None."""
         if self.tp is not None:
-            dead = self.tp.dead_workers()
+            dead = self.tp.dead_workers(grace_s=1.0)  # asked after a failed step: waiting is cheap
             if dead:
                 return f"tensor-parallel rank(s) {', '.join(dead)} died; the engine cannot continue"
         return None

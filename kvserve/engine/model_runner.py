@@ -116,7 +116,7 @@ class ModelRunner:
             self.pool.offload_blocks(list(ops.offloads))
         if ops.loads:
             write_blocks(self.pool.block_tensors, list(ops.loads))
-        self.pool.copy_blocks(list(ops.copies))
+        self.pool.copy_blocks(list(ops.copies), step.metadata.kv_plan)
         attention = StepAttention.of(self.backend, step.metadata, step.scoring, self.rotation)
         logits = self.model(torch.tensor(step.input_ids, device=self.device), attention,
                             step.rows.to(self.device), self.ops)

@@ -120,3 +120,17 @@ def test_shutdown_drains_then_refuses(aengine: Callable[..., AsyncEngine]) -> No
         assert outs[-1].finish_reason == "length"
 
     asyncio.run(run())
+
+
+def test_serve_start_redis_gives_a_working_server() -> None:
+    import shutil
+
+    import redis
+
+    from kvserve.server.local_redis import start_local_redis
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (scripts/install.sh --test installs it)")
+    client = redis.Redis.from_url(start_local_redis())
+    assert client.ping() and client.config_get("save") == {"save": ""}
+    client.shutdown(nosave=True)
