@@ -67,9 +67,12 @@ class Served:
         return self.run(self.front.each_replica("counters"))
 
     def stop(self) -> None:
+        import ray
+
         self.server.should_exit = True
         self.thread.join(10)
         ReplicaFront.stop()
+        ray.shutdown()  # the local cluster's daemons would otherwise idle beside the later tests
 
 
 @pytest.fixture(scope="module")
