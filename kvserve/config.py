@@ -129,8 +129,8 @@ class EngineConfig:
     kv_remote_timeout: float = _opt(0.25, "seconds a kv_remote reply may take; a slower or failed one turns the "
                                           "tier off for 10 s (a warning; the blocks are computed instead)")
     tensor_parallel_size: int = _opt(1, "ranks to split the model over (attention heads and KV heads, MLP "
-                                        "columns), each a process kvserve spawns, over torch.distributed (gloo on "
-                                        "CPU, NCCL on CUDA); each rank's pool holds only its KV heads")
+                                        "columns), each a process kvserve spawns, over torch.distributed (gloo, "
+                                        "on the CPU); each rank's pool holds only its KV heads")
     attention_backend: str = _opt(
         "auto", "auto: the fastest backend that serves the configuration (cpu: a C++ kernel reading pages "
                 "in place; triton: Triton kernels, on CUDA); torch: the gather + SDPA reference",
@@ -271,7 +271,10 @@ class EngineConfig:
                                  "kv_cache_dtype='auto' with it")
 
     def _tensor_parallel_unsupported(self) -> str | None:
-        """What a first tensor-parallel engine leaves out: moves whose state lives on rank 0 only."""
+        """What a first tensor-parallel engine leaves out: moves whose state lives on rank 0 only,
+        and GPUs (the ranks' group is gloo; an NCCL group with a device per rank is not built)."""
+        if self.torch_device.type != "cpu":
+            return "runs on the CPU (gloo) for now; NCCL across GPUs is not built"
         if self.cache_mode != "paged" or self.preemption_mode != "recompute" or parse_bytes(self.offload_memory):
             return "needs cache_mode='paged', preemption_mode='recompute' and no offload_memory"
         if self.kv_eviction != "none":

@@ -133,6 +133,9 @@ class BlockManager:
         block_id = next(iter(self._free))
         if self.blocks[block_id].hash is not None:  # evict: its contents are about to be overwritten
             self._forget(block_id)
+            # A remote load still pending for it (its allocation was rolled back) must not land
+            # on the new owner's data.
+            self.pending_loads = [(b, p) for b, p in self.pending_loads if b != block_id]
         del self._free[block_id]
         self.blocks[block_id].ref_count = 1
         return block_id

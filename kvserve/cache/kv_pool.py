@@ -74,7 +74,8 @@ class KVPool:
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
-    def plan_step(self, block_manager: Any, seqs: list[tuple[str, int, int]]) -> None:
+    def plan_step(self, block_manager: Any, seqs: list[tuple[str, int, int]],
+                  copies: list[tuple[int, int]] | None = None) -> None:
         """Pages hold K/V as computed: nothing to decide per step (see QuantizedKVPool)."""
         return None
 

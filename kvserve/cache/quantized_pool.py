@@ -38,6 +38,7 @@ class StepPlan:
     seal_stages: torch.Tensor          # encoded from staging into their blocks after the writes
     seal_blocks: torch.Tensor
     stage_of: torch.Tensor | None      # [num_blocks] staging slot of each block, -1: none
+    stage_copies: tuple[tuple[int, int], ...] = ()  # copy-on-write: (source slot, destination slot)
 
 
 def encode_blocks(fmt: KVFormat, x: torch.Tensor) -> Fields:
@@ -139,14 +140,19 @@ class QuantizedKVPool:
             self.stage_of[block] = self._stage_free.pop()
         return self.stage_of[block]
 
-    def plan_step(self, block_manager: Any, seqs: list[tuple[str, int, int]]) -> StepPlan:
-        """seqs: (seq_id, tokens already in the pool, tokens after this step), in batch order."""
+    def plan_step(self, block_manager: Any, seqs: list[tuple[str, int, int]],
+                  copies: list[tuple[int, int]] | None = None) -> StepPlan:
+        """seqs: (seq_id, tokens already in the pool, tokens after this step), in batch order;
+        copies: the step's copy-on-write (source, destination) blocks."""
         if not self.staged:
             return self._per_token_plan
-        return self._plan_staged(block_manager, seqs)
+        return self._plan_staged(block_manager, seqs, copies or [])
 
-    def _plan_staged(self, bm: Any, seqs: list[tuple[str, int, int]]) -> StepPlan:
+    def _plan_staged(self, bm: Any, seqs: list[tuple[str, int, int]], copies: list[tuple[int, int]]) -> StepPlan:
         bs = self.block_size
+        # First, before a source can lose its slot below (its last owner preempted this step):
+        # its slot stays intact until the copy, since freed slots are not reused within a step.
+        stage_copies = tuple((self.stage_of[s], self._take_stage(d)) for s, d in copies if s in self.stage_of)
         seal: dict[int, int] = {}  # block -> the staging slot it is encoded from after the writes
         freed: list[int] = []      # slots given back once the plan is made: none is reused within a step
         # Blocks nobody owns: a cached (full) one is sealed, so it can serve a later prefix hit;
@@ -189,25 +195,20 @@ class QuantizedKVPool:
         return StepPlan(False, cat(direct_tokens), self._dev(torch.tensor(direct_blocks, dtype=torch.long)),
                         cat(staged_tokens), cat(staged_slots),
                         self._dev(torch.tensor(list(seal.values()), dtype=torch.long)),
-                        self._dev(torch.tensor(list(seal), dtype=torch.long)), self._dev(stage_of))
+                        self._dev(torch.tensor(list(seal), dtype=torch.long)), self._dev(stage_of), stage_copies)
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
 
     def copy_blocks(self, pairs: list[tuple[int, int]], plan: StepPlan | None = None) -> None:
         """Copy-on-write: codes, scales and (if staged) the full-precision staging copy, between
-        the staging slots the step's `plan` gives source and destination (the destination is the
-        block the step's new token lands in, so the plan always stages it). The plan, not this
-        pool's own bookkeeping, says where: tensor-parallel ranks other than 0 never plan."""
+        the slots the step's `plan` paired (the plan, not this pool's own bookkeeping: tensor-
+        parallel ranks other than 0 never plan)."""
         if not pairs:
             return
         src = self._dev(torch.tensor([s for s, _ in pairs]))
         dst = self._dev(torch.tensor([d for _, d in pairs]))
-        staged: list[tuple[int, int]] = []
-        if plan is not None and plan.stage_of is not None:
-            stage = plan.stage_of.tolist()
-            staged = [(stage[s], stage[d]) for s, d in pairs if stage[s] >= 0]
-            assert all(d >= 0 for _, d in staged), "copy-on-write into a block the step does not stage"
+        staged = list(plan.stage_copies) if plan is not None else []
         for layer in self.kv:
             for fields, staging in zip(layer.fields, layer.staging):
                 for f in fields.values():

@@ -2,10 +2,11 @@
 ranks 1.. are worker processes kvserve spawns. Each step rank 0 broadcasts what the runner will
 execute (`StepInput`: the step's block operations, tokens and metadata, as vLLM's executor sends
 its SchedulerOutput) and every rank runs it; the o_proj and down_proj all-reduces keep them in
-step. gloo on CPU, NCCL on CUDA.
+step. gloo, on the CPU (NCCL for CUDA is not built: EngineConfig refuses it).
 
-A rank that dies makes the next collective fail within `timeout_s` instead of hanging: the
-engine's step raises, the server fails its requests and exits non-zero.
+A rank that dies is seen by rank 0 before its next step (its process has ended) or by the
+closed connection of the collective it was in: the engine's step raises, the server fails its
+requests and exits non-zero. A rank whose peer ends (rank 0 gone) stops.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import torch.distributed as dist
 
 from kvserve.config import EngineConfig
 
+_IDLE_TIMEOUT = datetime.timedelta(days=7)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -28,14 +31,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, world: int, port: int, device_type: str, timeout_s: float) -> dist.ProcessGroup:
-    """A process group of its own (not torch.distributed's default one, which a process has only
-    once: a test or a server may hold several engines)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
-    if device_type == "cuda":
-        return dist.ProcessGroupNCCL(store, rank, world)
-    return dist.ProcessGroupGloo(store, rank, world, timeout)
+def init_group(rank: int, world: int, port: int, startup_timeout_s: float) -> dist.ProcessGroup:
+    """A gloo process group of its own (not torch.distributed's default one, which a process has
+    only once: a test or a server may hold several engines). Joining waits `startup_timeout_s`
+    for every rank; afterwards a rank waits for the next step as long as the engine idles (a week
+    per operation): a dead peer is noticed by its closed connection, not by a timeout."""
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=startup_timeout_s))
+    return dist.ProcessGroupGloo(store, rank, world, _IDLE_TIMEOUT)
 
 
 def broadcast_object(group: dist.ProcessGroup, obj: Any, rank: int) -> Any:
@@ -58,7 +61,7 @@ class TPGroup:
 
     @classmethod
     def start(cls, config: EngineConfig, num_blocks: int, worker_main: Callable[..., None],
-              timeout_s: float = 60.0) -> "TPGroup":
+              timeout_s: float = 600.0) -> "TPGroup":
         """Spawns ranks 1.. running `worker_main(config, rank, port, num_blocks, timeout_s)` (the
         engine's, engine/tp_worker.py) and joins the group as rank 0."""
         world = config.tensor_parallel_size
@@ -68,7 +71,7 @@ class TPGroup:
                                name=f"kvserve-tp-rank-{rank}") for rank in range(1, world)]
         for w in workers:
             w.start()
-        return cls(init_group(0, world, port, config.torch_device.type, timeout_s), workers)
+        return cls(init_group(0, world, port, timeout_s), workers)
 
     def dead_workers(self, grace_s: float = 0.0) -> list[str]:
         """Names of the ranks whose process has ended; `grace_s`: how long to let a rank that is

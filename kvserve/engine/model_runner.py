@@ -90,7 +90,8 @@ class ModelRunner:
             num_scheduled, slot_ends, tables, self.pool.block_size, self.device,
             offloaded=bool(bm.num_host_blocks) and not all(on_device(b) for t in tables for b in t),
             kv_plan=self.pool.plan_step(bm, [(s.seq_id, start - e, end - e)
-                                             for s, start, end, e in zip(seqs, starts, ends, evicted)]),
+                                             for s, start, end, e in zip(seqs, starts, ends, evicted)],
+                                        list(ops.copies)),
             evicted=evicted if any(evicted) else None)
         first_rows = {i: max(f - start, 0) for i, (f, start) in enumerate(zip(score_from or [], starts))
                       if f is not None}

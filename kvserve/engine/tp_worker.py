@@ -34,7 +34,7 @@ def tp_worker_main(config: EngineConfig, rank: int, port: int, num_blocks: int, 
     staging = 0 if formats is None else QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size,
                                                                       config.residual_tokens, formats)
     pool = make_pool(config, rank_cfg, num_blocks, formats, staging, 0, device)
-    group = init_group(rank, config.tensor_parallel_size, port, device.type, timeout_s)
+    group = init_group(rank, config.tensor_parallel_size, port, timeout_s)
     model = shard_model(loaded.model, shard, group)
     del loaded
     backend = make_backend(config.attention_backend, pool, rank_cfg.num_heads, device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from typing import Any
 
 from kvserve.config import EngineConfig
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 APP_NAME = "kvserve"
 _CALL_TIMEOUT_S = 10.0
+_SERVED_BY_KEPT = 10_000
 
 
 class ReplicaFront:
@@ -36,7 +38,8 @@ class ReplicaFront:
         self.model_name = description.model_name
         self.max_model_len = description.max_model_len
         self.block_size = description.block_size
-        self.served_by: dict[str, Accepted] = {}  # request id -> the replica that took it
+        # request id -> the replica that took it, for the most recent requests (logs, benchmarks)
+        self.served_by: OrderedDict[str, Accepted] = OrderedDict()
         self._pumps: dict[str, tuple[asyncio.Task, asyncio.Queue]] = {}
         self._draining = False
 
@@ -94,6 +97,8 @@ class ReplicaFront:
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         for rid in ids:
             self.served_by[rid] = accepted
+        while len(self.served_by) > _SERVED_BY_KEPT:
+            self.served_by.popitem(last=False)
         sink: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(self._pump(stream, ids, sink, accepted))
         for rid in ids:

@@ -20,5 +20,7 @@ def merge_metrics(pages: dict[str, str]) -> bytes:
                 lines.append(f"{sample.name}{{{rendered}}} {sample.value!r}")
     out = []
     for name, (doc, kind, lines) in families.items():
-        out += [f"# HELP {name} {_escape(doc)}", f"# TYPE {name} {kind}", *lines]
+        # The parser names a counter's family without its `_total`; the text format names it with.
+        shown = f"{name}_total" if kind == "counter" else name
+        out += [f"# HELP {shown} {_escape(doc)}", f"# TYPE {shown} {'untyped' if kind == 'unknown' else kind}", *lines]
     return ("\n".join(out) + "\n").encode()

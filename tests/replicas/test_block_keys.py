@@ -40,3 +40,4 @@ def test_merged_metrics_label_every_sample_with_its_replica() -> None:
     assert samples[("kvserve_prompt_tokens_total", (("replica", "r2"),))] == 5.0
     assert samples[("kvserve_requests", (("replica", "r1"), ("state", "running")))] == 2.0
     assert merged.count("# TYPE kvserve_requests gauge") == 1
+    assert "# TYPE kvserve_prompt_tokens_total counter" in merged  # the text format names counters with _total
