@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 from kvserve import LLM  # noqa: E402
 from kvserve.model.config import ModelConfig
+from kvserve.net import free_loopback_port
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, max_position=512)
@@ -61,13 +62,6 @@ def hf_smol() -> Any:
     return model
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """A real redis-server on a free loopback port, no persistence; `stop` kills it (a fault),
     `start` brings it back, empty, on the same port."""
@@ -80,7 +74,7 @@ class RedisServer:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.skip("redis-server is not installed (scripts/install.sh --test installs it)")
-        self.port = _free_port()
+        self.port = free_loopback_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.client = redis.Redis.from_url(self.url)
         self.start()

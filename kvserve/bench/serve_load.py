@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,14 @@ from typing import Any
 import httpx
 
 from kvserve.bench.workload import WorkloadRequest
+from kvserve.net import free_loopback_port
 
 
 class ServerProcess:
     """`kvserve serve` on a free loopback port; ready once /health answers."""
 
     def __init__(self, *args: str, start_timeout: float = 180) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvserve", "serve", "--port", str(self.port), "--log-level", "warning", *args],

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvserve.engine.llm import LLM
-from kvserve.engine.llm_engine import KVSizes
+from kvserve.engine.rank_setup import KVSizes
 from kvserve.eval.quality import forced_logprobs, forcing, kl, top1
 from kvserve.sampling_params import SamplingParams
 

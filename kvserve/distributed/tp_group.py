@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import pickle
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -21,14 +20,9 @@ import torch
 import torch.distributed as dist
 
 from kvserve.config import EngineConfig
+from kvserve.net import free_loopback_port
 
 _IDLE_TIMEOUT = datetime.timedelta(days=7)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_group(rank: int, world: int, port: int, startup_timeout_s: float) -> dist.ProcessGroup:
@@ -65,7 +59,7 @@ class TPGroup:
         """Spawns ranks 1.. running `worker_main(config, rank, port, num_blocks, timeout_s)` (the
         engine's, engine/tp_worker.py) and joins the group as rank 0."""
         world = config.tensor_parallel_size
-        port = _free_port()
+        port = free_loopback_port()
         ctx = multiprocessing.get_context("spawn")  # a fork would copy rank 0's threads and model
         workers = [ctx.Process(target=worker_main, args=(config, rank, port, num_blocks, timeout_s), daemon=True,
                                name=f"kvserve-tp-rank-{rank}") for rank in range(1, world)]

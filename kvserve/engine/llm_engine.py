@@ -19,14 +19,12 @@ from kvserve.attention.rotation import rotation_matrix
 from kvserve.cache.block_bytes import read_blocks
 from kvserve.cache.block_manager import BlockManager, BlockUsage
 from kvserve.cache.kv_remote import RemoteKVTier
-from kvserve.cache.kv_pool import KVPool
-from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
 from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import TPGroup
 from kvserve.engine.beam_search import BeamGroup
-from kvserve.engine.rank_setup import make_pool, rank_formats
+from kvserve.engine.rank_setup import KVSizes, make_pool, rank_formats
 from kvserve.engine.tp_worker import tp_worker_main
 from kvserve.engine.remote_namespace import remote_namespace
 from kvserve.engine.model_runner import ModelRunner
@@ -36,7 +34,6 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from kvserve.eviction.state import EvictionState
 from kvserve.kernels import cpu_extension
-from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from kvserve.profiling import label
 from kvserve.sampling_params import SamplingParams
@@ -46,31 +43,6 @@ logger = logging.getLogger(__name__)
 # Tokens per step with chunked prefill: large enough that weights are read once for many tokens,
 # small enough that a step of prompt chunks does not stall the running streams for long.
 CHUNKED_BATCHED_TOKENS = 512
-
-
-@dataclasses.dataclass(frozen=True)
-class KVSizes:
-    """What a KV pool costs: bytes per block, plus the full-precision staging slots a compressed
-    format with a residual window keeps (max_num_seqs decides how many)."""
-    block_bytes: int
-    staging_slots: int
-    staging_bytes: int
-
-    @staticmethod
-    def of(config: EngineConfig, cfg: ModelConfig) -> KVSizes:
-        dense = KVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                       config.torch_dtype)
-        formats = config.kv_layer_formats(cfg.num_layers)
-        if formats is None:
-            return KVSizes(dense, 0, 0)
-        staging = QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size, config.residual_tokens,
-                                                formats)
-        return KVSizes(QuantizedKVPool.bytes_per_block(config.block_size, cfg.num_kv_heads, cfg.head_dim, formats),
-                       staging, dense * staging)
-
-    def memory_for(self, num_blocks: int) -> int:
-        """The kv_cache_memory that gives exactly num_blocks blocks."""
-        return self.staging_bytes + self.block_bytes * num_blocks
 
 
 class LLMEngine:

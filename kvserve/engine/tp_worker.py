@@ -9,12 +9,11 @@ import torch
 
 from kvserve.attention import make_backend
 from kvserve.attention.rotation import rotation_matrix
-from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import broadcast_object, init_group
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.rank_setup import make_pool, rank_formats
+from kvserve.engine.rank_setup import KVSizes, make_pool, rank_formats
 from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
 
@@ -31,9 +30,7 @@ def tp_worker_main(config: EngineConfig, rank: int, port: int, num_blocks: int, 
     kernels = cpu_extension.load() if config.cpu_kernels and device.type == "cpu" else None
     formats = rank_formats(config, loaded.model, loaded.tokenizer, kernels, rotation, shard)
     rank_cfg = shard_config(cfg, shard)
-    staging = 0 if formats is None else QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size,
-                                                                      config.residual_tokens, formats)
-    pool = make_pool(config, rank_cfg, num_blocks, formats, staging, 0, device)
+    pool = make_pool(config, rank_cfg, num_blocks, formats, KVSizes.of(config, rank_cfg).staging_slots, 0, device)
     group = init_group(rank, config.tensor_parallel_size, port, timeout_s)
     model = shard_model(loaded.model, shard, group)
     del loaded

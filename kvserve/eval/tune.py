@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from kvserve.cache.kv_plan import KVPlan
 from kvserve.config import EngineConfig
-from kvserve.engine.llm_engine import KVSizes
+from kvserve.engine.rank_setup import KVSizes
 from kvserve.engine_args import add_engine_args, engine_kwargs, llm_from_args
 from kvserve.eval import quality
 from kvserve.eval.plan_solver import solve

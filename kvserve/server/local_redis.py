@@ -8,6 +8,8 @@ import socket
 import subprocess
 import time
 
+from kvserve.net import free_loopback_port
+
 
 def start_local_redis() -> str:
     """Starts redis-server on a free loopback port; returns its URL. Raises SystemExit with the
@@ -16,9 +18,7 @@ def start_local_redis() -> str:
     if binary is None:
         raise SystemExit("kvserve serve --start-redis: redis-server is not on PATH "
                          "(Debian: apt-get install redis-server), or pass --kv-remote redis://HOST:PORT")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_loopback_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     atexit.register(proc.kill)

@@ -18,7 +18,8 @@ from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.replicas.front import ReplicaFront  # noqa: E402
 from kvserve.replicas.settings import ReplicaSettings  # noqa: E402
 from kvserve.server.async_engine import Done  # noqa: E402
-from tests.conftest import TINY, _free_port  # noqa: E402
+from kvserve.net import free_loopback_port  # noqa: E402
+from tests.conftest import TINY  # noqa: E402
 
 SHARED = [(11 * j + 5) % 128 for j in range(64)]  # four full blocks
 
@@ -33,7 +34,7 @@ class Served:
 
         config = EngineConfig(model=TINY, dtype="float32", device="cpu", kv_cache_memory="4MiB", max_model_len=512)
         self.front = ReplicaFront.start(config, ReplicaSettings(2, "prefix", stats_period_s=0.2), max_waiting=64)
-        self.port = _free_port()
+        self.port = free_loopback_port()
         self.server = uvicorn.Server(uvicorn.Config(build_app(self.front), host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
