@@ -22,7 +22,7 @@ from kvserve.replicas.metrics_merge import merge_metrics
 from kvserve.replicas.replica import Accepted, EngineReplica, ReplicaDescription
 from kvserve.replicas.settings import ROUTER_CLASSES, ReplicaSettings
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.async_engine import Done
+from kvserve.server.async_engine import Done, request_ids
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ReplicaFront:
             accepted = await stream.__anext__()  # bad input, a full queue: raised here, as AsyncEngine does
         except Exception as err:
             raise _unwrap(err) from None
-        ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        ids = request_ids(request_id, len(prompts))
         for rid in ids:
             self.served_by[rid] = accepted
         while len(self.served_by) > _SERVED_BY_KEPT:

@@ -54,6 +54,11 @@ def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]
         pass
 
 
+def request_ids(request_id: str, num_prompts: int) -> list[str]:
+    """The engine request of each prompt of one HTTP request."""
+    return [request_id] if num_prompts == 1 else [f"{request_id}-{i}" for i in range(num_prompts)]
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting: int,
                  on_fatal: Callable[[], None] | None = None) -> None:
@@ -113,7 +118,7 @@ class AsyncEngine:
         request, arrive on the returned queue. Raises ValueError, QueueFull or Draining."""
         sink: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        ids = request_ids(request_id, len(prompts))
 
         if len(prompts) > self.max_waiting:  # it could never be queued: not a matter of retrying
             self.metrics.rejected.labels(reason="invalid").inc()
