@@ -21,6 +21,8 @@ REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 
 CACHE_MODES = ("paged", "contiguous", "no-cache")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+# Tokens per step when chunked prefill is on and max_num_batched_tokens is not set.
+CHUNKED_BATCHED_TOKENS = 512
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 _DTYPE_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -338,6 +340,15 @@ class EngineConfig:
             except ValueError as err:  # name the field the bad group size came from
                 raise ValueError(str(err).replace("kv_group_size", field, 1) if own is not None else str(err)) from None
         return formats[0], formats[1]
+
+    def tokens_per_step(self, max_model_len: int) -> int:
+        """max_num_batched_tokens, or its default for an engine whose context is max_model_len."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        # The baselines stand for engines without chunking: they prefill prompts whole.
+        if self.enable_chunked_prefill and self.cache_mode == "paged":
+            return CHUNKED_BATCHED_TOKENS
+        return max(max_model_len, 2048)
 
     @property
     def residual_tokens(self) -> int:

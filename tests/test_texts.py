@@ -65,7 +65,7 @@ def test_eval_bench_and_doctor_run_from_a_bare_copy_of_the_package(tmp_path: Pat
     probe = subprocess.run([sys.executable, "-c", "import kvserve; print(kvserve.__file__)"], cwd=work, env=env,
                            capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip().startswith(str(site))  # the copy, not the checkout
-    out = run("eval", "--formats", "int8", "--windows", "1", "--window-len", "32", "--stride", "32",
+    run("eval", "--formats", "int8", "--windows", "1", "--window-len", "32", "--stride", "32",
               "--greedy-prompts", "1", "--greedy-tokens", "4", "--passkey-lengths", "", "--out", "ev",
               "--evictions", "window", "--kv-budget", "20", "--rotations", "none,hadamard")
     report = (work / "ev" / "eval.md").read_text()

@@ -108,9 +108,11 @@ class CPUPagedBackend(AttentionBackend):
             else:
                 kv.write(k, v, meta.step)
             new, staging = (self._empty, self._empty, self._empty), kv.staging
-        return self.ext.paged_attention(q, *new, query_start, context_lens, tables, *self.layer_args[layer],
-                                        stage_of, *staging, scale, self.pool.block_size, self.pool.num_kv_heads,
-                                        score_first, scores)
+        out = self.ext.paged_attention(q, *new, query_start, context_lens, tables, *self.layer_args[layer],
+                                       stage_of, *staging, scale, self.pool.block_size, self.pool.num_kv_heads,
+                                       score_first, scores)
+        kv.seal(meta.step)
+        return out
 
     def _source(self, kind: int | None, fmt: KVFormat, fields: dict[str, torch.Tensor]) -> tuple:
         e = self._empty

@@ -76,6 +76,7 @@ class TorchSDPABackend(AttentionBackend):
         k_all = k_pages.flatten(1, 2).transpose(1, 2).to(q.dtype)
         v_all = v_pages.flatten(1, 2).transpose(1, 2).to(q.dtype)
         out = F.scaled_dot_product_attention(grid, k_all, v_all, attn_mask=meta.mask, scale=scale)
+        kv.seal(meta.step)
 
         out = out.view(batch, kv_heads, max_q, group, dim).permute(0, 2, 1, 3, 4)
         out = out.reshape(batch * max_q, heads, dim)

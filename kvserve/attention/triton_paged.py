@@ -80,8 +80,10 @@ class TritonPagedBackend(AttentionBackend):
         plan = meta.step.kv_plan
         stage_of = None if self.dense or plan.stage_of is None else plan.stage_of
         k_stage, v_stage = (None, None) if stage_of is None else kv.staging
-        return self.kernels.paged_attention(q.contiguous(), meta.tiles, k_src, v_src, stage_of, k_stage, v_stage,
-                                            scale, self.pool.block_size, self.pool.num_kv_heads)
+        out = self.kernels.paged_attention(q.contiguous(), meta.tiles, k_src, v_src, stage_of, k_stage, v_stage,
+                                           scale, self.pool.block_size, self.pool.num_kv_heads)
+        kv.seal(meta.step)
+        return out
 
     def _sources(self, kv: Any) -> tuple:
         source = self.kernels.PageSource

@@ -24,6 +24,9 @@ class DenseLayerKV:
         self.k.view(-1, *self.k.shape[2:])[meta.slot_mapping] = k.to(self.k.dtype)
         self.v.view(-1, *self.v.shape[2:])[meta.slot_mapping] = v.to(self.v.dtype)
 
+    def seal(self, meta: Any) -> None:
+        """Dense pages hold their final values from `write` on: nothing waits for the attention."""
+
     def gather(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [B, max_blocks, block_size, kv_heads, head_dim] of the block tables."""
         tables = meta.block_tables

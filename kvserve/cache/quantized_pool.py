@@ -7,9 +7,11 @@ A residual of the most recent tokens stays in full precision, in a small staging
 gets a staging slot while any of its tokens is within `residual` tokens of its sequence's end
 (or while it is not full, for formats that encode a whole block at once, such as KIVI keys).
 Once out of the window it is sealed: encoded from the staging slot into its own pages, and the
-slot is freed. A block whose tokens all arrive in one step already out of the window (most of a
-long prompt) is encoded directly. The plan for a step is made once (`plan_step`) and applied by
-every layer. Each layer has its own (keys, values) formats (one pair for all, or a per-layer
+slot is freed. Sealing happens after the step's attention (`seal`), so a step reads the tokens it
+brings in full precision, as HF's QuantizedCache and vLLM do: a prompt attends to itself exactly
+and only later steps read its codes. A block whose tokens all arrive in one step already out of
+the window (most of a long prompt) takes a staging slot for that step only. The plan for a step
+is made once (`plan_step`) and applied by every layer. Each layer has its own (keys, values) formats (one pair for all, or a per-layer
 plan, `cache/kv_plan.py`); a block holds every layer's fields, so its bytes are their sum.
 
 A block shared by several sequences (prefix cache, forks) is sealed when the first of them
@@ -31,13 +33,12 @@ from kvserve.cache.kv_format import Fields, KVFormat
 class StepPlan:
     """Where this step's tokens go; indices into the step's [T] new tokens."""
     per_token: bool                    # no staging: every token is encoded into its slot
-    direct_tokens: torch.Tensor        # [n * block_size], block-major: blocks encoded whole
-    direct_blocks: torch.Tensor        # [n]
     staged_tokens: torch.Tensor        # into staging slot * block_size + offset
     staged_slots: torch.Tensor
-    seal_stages: torch.Tensor          # encoded from staging into their blocks after the writes
+    seal_stages: torch.Tensor          # encoded from staging into their blocks after attention
     seal_blocks: torch.Tensor
-    stage_of: torch.Tensor | None      # [num_blocks] staging slot of each block, -1: none
+    stage_of: torch.Tensor | None      # [num_blocks] staging slot of each block this step reads
+                                       # from staging (sealed ones included), -1: none
     stage_copies: tuple[tuple[int, int], ...] = ()  # copy-on-write: (source slot, destination slot)
 
 
@@ -63,21 +64,23 @@ class QuantizedLayerKV:
         self.staging = [torch.zeros(staging, dtype=p.dtype, device=p.device) for _ in range(2)]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
+        """The step's new K/V, before its attention: encoded into their slots, or staged."""
         plan: StepPlan = meta.kv_plan
-        bs = self.pool.block_size
         for x, fmt, fields, staging in zip((k, v), self.formats, self.fields, self.staging):
             if plan.per_token:
                 for name, t in fmt.encode(x).items():
                     fields[name].view(-1, *t.shape[1:])[meta.slot_mapping] = t
             if len(plan.staged_tokens):
                 staging.view(-1, *x.shape[1:])[plan.staged_slots] = x[plan.staged_tokens].to(staging.dtype)
-            if len(plan.direct_blocks):
-                blocks = x[plan.direct_tokens].unflatten(0, (-1, bs))
-                for name, t in encode_blocks(fmt, blocks).items():
-                    fields[name][plan.direct_blocks] = t
-            if len(plan.seal_blocks):
-                for name, t in encode_blocks(fmt, staging[plan.seal_stages]).items():
-                    fields[name][plan.seal_blocks] = t
+
+    def seal(self, meta: Any) -> None:
+        """After the step's attention: the blocks that left the window, encoded from staging."""
+        plan: StepPlan = meta.kv_plan
+        if not len(plan.seal_blocks):
+            return
+        for fmt, fields, staging in zip(self.formats, self.fields, self.staging):
+            for name, t in encode_blocks(fmt, staging[plan.seal_stages]).items():
+                fields[name][plan.seal_blocks] = t
 
     def gather(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         tables = meta.block_tables
@@ -107,7 +110,7 @@ class QuantizedKVPool:
         self._stage_free = list(range(self.num_staging - 1, -1, -1))
         # Without staging every step's plan is the same: encode each token into its slot.
         none = torch.zeros(0, dtype=torch.long, device=device)
-        self._per_token_plan = StepPlan(True, none, none, none, none, none, none, None)
+        self._per_token_plan = StepPlan(True, none, none, none, none, None)
 
     @property
     def formats(self) -> list[KVFormat]:
@@ -126,12 +129,14 @@ class QuantizedKVPool:
         return round(block_size * per_token)
 
     @staticmethod
-    def staging_slots(max_num_seqs: int, block_size: int, residual: int, layer_formats: list[LayerFormats]) -> int:
+    def staging_slots(max_num_seqs: int, block_size: int, residual: int, layer_formats: list[LayerFormats],
+                      tokens_per_step: int) -> int:
         """0 without a residual window or a block-wise format in any layer; else each running
-        sequence stages its window, its partial block, and one copy-on-write copy."""
+        sequence stages its window, its partial block, and one copy-on-write copy, and the
+        blocks a step fills whole wait in staging until its attention is done."""
         if residual == 0 and all(f.per_token for pair in layer_formats for f in pair):
             return 0
-        return max_num_seqs * (-(-residual // block_size) + 2)
+        return max_num_seqs * (-(-residual // block_size) + 2) + tokens_per_step // block_size
 
     def _take_stage(self, block: int) -> int:
         if block not in self.stage_of:
@@ -153,7 +158,7 @@ class QuantizedKVPool:
         # First, before a source can lose its slot below (its last owner preempted this step):
         # its slot stays intact until the copy, since freed slots are not reused within a step.
         stage_copies = tuple((self.stage_of[s], self._take_stage(d)) for s, d in copies if s in self.stage_of)
-        seal: dict[int, int] = {}  # block -> the staging slot it is encoded from after the writes
+        seal: dict[int, int] = {}  # block -> the staging slot it is encoded from after attention
         freed: list[int] = []      # slots given back once the plan is made: none is reused within a step
         # Blocks nobody owns: a cached (full) one is sealed, so it can serve a later prefix hit;
         # any other holds nothing reusable.
@@ -161,19 +166,15 @@ class QuantizedKVPool:
             if bm.blocks[block].hash is not None:
                 seal[block] = self.stage_of[block]
             freed.append(self.stage_of.pop(block))
-        direct_tokens, direct_blocks, staged_tokens, staged_slots = [], [], [], []
+        staged_tokens, staged_slots = [], []
         offset = 0
         for seq_id, start, end in seqs:
             table = bm.tables[seq_id]
             window = end - self.residual  # tokens before this position are out of the window
             for i in range(start // bs, -(-end // bs)):
                 block, lo, hi = table[i], i * bs, (i + 1) * bs
-                if hi <= window and lo >= start:  # all of it new and already out of the window
-                    if block in self.stage_of:  # a slot left from the block's previous owner
-                        freed.append(self.stage_of.pop(block))
-                    direct_blocks.append(block)
-                    direct_tokens.append(torch.arange(offset + lo - start, offset + hi - start))
-                    continue
+                # A block all new and already out of the window reuses any slot left from its
+                # previous owner, and is sealed below like any other that left the window.
                 stage = self._take_stage(block)
                 first, last = max(lo, start), min(hi, end)
                 staged_tokens.append(torch.arange(offset + first - start, offset + last - start))
@@ -186,14 +187,14 @@ class QuantizedKVPool:
             offset += end - start
         self._stage_free.extend(freed)
         stage_of = torch.full((self.num_blocks,), -1, dtype=torch.long)
-        if self.stage_of:
-            stage_of[list(self.stage_of)] = torch.tensor(list(self.stage_of.values()))
+        for held in (self.stage_of, seal):  # this step still reads the sealed ones from staging
+            if held:
+                stage_of[list(held)] = torch.tensor(list(held.values()))
 
         def cat(parts: list[torch.Tensor]) -> torch.Tensor:
             return self._dev(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long))
 
-        return StepPlan(False, cat(direct_tokens), self._dev(torch.tensor(direct_blocks, dtype=torch.long)),
-                        cat(staged_tokens), cat(staged_slots),
+        return StepPlan(False, cat(staged_tokens), cat(staged_slots),
                         self._dev(torch.tensor(list(seal.values()), dtype=torch.long)),
                         self._dev(torch.tensor(list(seal), dtype=torch.long)), self._dev(stage_of), stage_copies)
 

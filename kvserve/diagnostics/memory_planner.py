@@ -265,7 +265,7 @@ def format_plan(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, block_si
         kinds = compare_attention_kinds(cfg, dtype, group_size, block_size)
         mha = kinds[0].bytes_per_token
         lines += [f"Attention kinds, {dtype}, batch {batch:,} x {seq_len:,} tokens:",
-                  f"  kind  KV heads   bytes/token    bytes for the batch  MHA/this"]
+                  "  kind  KV heads   bytes/token    bytes for the batch  MHA/this"]
         for kind in kinds:
             total = kv_bytes(replace(cfg, num_kv_heads=kind.kv_heads), dtype, batch, seq_len, group_size, block_size)
             own = "  <- this model" if kind.kv_heads == cfg.num_kv_heads else ""

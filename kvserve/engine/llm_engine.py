@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 # Tokens per step with chunked prefill: large enough that weights are read once for many tokens,
 # small enough that a step of prompt chunks does not stall the running streams for long.
-CHUNKED_BATCHED_TOKENS = 512
 
 
 class LLMEngine:
@@ -58,10 +57,8 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position:
             raise ValueError(f"EngineConfig.max_model_len ({self.max_model_len}) exceeds the model's "
                              f"context length ({cfg.max_position})")
-        # The baselines stand for engines without chunking: they prefill prompts whole.
         self.chunked_prefill = config.enable_chunked_prefill and config.cache_mode == "paged"
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (
-            CHUNKED_BATCHED_TOKENS if self.chunked_prefill else max(self.max_model_len, 2048))
+        self.max_num_batched_tokens = config.tokens_per_step(self.max_model_len)
         if self.chunked_prefill and self.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                              f">= max_num_seqs ({config.max_num_seqs}) so that every running sequence decodes "

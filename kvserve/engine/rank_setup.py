@@ -36,7 +36,7 @@ class KVSizes:
         if formats is None:
             return KVSizes(dense, 0, 0)
         staging = QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size, config.residual_tokens,
-                                                formats)
+                                                formats, config.tokens_per_step(config.max_model_len or cfg.max_position))
         return KVSizes(QuantizedKVPool.bytes_per_block(config.block_size, cfg.num_kv_heads, cfg.head_dim, formats),
                        staging, dense * staging)
 

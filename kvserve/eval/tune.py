@@ -129,7 +129,7 @@ class TuneResult:
         limit = (f"loss {self.measured:.4g} (budget {self.budget.loss_limit():.4g})" if self.budget.on_loss
                  else f"{self.bytes_per_token:,.0f} bytes per token (budget {self.budget.bytes_per_token:,.0f})")
         lines = [f"kvserve tune-kv on {text}: plan written to {path}",
-                 f"  layers per format: " + ", ".join(f"{n} {c}" for n, c in counts.items() if c),
+                 "  layers per format: " + ", ".join(f"{n} {c}" for n, c in counts.items() if c),
                  f"  checked on the calibration windows: KL {self.kl:.4g}, perplexity {self.ppl:.4g} vs "
                  f"{self.reference_ppl:.4g} ({100 * (self.ppl / self.reference_ppl - 1):+.2f}%), {limit}",
                  f"  KV bytes per token {self.bytes_per_token:,.0f} ({self.bytes_per_token / self.dense_bytes_per_token:.1%} "

@@ -1,5 +1,6 @@
 """Compressed pages: attention over them equals attention over the same values decoded densely,
-and each block is stored as the residual window says (full precision inside, encoded outside)."""
+and each block is stored as the residual window says (full precision inside, encoded outside;
+a staged pool's step reads its own new tokens in full precision too)."""
 from __future__ import annotations
 
 import pytest
@@ -52,7 +53,7 @@ class Driver:
         self.bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         formats = make_format(fmt, "k"), make_format(fmt, "v")
         self.pool = QuantizedKVPool(num_blocks, bs, KV_HEADS, DIM, torch.float32, torch.device("cpu"), [formats],
-                                    residual, QuantizedKVPool.staging_slots(4, bs, residual, [formats]))
+                                    residual, QuantizedKVPool.staging_slots(4, bs, residual, [formats], sum(lens)))
         reason = BACKENDS[backend].unsupported(self.pool, torch.device("cpu"))
         if reason is not None:
             pytest.skip(f"{backend}: {reason}")
@@ -87,7 +88,9 @@ class Driver:
     def expected(self) -> torch.Tensor:
         outs = []
         for i, (end, n) in enumerate(zip(self.len, self.new)):
-            exact_from = max(end - self.residual, 0) if self.pool.staged else None
+            # A staged pool seals after attention: the step reads the window it started with
+            # and its own tokens exactly.
+            exact_from = max(end - n - self.residual, 0) if self.pool.staged else None
             k = roundtrip(self.fmt, "k", self.k[i][:end], self.bs, exact_from)
             v = roundtrip(self.fmt, "v", self.v[i][:end], self.bs, exact_from)
             outs.append(reference(self.q[i][end - n:end], k, v, n))

@@ -12,7 +12,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.cache.kv_format import FORMAT_NAMES, make_format
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
-from kvserve.config import EngineConfig
+from kvserve.config import CHUNKED_BATCHED_TOKENS, EngineConfig
 from kvserve.eval.quality import forced_logprobs
 from tests.backend_cases import heavy_case
 from tests.conftest import TINY
@@ -26,7 +26,7 @@ def budget(fmt: str, blocks: int, residual: int, max_num_seqs: int) -> str:
     """Bytes for exactly `blocks` compressed blocks plus the staging the pool will reserve."""
     k, v = make_format(fmt, "k", group_size=GROUP), make_format(fmt, "v", group_size=GROUP)
     block = QuantizedKVPool.bytes_per_block(16, TINY.num_kv_heads, TINY.head_dim, [(k, v)] * TINY.num_layers)
-    staging = QuantizedKVPool.staging_slots(max_num_seqs, 16, residual, [(k, v)])
+    staging = QuantizedKVPool.staging_slots(max_num_seqs, 16, residual, [(k, v)], CHUNKED_BATCHED_TOKENS)
     dense = KVPool.bytes_per_block(TINY.num_layers, 16, TINY.num_kv_heads, TINY.head_dim, torch.float32)
     return str(blocks * block + staging * dense)
 

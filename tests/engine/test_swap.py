@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 
 from tests.engine.test_llm_engine import GREEDY, PROMPTS, token_ids
 
