@@ -103,6 +103,10 @@ class EngineConfig:
                                        "calibrated at start-up on kv_calibration_tokens tokens of the bundled "
                                        "Python docs, and stores codes alone", choices=FP8_SCALES)
     kv_calibration_tokens: int = _opt(512, "tokens the per-head fp8 scales are calibrated on (kv_fp8_scales=head)")
+    kv_exact_sink: bool = _opt(False, "kivi keys: each block keeps its first key in fp16, outside the block's "
+                                      "channel ranges, so a sequence's first token (the attention sink every "
+                                      "query reads) is exact and cannot stretch its block's ranges; costs "
+                                      "16 / block_size bits per key value")
     # Token eviction (kvserve.eviction): each sequence keeps kv_budget tokens; requests may override.
     kv_eviction: str = _opt("none", "drop cached tokens once a sequence holds kv_budget: window (sinks + recent, "
                                     "StreamingLLM), h2o (heavy hitters), snapkv (scored by the prompt's last "
@@ -240,6 +244,8 @@ class EngineConfig:
         if self.kv_fp8_scales not in FP8_SCALES:
             raise ValueError(f"EngineConfig.kv_fp8_scales must be one of {', '.join(FP8_SCALES)}, got "
                              f"{self.kv_fp8_scales!r}")
+        if not isinstance(self.kv_exact_sink, bool):
+            raise ValueError(f"EngineConfig.kv_exact_sink must be true or false, got {self.kv_exact_sink!r}")
         if not (is_int(self.kv_calibration_tokens) and self.kv_calibration_tokens >= 1):
             raise ValueError(f"EngineConfig.kv_calibration_tokens must be an integer >= 1, got "
                              f"{self.kv_calibration_tokens!r}")
@@ -330,7 +336,8 @@ class EngineConfig:
 
     def _format_pair(self, names: tuple[str, str]) -> tuple[KVFormat, KVFormat]:
         kwargs = {"outliers": self.kv_outliers, "sparse_threshold": self.kv_sparse_threshold,
-                  "sparse_capacity": self.kv_sparse_capacity, "fp8_scales": self.kv_fp8_scales}
+                  "sparse_capacity": self.kv_sparse_capacity, "fp8_scales": self.kv_fp8_scales,
+                  "exact_sink": self.kv_exact_sink}
         formats = []
         for name, role in zip(names, ("k", "v")):
             field = f"kv_group_size_{role}"

@@ -100,5 +100,5 @@ class TritonPagedBackend(AttentionBackend):
                 out.append(source(kind, fields["codes"], fmt.head_scale, fields["codes"]))
             else:
                 out.append(source(kind, fields["codes"], fields["scale"], fields["zero"], bits=fmt.bits,
-                                  group=fmt.group_size if kind == GROUPED else 1))
+                                  group=fmt.group_size if kind == GROUPED else 1, sink=fields.get("sink")))
         return tuple(out)

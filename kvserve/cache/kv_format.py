@@ -283,26 +283,39 @@ class _OutlierFormat(_GroupFormat):
 class _ChannelFormat(KVFormat):
     """KIVI keys: `bits`-bit asymmetric codes with one fp16 scale and zero-point per block, head and
     channel, taken over the block's tokens. Key outliers live in fixed channels, so a per-channel
-    range isolates them where a per-token range would let them stretch every token's step."""
+    range isolates them where a per-token range would let them stretch every token's step.
+
+    With `exact_sink`, each block's first key is stored in fp16 ("sink") and left out of the
+    ranges (KVQuant keeps the first token in fp16 for the same reason): a sequence's first token
+    draws attention from every query, so an error in its key moves every softmax, and its key
+    is unlike the others, so it would stretch its block's ranges."""
     per_token = False
 
-    def __init__(self, name: str, bits: int) -> None:
-        self.name, self.bits = name, bits
+    def __init__(self, name: str, bits: int, exact_sink: bool = False) -> None:
+        self.name, self.bits, self.exact_sink = name, bits, exact_sink
 
     def fields(self, num_kv_heads: int, head_dim: int, block_size: int) -> FieldSpec:
         _check_packable(self.name, head_dim, self.bits)
         channels = (num_kv_heads, head_dim)
-        return {"codes": ((block_size, num_kv_heads, head_dim * self.bits // 8), torch.uint8),
+        spec = {"codes": ((block_size, num_kv_heads, head_dim * self.bits // 8), torch.uint8),
                 "scale": (channels, torch.float16), "zero": (channels, torch.float16)}
+        return {**spec, "sink": (channels, torch.float16)} if self.exact_sink else spec
 
     def encode(self, x: torch.Tensor) -> Fields:
         _check_packable(self.name, x.shape[-1], self.bits)
-        codes, scale, zero = _quantize_asym(x, self.bits, -3)  # -3: the block's token axis
-        return {"codes": _pack(codes, self.bits), "scale": scale, "zero": zero}
+        include = None
+        if self.exact_sink:
+            include = (torch.arange(x.shape[-3], device=x.device) > 0)[:, None, None]
+        codes, scale, zero = _quantize_asym(x, self.bits, -3, include)  # -3: the block's token axis
+        fields = {"codes": _pack(codes, self.bits), "scale": scale, "zero": zero}
+        return {**fields, "sink": x[..., 0, :, :].to(torch.float16)} if self.exact_sink else fields
 
     def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
         codes = _unpack(fields["codes"], self.bits)
-        return _dequantize_asym(codes, fields["scale"], fields["zero"], -3).to(dtype)
+        x = _dequantize_asym(codes, fields["scale"], fields["zero"], -3)
+        if self.exact_sink:
+            x[..., 0, :, :] = fields["sink"].float()
+        return x.to(dtype)
 
 
 class _SparseFormat(_PerTokenFormat):
@@ -354,10 +367,11 @@ class _SparseFormat(_PerTokenFormat):
 
 
 def make_format(name: str, role: str, *, group_size: int = 32, outliers: int = 4,
-                sparse_threshold: float = 0.5, sparse_capacity: float = 0.5, fp8_scales: str = "token") -> KVFormat:
+                sparse_threshold: float = 0.5, sparse_capacity: float = 0.5, fp8_scales: str = "token",
+                exact_sink: bool = False) -> KVFormat:
     """The format called `name` for keys (role "k") or values (role "v"); `fp8_scales` "head"
     gives fp8 formats one calibrated scale per KV head (uncalibrated until `calibrated`) instead
-    of a dynamic one per token. Every setting is checked,
+    of a dynamic one per token; `exact_sink` keeps each block's first KIVI key in fp16. Every setting is checked,
     whether or not `name` uses it, so a bad configuration fails the same way for every format.
     head_dim-dependent checks (group_size divides it, ...) happen in `fields`."""
     if name not in FORMAT_NAMES:
@@ -388,7 +402,7 @@ def make_format(name: str, role: str, *, group_size: int = 32, outliers: int = 4
         return _GroupFormat(name, 4, group_size)
     if name in ("kivi2", "kivi4"):
         bits = int(name[-1])
-        return _ChannelFormat(name, bits) if role == "k" else _GroupFormat(name, bits, group_size)
+        return _ChannelFormat(name, bits, exact_sink) if role == "k" else _GroupFormat(name, bits, group_size)
     if name == "outlier":
         return _OutlierFormat(group_size, outliers)
     return _SparseFormat(sparse_threshold, sparse_capacity)

@@ -117,9 +117,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     rows = [measure(reference, f"reference ({args.dtype})")]
     del reference
     for name in formats:
+        # Only KIVI keys have sinks to keep; the row says when they are kept.
+        label = f"{name} exact sink" if args.kv_exact_sink and name.startswith("kivi") else name
         for rotation in rotations:
             rows.append(measure(make_llm(name, kv_rotation=rotation),
-                                name if rotation == "none" else f"{name} rotated ({rotation})"))
+                                label if rotation == "none" else f"{label} rotated ({rotation})"))
     evictions = [e for e in args.evictions.split(",") if e]
     protocol = "during decode" if args.kv_evict_during_decode else "once at the prompt's end"
     for policy in evictions:

@@ -35,6 +35,7 @@ class PageSource:
     zero: torch.Tensor          # like scale, GROUPED and CHANNEL only
     bits: int = 8
     group: int = 1
+    sink: torch.Tensor | None = None  # CHANNEL with kv_exact_sink: each block's first key [blocks, kvh, D] fp16
 
 
 @triton.jit
@@ -73,11 +74,11 @@ def _load_pages(data, scale, zero, tok, page, h, d, ok,
 def _paged_attention(
         q, out, part_acc, part_ml,
         tile_seq, tile_q0, query_start, context_lens, tables, table_stride,
-        k_data, k_scale, k_zero, v_data, v_scale, v_zero,
+        k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_sink,
         stage_of, k_stage, v_stage, sm_scale, total_tokens,
         HEADS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SINK: tl.constexpr,
         V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
         STAGED: tl.constexpr, SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
@@ -120,6 +121,10 @@ def _paged_attention(
         tok = page * BS + offset
         kx = _load_pages(k_data, k_scale, k_zero, tok, page, h, d, key_ok, K_KIND, K_BITS, K_GROUP, H, D)
         vx = _load_pages(v_data, v_scale, v_zero, tok, page, h, d, key_ok, V_KIND, V_BITS, V_GROUP, H, D)
+        if K_SINK:
+            first = key_ok & (offset == 0)
+            sink = tl.load(k_sink + ((page * H + h) * D)[:, None] + d[None, :], mask=first[:, None], other=0.0)
+            kx = tl.where(first[:, None], sink.to(tl.float32), kx)
         if STAGED:
             stage = tl.load(stage_of + page, mask=key_ok, other=-1)
             staged = stage >= 0
@@ -232,12 +237,13 @@ def paged_attention(q: torch.Tensor, tiles: Tiles, k: PageSource, v: PageSource,
     _paged_attention[grid](
         q, out, part_acc, part_ml, tiles.tile_seq, tiles.tile_q0, tiles.query_start, tiles.context_lens,
         tiles.tables, tiles.tables.stride(0),
-        k.data, k.scale, k.zero, v.data, v.scale, v.zero,
+        k.data, k.scale, k.zero, v.data, v.scale, v.zero, k.data if k.sink is None else k.sink,
         stage_of if staged else tiles.tables, k_stage if staged else q, v_stage if staged else q,
         scale, total,
         HEADS=heads, H=kv_heads, D=dim, BS=block_size, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
         BLOCK_M=tiles.block_m, BLOCK_N=BLOCK_N,
-        K_KIND=k.kind, K_BITS=k.bits, K_GROUP=k.group, V_KIND=v.kind, V_BITS=v.bits, V_GROUP=v.group,
+        K_KIND=k.kind, K_BITS=k.bits, K_GROUP=k.group, K_SINK=k.sink is not None,
+        V_KIND=v.kind, V_BITS=v.bits, V_GROUP=v.group,
         STAGED=staged, SPLITS=splits, DOT_FP32=q.dtype == torch.float32 or INTERPRETED,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if splits > 1:

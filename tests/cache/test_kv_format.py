@@ -205,6 +205,26 @@ def test_kivi_keys_isolate_outlier_channels() -> None:
     assert kivi_err.mean() < int4_err.mean() / 5
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_exact_sink_keeps_each_blocks_first_key_out_of_the_ranges(bits: int) -> None:
+    x = kv_data(*BLOCKS)
+    x[:, 0] *= 40  # a first key far outside the rest, as an attention sink's is
+    fmt = make_format(f"kivi{bits}", "k", exact_sink=True)
+    f = fmt.encode(x)
+    y = fmt.decode(f, torch.float32)
+    torch.testing.assert_close(y[:, 0], x[:, 0].half().float(), rtol=0, atol=0)
+    rest = x[:, 1:]
+    # The ranges are the other tokens' own: zero at their minimum (rounded down to fp16), every
+    # one of them within half a stored step.
+    lo = rest.amin(1)
+    assert (f["zero"].float() <= lo).all() and (lo - f["zero"].float() <= 2 * F16_EPS * lo.abs() + F16_TINY).all()
+    assert ((y[:, 1:] - rest).abs() <= f["scale"].float()[:, None] / 2 * (1 + 1e-5)).all()
+    plain = make_format(f"kivi{bits}", "k")
+    assert (plain.decode(plain.encode(x), torch.float32)[:, 1:] - rest).abs().mean() > 4 * (y[:, 1:] - rest).abs().mean()
+    # 16 more bits per channel and block.
+    assert fmt.bytes_per_token(2, 64, 16) == plain.bytes_per_token(2, 64, 16) + 2 * 64 * 2 / 16
+
+
 @pytest.mark.parametrize("threshold,capacity", [(0.5, 0.5), (1.0, 0.25), (0.0, 1.0), (2.0, 0.9)])
 @pytest.mark.parametrize("planted", [True, False])
 def test_sparse_keeps_exactly_the_large_entries(threshold: float, capacity: float, planted: bool) -> None:

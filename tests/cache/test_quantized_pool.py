@@ -17,11 +17,12 @@ from tests.backend_cases import heavy_case
 HEADS, KV_HEADS, DIM = 4, 2, 64  # GQA, 2 query heads per KV head
 
 
-def roundtrip(fmt_name: str, role: str, x: torch.Tensor, bs: int, exact_from: int | None) -> torch.Tensor:
+def roundtrip(fmt_name: str, role: str, x: torch.Tensor, bs: int, exact_from: int | None,
+              exact_sink: bool = False) -> torch.Tensor:
     """What the cache should hold for one sequence's K or V [L, H, D], worked independently of the
     pool. Without staging (exact_from None) every token is encoded on its own; with it, whole
     blocks before `exact_from` are encoded and everything after is kept exactly."""
-    fmt = make_format(fmt_name, role)
+    fmt = make_format(fmt_name, role, exact_sink=exact_sink)
     fmt.fields(KV_HEADS, DIM, bs)  # binds head_dim (sparse)
     if exact_from is None:
         return fmt.decode(fmt.encode(x), x.dtype)
@@ -46,12 +47,12 @@ class Driver:
     """A pool, a block manager and sequences of random K/V/Q, stepped like the model runner does."""
 
     def __init__(self, fmt: str, bs: int, residual: int, lens: list[int], seed: int = 0,
-                 backend: str = "torch") -> None:
+                 backend: str = "torch", exact_sink: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.bs, self.residual, self.fmt = bs, residual, fmt
+        self.bs, self.residual, self.fmt, self.exact_sink = bs, residual, fmt, exact_sink
         num_blocks = max(64, 1024 // bs)
         self.bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)
-        formats = make_format(fmt, "k"), make_format(fmt, "v")
+        formats = make_format(fmt, "k", exact_sink=exact_sink), make_format(fmt, "v", exact_sink=exact_sink)
         self.pool = QuantizedKVPool(num_blocks, bs, KV_HEADS, DIM, torch.float32, torch.device("cpu"), [formats],
                                     residual, QuantizedKVPool.staging_slots(4, bs, residual, [formats], sum(lens)))
         reason = BACKENDS[backend].unsupported(self.pool, torch.device("cpu"))
@@ -91,8 +92,8 @@ class Driver:
             # A staged pool seals after attention: the step reads the window it started with
             # and its own tokens exactly.
             exact_from = max(end - n - self.residual, 0) if self.pool.staged else None
-            k = roundtrip(self.fmt, "k", self.k[i][:end], self.bs, exact_from)
-            v = roundtrip(self.fmt, "v", self.v[i][:end], self.bs, exact_from)
+            k = roundtrip(self.fmt, "k", self.k[i][:end], self.bs, exact_from, self.exact_sink)
+            v = roundtrip(self.fmt, "v", self.v[i][:end], self.bs, exact_from, self.exact_sink)
             outs.append(reference(self.q[i][end - n:end], k, v, n))
         return torch.cat(outs)
 
@@ -111,6 +112,19 @@ def test_attention_over_compressed_pages_equals_dense_over_decoded(fmt: str, bs:
         torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
     d.step([9, 1, 30])  # a mixed step: chunks and single tokens together
     torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("fmt", ["kivi2", "kivi4"])
+def test_exact_sink_pages_equal_dense_over_decoded(fmt: str, backend: str) -> None:
+    """Each block's first key read from its fp16 sink field, the rest from codes, by every backend
+    that reads KIVI keys; a residual of 0 seals blocks as soon as a step has read them."""
+    d = Driver(fmt, 16, 0, [16 + 5, 2 * 16 + 3, 7], backend=backend, exact_sink=True)
+    for k, written in zip(d.k, d.len):  # later sinks far from the rest: a decoder that missed
+        k[-(-written // 16) * 16::16] *= 30  # the field would show it
+    for new in ([1, 1, 1], [9, 1, 30], [1, 1, 1]):
+        d.step(new)
+        torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -206,3 +206,35 @@ def test_per_head_fp8_generates_with_prefix_caching_and_preemption(tiny_llm: Cal
 def test_bad_fp8_scale_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", heavy_case("triton", backend="triton")])
+def test_exact_sink_kivi_reads_the_same_on_every_backend(tiny_llm: Callable[..., LLM], backend: str) -> None:
+    windows = [[(5 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
+    kwargs = {"max_num_seqs": 3, "kv_cache_dtype": "kivi2", "kv_residual": 0, "kv_exact_sink": True,
+              "kv_group_size": GROUP}
+    want = forced_logprobs(tiny_llm(**kwargs, attention_backend="torch", cpu_kernels=False), windows, prefill_len=30)
+    got = forced_logprobs(tiny_llm(**kwargs, attention_backend=backend), windows, prefill_len=30)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    plain = forced_logprobs(tiny_llm(**{**kwargs, "kv_exact_sink": False}), windows, prefill_len=30)
+    assert (got - plain).abs().max() > 1e-3  # the sinks are read, not ignored
+
+
+def test_exact_sink_kivi_generates_with_prefix_caching_and_preemption(tiny_llm: Callable[..., LLM]) -> None:
+    k = make_format("kivi2", "k", exact_sink=True)
+    v = make_format("kivi2", "v", group_size=GROUP)
+    block = QuantizedKVPool.bytes_per_block(16, TINY.num_kv_heads, TINY.head_dim, [(k, v)] * TINY.num_layers)
+    staging = QuantizedKVPool.staging_slots(3, 16, 16, [(k, v)], CHUNKED_BATCHED_TOKENS)
+    dense = KVPool.bytes_per_block(TINY.num_layers, 16, TINY.num_kv_heads, TINY.head_dim, torch.float32)
+    llm = tiny_llm(kv_cache_dtype="kivi2", kv_exact_sink=True, kv_group_size=GROUP, kv_residual=16, max_num_seqs=3,
+                   kv_cache_memory=str(9 * block + staging * dense))
+    assert llm.engine.block_manager.num_blocks == 9
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [24] * 3
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.prefix_stats.cached_tokens > 0
+
+
+def test_bad_exact_sink_names_the_field() -> None:
+    with pytest.raises(ValueError, match="kv_exact_sink"):
+        EngineConfig(kv_cache_dtype="kivi2", kv_exact_sink="yes")
