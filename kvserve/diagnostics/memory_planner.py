@@ -32,9 +32,10 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 def bytes_per_element(cfg: ModelConfig, dtype: str, group_size: int | None = None,
-                      block_size: int = DEFAULT_BLOCK_SIZE) -> Fraction:
+                      block_size: int = DEFAULT_BLOCK_SIZE, *, exact_sink: bool = False) -> Fraction:
     """Bytes per K or V element, averaged over the codes and whatever scales, zero-points and side
-    tables the format stores (kvserve.cache.kv_format, the engine's own layouts)."""
+    tables the format stores (kvserve.cache.kv_format, the engine's own layouts; `exact_sink`:
+    KIVI keys keep each block's first key in fp16, as `kv_exact_sink` does)."""
     path = plan_path(dtype)
     if path is not None:  # a per-layer plan: the mean over its layers ("auto" as bf16)
         plan = KVPlan.load(path)
@@ -46,7 +47,7 @@ def bytes_per_element(cfg: ModelConfig, dtype: str, group_size: int | None = Non
         if name not in FORMAT_NAMES:
             raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(KV_DTYPES)} or plan:PATH")
         pairs = [(name, name)]
-    per_token = sum(Fraction(make_format(n, role, group_size=group_size or 32).bytes_per_token(
+    per_token = sum(Fraction(make_format(n, role, group_size=group_size or 32, exact_sink=exact_sink).bytes_per_token(
         cfg.num_kv_heads, cfg.head_dim, block_size)) for pair in pairs for n, role in zip(pair, "kv"))
     return per_token / (2 * cfg.num_kv_heads * cfg.head_dim * len(pairs))
 
@@ -126,19 +127,19 @@ def attention_kind(cfg: ModelConfig) -> str:
 # ---- sizes -----------------------------------------------------------------------------------
 
 def kv_bytes(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, group_size: int | None = None,
-             block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+             block_size: int = DEFAULT_BLOCK_SIZE, *, exact_sink: bool = False) -> int:
     """2 x batch x layers x kv_heads x head_dim x seq_len x bytes per element.
 
     Exact for byte-sized formats; a fractional total (int4 groups that split unevenly) is
     rounded up, since memory comes in whole bytes.
     """
     elements = 2 * batch * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * seq_len
-    return math.ceil(elements * bytes_per_element(cfg, dtype, group_size, block_size))
+    return math.ceil(elements * bytes_per_element(cfg, dtype, group_size, block_size, exact_sink=exact_sink))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str, group_size: int | None = None,
-                       block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    return kv_bytes(cfg, dtype, 1, 1, group_size, block_size)
+                       block_size: int = DEFAULT_BLOCK_SIZE, *, exact_sink: bool = False) -> int:
+    return kv_bytes(cfg, dtype, 1, 1, group_size, block_size, exact_sink=exact_sink)
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -154,7 +155,8 @@ class Fit:
 
 
 def sequences_that_fit(cfg: ModelConfig, dtype: str, budget_bytes: int, seq_len: int, block_size: int,
-                       max_len: int | None = None, group_size: int | None = None) -> Fit:
+                       max_len: int | None = None, group_size: int | None = None, *,
+                       exact_sink: bool = False) -> Fit:
     """How many `seq_len`-token sequences a budget holds, paged and contiguous.
 
     Paged, a sequence takes ceil(seq_len / block_size) blocks; contiguous, it reserves
@@ -167,10 +169,11 @@ def sequences_that_fit(cfg: ModelConfig, dtype: str, budget_bytes: int, seq_len:
     if seq_len > max_len:
         raise ValueError(f"seq_len {seq_len} exceeds max_len {max_len}, so a contiguous "
                          "reservation could not hold it; raise max_len")
-    block_bytes = kv_bytes(cfg, dtype, 1, block_size, group_size, block_size)
+    block_bytes = kv_bytes(cfg, dtype, 1, block_size, group_size, block_size, exact_sink=exact_sink)
     num_blocks = budget_bytes // block_bytes
     return Fit(paged=num_blocks // _blocks(seq_len, block_size),
-               contiguous=budget_bytes // kv_bytes(cfg, dtype, 1, max_len, group_size, block_size),
+               contiguous=budget_bytes // kv_bytes(cfg, dtype, 1, max_len, group_size, block_size,
+                                                   exact_sink=exact_sink),
                num_blocks=num_blocks, block_bytes=block_bytes)
 
 
@@ -211,10 +214,11 @@ def _gqa_kv_heads(cfg: ModelConfig) -> int | None:
 
 
 def compare_attention_kinds(cfg: ModelConfig, dtype: str = "fp16", group_size: int | None = None,
-                            block_size: int = DEFAULT_BLOCK_SIZE) -> list[AttentionKind]:
+                            block_size: int = DEFAULT_BLOCK_SIZE, *, exact_sink: bool = False) -> list[AttentionKind]:
     """The same model with MHA (a KV head per query head), GQA and MQA (one KV head)."""
     counts = [("MHA", cfg.num_heads), ("GQA", _gqa_kv_heads(cfg)), ("MQA", 1)]
-    return [AttentionKind(name, kv, kv_bytes_per_token(replace(cfg, num_kv_heads=kv), dtype, group_size, block_size))
+    return [AttentionKind(name, kv, kv_bytes_per_token(replace(cfg, num_kv_heads=kv), dtype, group_size, block_size,
+                                                       exact_sink=exact_sink))
             for name, kv in counts if kv is not None]
 
 
@@ -231,22 +235,23 @@ def format_bytes(n: int) -> str:
 def format_plan(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, block_size: int, *,
                 name: str = "model", group_size: int | None = None, budget_bytes: int | None = None,
                 max_len: int | None = None, lengths: list[int] | None = None,
-                compare: bool = False) -> str:
+                compare: bool = False, exact_sink: bool = False) -> str:
     """The human-readable plan `kvserve memory` prints."""
     max_len = cfg.max_position if max_len is None else max_len
-    element = bytes_per_element(cfg, dtype, group_size, block_size)
-    grouping = f" in groups of {group_size}" if group_size else ""
+    sink = {"exact_sink": exact_sink}
+    element = bytes_per_element(cfg, dtype, group_size, block_size, **sink)
+    grouping = (f" in groups of {group_size}" if group_size else "") + (", exact sinks" if exact_sink else "")
     lines = [
         f"Model: {name}: {cfg.num_layers} layers, {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads "
         f"({attention_kind(cfg)}), head_dim {cfg.head_dim}",
         f"KV dtype: {dtype}{grouping}, {float(element):g} bytes per element (scales included)",
-        f"KV per token: {format_bytes(kv_bytes_per_token(cfg, dtype, group_size, block_size))}",
-        f"KV cache: {format_bytes(kv_bytes(cfg, dtype, batch, seq_len, group_size, block_size))}",
+        f"KV per token: {format_bytes(kv_bytes_per_token(cfg, dtype, group_size, block_size, **sink))}",
+        f"KV cache: {format_bytes(kv_bytes(cfg, dtype, batch, seq_len, group_size, block_size, **sink))}",
         f"  = 2 x {batch:,} batch x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x "
         f"{cfg.head_dim} head_dim x {seq_len:,} tokens x {float(element):g} bytes",
     ]
     if budget_bytes is not None:
-        fit = sequences_that_fit(cfg, dtype, budget_bytes, seq_len, block_size, max_len, group_size)
+        fit = sequences_that_fit(cfg, dtype, budget_bytes, seq_len, block_size, max_len, group_size, **sink)
         lines += [
             f"Sequences of {seq_len:,} tokens that fit {format_bytes(budget_bytes)}:",
             f"  paged:      {fit.paged:,} ({fit.num_blocks:,} blocks of {block_size} tokens, "
@@ -262,12 +267,13 @@ def format_plan(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, block_si
             f"  paged:      {paged:6.1%} (blocks of {block_size} tokens)",
         ]
     if compare:
-        kinds = compare_attention_kinds(cfg, dtype, group_size, block_size)
+        kinds = compare_attention_kinds(cfg, dtype, group_size, block_size, **sink)
         mha = kinds[0].bytes_per_token
         lines += [f"Attention kinds, {dtype}, batch {batch:,} x {seq_len:,} tokens:",
                   "  kind  KV heads   bytes/token    bytes for the batch  MHA/this"]
         for kind in kinds:
-            total = kv_bytes(replace(cfg, num_kv_heads=kind.kv_heads), dtype, batch, seq_len, group_size, block_size)
+            total = kv_bytes(replace(cfg, num_kv_heads=kind.kv_heads), dtype, batch, seq_len, group_size, block_size,
+                             **sink)
             own = "  <- this model" if kind.kv_heads == cfg.num_kv_heads else ""
             lines.append(f"  {kind.name}   {kind.kv_heads:>8}  {kind.bytes_per_token:>12,}  {total:>21,}"
                          f"  {mha / kind.bytes_per_token:>8g}{own}")
@@ -333,6 +339,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cache.add_argument("--group-size", type=_positive_int, default=None,
                        help="channels per fp16 scale and zero-point for int4, kivi values and outlier "
                             "(default 32)")
+    cache.add_argument("--exact-sink", action="store_true",
+                       help="kivi keys keep each block's first key in fp16, as the engine's --kv-exact-sink "
+                            "(16 / block size more bits per key value)")
     cache.add_argument("--batch", type=_positive_int, default=1, help="sequences in the batch (default 1)")
     cache.add_argument("--seq-len", type=_positive_int, default=2048, help="tokens per sequence (default 2048)")
     cache.add_argument("--block-size", type=_positive_int, default=16, help="tokens per paged block (default 16)")
@@ -392,7 +401,7 @@ def run(args: argparse.Namespace) -> None:
         lengths = lognormal_lengths(args.num_seqs, args.lengths_median, args.lengths_sigma, max_len, args.seed)
     print(format_plan(cfg, args.dtype, args.batch, args.seq_len, args.block_size, name=name,
                       group_size=args.group_size, budget_bytes=args.budget, max_len=max_len,
-                      lengths=lengths, compare=args.compare_attention))
+                      lengths=lengths, compare=args.compare_attention, exact_sink=args.exact_sink))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -94,6 +94,11 @@ def test_kivi2_keys_per_channel_per_block() -> None:
     # i.e. 2.5 bits per value; the block size given is the one priced (it once stayed at 16).
     assert kv_bytes_per_token(cfg, "kivi2", group_size=64, block_size=64) == 32 * 32 * (40 + 40)
     assert "KV per token: 81,920 bytes" in format_plan(cfg, "kivi2", 1, 64, 64, group_size=64)
+    # Exact sinks: each block's first key in fp16, 128 * 2 B / 64 tokens = 4 B more per token for keys:
+    # 2.625 bits per value.
+    assert kv_bytes_per_token(cfg, "kivi2", group_size=64, block_size=64, exact_sink=True) == 32 * 32 * (44 + 40)
+    assert bytes_per_element(cfg, "kivi2", 64, 64, exact_sink=True) == Fraction(2.625, 8)
+    assert "exact sinks" in format_plan(cfg, "kivi2", 1, 64, 64, group_size=64, exact_sink=True)
 
 
 def test_sequences_that_fit_hand_worked() -> None:
