@@ -97,7 +97,7 @@ def test_kivi2_keys_per_channel_per_block() -> None:
     # Exact sinks: each block's first key in fp16, 128 * 2 B / 64 tokens = 4 B more per token for keys:
     # 2.625 bits per value.
     assert kv_bytes_per_token(cfg, "kivi2", group_size=64, block_size=64, exact_sink=True) == 32 * 32 * (44 + 40)
-    assert bytes_per_element(cfg, "kivi2", 64, 64, exact_sink=True) == Fraction(2.625, 8)
+    assert bytes_per_element(cfg, "kivi2", 64, 64, exact_sink=True) == Fraction(21, 64)  # 2.625 bits
     assert "exact sinks" in format_plan(cfg, "kivi2", 1, 64, 64, group_size=64, exact_sink=True)
 
 
