@@ -66,10 +66,10 @@ class Layout:
         x = x if self.rotation is None else x @ self.rotation
         full = length // self.block * self.block
         blocks = x[:, :full].unflatten(1, (-1, self.block))  # [H, n, block, D]
-        if self.k_bits < 16:
-            first = blocks[:, :, :1]
-            rest = minmax(blocks[:, :, 1:], self.k_bits, 2) if self.sink else None
-            blocks = torch.cat([first, rest], 2) if self.sink else minmax(blocks, self.k_bits, 2)
+        if self.k_bits < 16 and self.sink:  # the first key exact, out of the ranges
+            blocks = torch.cat([blocks[:, :, :1], minmax(blocks[:, :, 1:], self.k_bits, 2)], 2)
+        elif self.k_bits < 16:
+            blocks = minmax(blocks, self.k_bits, 2)
         y = torch.cat([blocks.flatten(1, 2), x[:, full:]], 1)
         y = y if self.rotation is None else y @ self.rotation.T
         return y * cos + rotate_half(y) * sin if self.pre_rope else y

@@ -3,16 +3,17 @@
 Writes encode the step's new tokens; reads decode only the blocks in the step's block tables,
 one layer at a time, so the whole cache is never expanded.
 
-A residual of the most recent tokens stays in full precision, in a small staging area: a block
-gets a staging slot while any of its tokens is within `residual` tokens of its sequence's end
-(or while it is not full, for formats that encode a whole block at once, such as KIVI keys).
-Once out of the window it is sealed: encoded from the staging slot into its own pages, and the
-slot is freed. Sealing happens after the step's attention (`seal`), so a step reads the tokens it
-brings in full precision, as HF's QuantizedCache and vLLM do: a prompt attends to itself exactly
-and only later steps read its codes. A block whose tokens all arrive in one step already out of
-the window (most of a long prompt) takes a staging slot for that step only. The plan for a step
-is made once (`plan_step`) and applied by every layer. Each layer has its own (keys, values) formats (one pair for all, or a per-layer
-plan, `cache/kv_plan.py`); a block holds every layer's fields, so its bytes are their sum.
+A residual of the most recent tokens stays in full precision, in a small staging area: a block gets
+a staging slot while any of its tokens is within `residual` tokens of its sequence's end (or while
+it is not full, for formats that encode a whole block at once, such as KIVI keys). Once out of the
+window it is sealed: encoded from the staging slot into its own pages, and the slot is freed.
+Sealing happens after the step's attention (`seal`), so a step reads the tokens it brings in full
+precision, as HF's QuantizedCache and vLLM do: a prompt attends to itself exactly and only later
+steps read its codes. A block whose tokens all arrive in one step already out of the window (most
+of a long prompt) takes a staging slot for that step only. The plan for a step is made once
+(`plan_step`) and applied by every layer. Each layer has its own (keys, values) formats (one pair
+for all, or a per-layer plan, `cache/kv_plan.py`); a block holds every layer's fields, so its bytes
+are their sum.
 
 A block shared by several sequences (prefix cache, forks) is sealed when the first of them
 moves past it, so another sharer may read it encoded before its own window would: with

@@ -22,9 +22,9 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 5, [9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8] *
 GROUP = 16
 
 
-def budget(fmt: str, blocks: int, residual: int, max_num_seqs: int) -> str:
+def budget(fmt: str, blocks: int, residual: int, max_num_seqs: int, exact_sink: bool = False) -> str:
     """Bytes for exactly `blocks` compressed blocks plus the staging the pool will reserve."""
-    k, v = make_format(fmt, "k", group_size=GROUP), make_format(fmt, "v", group_size=GROUP)
+    k, v = (make_format(fmt, role, group_size=GROUP, exact_sink=exact_sink) for role in "kv")
     block = QuantizedKVPool.bytes_per_block(16, TINY.num_kv_heads, TINY.head_dim, [(k, v)] * TINY.num_layers)
     staging = QuantizedKVPool.staging_slots(max_num_seqs, 16, residual, [(k, v)], CHUNKED_BATCHED_TOKENS)
     dense = KVPool.bytes_per_block(TINY.num_layers, 16, TINY.num_kv_heads, TINY.head_dim, torch.float32)
@@ -221,13 +221,8 @@ def test_exact_sink_kivi_reads_the_same_on_every_backend(tiny_llm: Callable[...,
 
 
 def test_exact_sink_kivi_generates_with_prefix_caching_and_preemption(tiny_llm: Callable[..., LLM]) -> None:
-    k = make_format("kivi2", "k", exact_sink=True)
-    v = make_format("kivi2", "v", group_size=GROUP)
-    block = QuantizedKVPool.bytes_per_block(16, TINY.num_kv_heads, TINY.head_dim, [(k, v)] * TINY.num_layers)
-    staging = QuantizedKVPool.staging_slots(3, 16, 16, [(k, v)], CHUNKED_BATCHED_TOKENS)
-    dense = KVPool.bytes_per_block(TINY.num_layers, 16, TINY.num_kv_heads, TINY.head_dim, torch.float32)
     llm = tiny_llm(kv_cache_dtype="kivi2", kv_exact_sink=True, kv_group_size=GROUP, kv_residual=16, max_num_seqs=3,
-                   kv_cache_memory=str(9 * block + staging * dense))
+                   kv_cache_memory=budget("kivi2", 9, residual=16, max_num_seqs=3, exact_sink=True))
     assert llm.engine.block_manager.num_blocks == 9
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [24] * 3
