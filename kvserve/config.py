@@ -21,8 +21,10 @@ REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 
 CACHE_MODES = ("paged", "contiguous", "no-cache")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
-# Tokens per step when chunked prefill is on and max_num_batched_tokens is not set.
-CHUNKED_BATCHED_TOKENS = 512
+# Tokens per step when chunked prefill is on and max_num_batched_tokens is not set, by device: on a CPU a step's time grows with its tokens,
+# so a small one keeps running streams moving; a GPU runs 8192 tokens (vLLM's default) in about
+# the time of a few hundred, and a small budget would leave it idle.
+CHUNKED_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 _DTYPE_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -67,7 +69,8 @@ class EngineConfig:
     block_size: int = _opt(16, "tokens per KV block")
     max_num_seqs: int = _opt(32, "sequences per batch")
     max_num_batched_tokens: int | None = _opt(
-        None, "tokens per step (default: 512 with chunked prefill, else max(max_model_len, 2048))")
+        None, "tokens per step (default with chunked prefill: 512 on a CPU, 8192 on CUDA; without: "
+              "max(max_model_len, 2048))")
     enable_chunked_prefill: bool = _opt(
         True, "cut prompts into chunks that run beside the decodes of running sequences, in one token "
               "budget per step (off: prefill whole prompts in steps of their own)")
@@ -143,6 +146,9 @@ class EngineConfig:
         choices=BACKEND_NAMES)
     cpu_kernels: bool = _opt(True, "fused C++ ops and the bf16 small-batch linear on CPU (built once, cached); "
                                    "off: eager torch")
+    cuda_graphs: bool = _opt(True, "replay decode steps from CUDA graphs, one per batch-size bucket up to "
+                                   "max_num_seqs, captured at start-up (CUDA, triton backend, uncompressed "
+                                   "pages); off: every step launches its kernels eagerly")
     # Sampling has its own --seed; this one seeds random weights and unseeded requests.
     seed: int = _opt(0, "seeds random-weight models and requests without a seed", flag="engine-seed")
 
@@ -354,7 +360,7 @@ class EngineConfig:
             return self.max_num_batched_tokens
         # The baselines stand for engines without chunking: they prefill prompts whole.
         if self.enable_chunked_prefill and self.cache_mode == "paged":
-            return CHUNKED_BATCHED_TOKENS
+            return CHUNKED_BATCHED_TOKENS.get(self.torch_device.type, CHUNKED_BATCHED_TOKENS["cpu"])
         return max(max_model_len, 2048)
 
     @property

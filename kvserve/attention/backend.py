@@ -44,6 +44,17 @@ class AttentionBackend(ABC):
         """q [T, heads, D], k/v [T, kv_heads, D] of the step's new tokens: stores k/v in layer
         `layer`'s pages, returns attention over each sequence's context [T, heads, D]."""
 
+    def graph_unsupported(self) -> str | None:
+        """Why a decode step of this backend cannot be replayed from a CUDA graph; None when it
+        can (then `prepare_graph` must be implemented)."""
+        return f"the {self.name} backend plans every step on the host"
+
+    def prepare_graph(self, step: StepMetadata, context_lens: torch.Tensor, max_context: int) -> Any:
+        """`prepare` for a decode step captured in a CUDA graph: the metadata reads `step`'s device
+        tensors and `context_lens` ([B] int32, on the device) in place at every replay, and holds
+        no choice made from one step's values (contexts up to `max_context`)."""
+        raise NotImplementedError(self.graph_unsupported())
+
     def forward_scored(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any,
                        scale: float, plan: ScorePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, and the attention `plan`'s sequences give each slot [n, kv_heads, S]

@@ -20,7 +20,6 @@ from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, HEAD_ABSMAX, pa
 from kvserve.cache.kv_pool import KVPool
 
 
-
 def _kernels() -> ModuleType | None:
     try:
         from kvserve.kernels import triton_attention
@@ -70,6 +69,14 @@ class TritonPagedBackend(AttentionBackend):
         group = self.num_heads // self.pool.num_kv_heads
         tiles = self.kernels.plan_tiles(step.query_start, step.context_lens, step.block_tables,
                                         step.max_query_len, group, self.pool.num_kv_heads)
+        return TritonMetadata(step, tiles)
+
+    def graph_unsupported(self) -> str | None:
+        return None if self.dense else "compressed pages plan each step's writes on the host"
+
+    def prepare_graph(self, step: StepMetadata, context_lens: torch.Tensor, max_context: int) -> TritonMetadata:
+        tiles = self.kernels.decode_tiles(context_lens, step.block_tables, max_context,
+                                          self.num_heads // self.pool.num_kv_heads, self.pool.num_kv_heads)
         return TritonMetadata(step, tiles)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMetadata,

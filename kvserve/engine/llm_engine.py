@@ -118,7 +118,7 @@ class LLMEngine:
             self.tp = TPGroup.start(config, num_blocks, tp_worker_main)
             self.model = shard_model(self.model, shard, self.tp.group)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device, self.attention_backend,
-                                  kernels, self.swap, rotation, self.tp)
+                                  kernels, self.swap, rotation, self.tp, self._graph_shape(config))
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
                              else cfg.eos_token_id)
         self.tokens_computed = 0  # tokens run through the model, prefill and decode
@@ -127,6 +127,16 @@ class LLMEngine:
         self._requests: dict[str, list[Sequence]] = {}  # unfinished requests: their samples
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
+
+    def _graph_shape(self, config: EngineConfig) -> tuple[int, int] | None:
+        """(sequences, slots) of the decode steps to capture in CUDA graphs, or None (eager)."""
+        if not config.cuda_graphs or self.device.type != "cuda":
+            return None
+        reason = "tensor parallelism" if self.tp is not None else self.attention_backend.graph_unsupported()
+        if reason is not None:
+            logger.info("kvserve: decode steps run eagerly, without CUDA graphs: %s", reason)
+            return None
+        return config.max_num_seqs, self.max_model_len
 
     # Rough device speeds for the "auto" preemption choice: recomputing a sequence costs about
     # 2 * params FLOPs per token, swapping costs its KV bytes twice (out and back) over the link.

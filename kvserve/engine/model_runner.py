@@ -15,6 +15,7 @@ from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
+from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.logprobs import prompt_span
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
@@ -51,10 +52,11 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool | QuantizedKVPool, block_manager: BlockManager | None,
                  device: torch.device, backend: AttentionBackend, kernels: ModuleType | None,
                  swap: SwapSpace | None = None, rotation: torch.Tensor | None = None,
-                 peers: StepPeers | None = None) -> None:
+                 peers: StepPeers | None = None, cuda_graphs: tuple[int, int] | None = None) -> None:
         """`rotation`: the [D, D] rotation of q, k and v before the pages (attention/rotation.py);
         `peers`: the tensor-parallel ranks that run each step beside this one (rank 0's runner);
-        `block_manager` is None on those ranks, which only `execute`."""
+        `block_manager` is None on those ranks, which only `execute`; `cuda_graphs`: (sequences,
+        slots) up to which decode steps are replayed from CUDA graphs (engine/cuda_graphs.py)."""
         self.model, self.pool, self.block_manager, self.device = model, pool, block_manager, device
         self.peers = peers
         self.rotation = None if rotation is None else rotation.to(device)
@@ -62,6 +64,8 @@ class ModelRunner:
         self.linear_kind = cpu_linear_kind(device, next(model.parameters()).dtype, kernels)
         if self.linear_kind is not None:
             replace_linears(model, self.linear_kind, kernels)
+        self.graphs = None if cuda_graphs is None else DecodeGraphs(model, backend, self.ops, self.rotation,
+                                                                    *cuda_graphs, device)
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], num_scheduled: list[int], ops: BlockOps,
@@ -118,12 +122,15 @@ class ModelRunner:
         if ops.loads:
             write_blocks(self.pool.block_tensors, list(ops.loads))
         self.pool.copy_blocks(list(ops.copies), step.metadata.kv_plan)
+        input_ids = torch.tensor(step.input_ids, device=self.device)
+        n = step.num_seqs
+        if self.graphs is not None and step.scoring is None and self.graphs.serves(step.metadata, len(step.rows)):
+            logits = self.graphs.run(step.metadata, input_ids)
+            return StepResult(logits, logits[n:], None)
         attention = StepAttention.of(self.backend, step.metadata, step.scoring, self.rotation)
-        logits = self.model(torch.tensor(step.input_ids, device=self.device), attention,
-                            step.rows.to(self.device), self.ops)
+        logits = self.model(input_ids, attention, step.rows.to(self.device), self.ops)
         scores = None if attention.scoring is None else dict(zip(attention.scoring.batch_index,
                                                                  attention.scores.cpu().unbind(1)))
-        n = step.num_seqs
         return StepResult(logits[:n], logits[n:], scores)
 
     @staticmethod

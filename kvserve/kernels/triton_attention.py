@@ -211,12 +211,29 @@ def plan_tiles(query_start: torch.Tensor, context_lens: torch.Tensor, block_tabl
     tile_seq = torch.repeat_interleave(torch.arange(len(q_lens)), n_tiles, output_size=total)
     first = torch.cumsum(n_tiles, 0) - n_tiles
     tile_q0 = (torch.arange(total) - first[tile_seq]) * block_m
-    max_ctx = int(context_lens.max())
-    splits = max(1, min(-(-max_ctx // SPLIT_MIN_KEYS), TARGET_PROGRAMS // max(1, total * kv_heads)))
+    splits = _splits(int(context_lens.max()), total, kv_heads)
     device = block_tables.device
     i32 = torch.int32
     return Tiles(tile_seq.to(device, i32), tile_q0.to(device, i32), query_start.to(device, i32),
                  context_lens.to(device, i32), block_tables.to(i32), block_m, splits)
+
+
+def decode_tiles(context_lens: torch.Tensor, tables: torch.Tensor, max_context: int, group: int,
+                 kv_heads: int) -> Tiles:
+    """The tiles of a decode step of len(context_lens) sequences (one token each) whose tensors
+    are `context_lens` [B] and `tables` [B, max_blocks] themselves (int32, on the device), so a
+    CUDA graph captured over them serves any contexts written there before a replay. The split
+    count is fixed by `max_context`: splits past a shorter context find no keys and add nothing."""
+    batch = context_lens.shape[0]
+    device, i32 = tables.device, torch.int32
+    block_m = max(1, 16 // triton.next_power_of_2(group))
+    return Tiles(torch.arange(batch, dtype=i32, device=device), torch.zeros(batch, dtype=i32, device=device),
+                 torch.arange(batch + 1, dtype=i32, device=device), context_lens, tables, block_m,
+                 _splits(max_context, batch, kv_heads))
+
+
+def _splits(max_context: int, tiles: int, kv_heads: int) -> int:
+    return max(1, min(-(-max_context // SPLIT_MIN_KEYS), TARGET_PROGRAMS // max(1, tiles * kv_heads)))
 
 
 def paged_attention(q: torch.Tensor, tiles: Tiles, k: PageSource, v: PageSource,

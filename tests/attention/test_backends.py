@@ -24,22 +24,25 @@ from kvserve.cache.kv_pool import KVPool
 HEAD_DIM = 32
 ATOL = RTOL = 1e-5
 CPU = torch.device("cpu")
+# On a GPU the pages and kernels live there (the triton backend runs compiled, the cpu one skips).
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
 BACKEND_NAMES = list(BACKENDS)
 
 
 def make_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> AttentionBackend:
     """A one-layer dense pool holding (not copying) the given K/V pages."""
     num_blocks, block_size, kv_heads, dim = k_cache.shape
-    pool = KVPool(1, num_blocks, block_size, kv_heads, dim, k_cache.dtype, CPU)
+    pool = KVPool(1, num_blocks, block_size, kv_heads, dim, k_cache.dtype, k_cache.device)
     pool.kv[0].k, pool.kv[0].v = k_cache, v_cache
-    if (reason := BACKENDS[name].unsupported(pool, CPU)) is not None:
+    if (reason := BACKENDS[name].unsupported(pool, k_cache.device)) is not None:
         pytest.skip(f"{name}: {reason}")
     return BACKENDS[name](pool, heads)
 
 
 def attend(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            step: StepMetadata, scale: float) -> torch.Tensor:
-    return backend.forward(0, q, k, v, backend.prepare(step), scale)
+    device = backend.pool.kv[0].k.device
+    return backend.forward(0, q.to(device), k.to(device), v.to(device), backend.prepare(step), scale).cpu()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -116,7 +119,7 @@ def write_context(backend: AttentionBackend, seqs: list[SeqData], heads: int, bl
     if not prior:
         return
     lens = [s.ctx - s.q_len for s in prior]
-    step = StepMetadata.build(lens, lens, [s.table for s in prior], block_size, CPU)
+    step = StepMetadata.build(lens, lens, [s.table for s in prior], block_size, DEVICE)
     attend(backend, torch.zeros(sum(lens), heads, HEAD_DIM), torch.cat([s.k[: s.ctx - s.q_len] for s in prior]),
            torch.cat([s.v[: s.ctx - s.q_len] for s in prior]), step, 1.0)
 
@@ -137,13 +140,13 @@ def run_step(backend_name: str, shapes: list[tuple[int, int]], heads: int, kv_he
              seed: int = 0, scale: float | None = None) -> None:
     """Write context, then write the step's new tokens and attend; compare with the reference."""
     scale = 1 / math.sqrt(HEAD_DIM) if scale is None else scale
-    seqs, k_cache, v_cache = make_case(shapes, heads, kv_heads, block_size, seed)
-    k0, v0 = k_cache.clone(), v_cache.clone()
+    seqs, k0, v0 = make_case(shapes, heads, kv_heads, block_size, seed)
+    k_cache, v_cache = k0.to(DEVICE, copy=True), v0.to(DEVICE, copy=True)
     backend = make_backend(backend_name, k_cache, v_cache, heads)
 
     write_context(backend, seqs, heads, block_size)
     step = StepMetadata.build([s.q_len for s in seqs], [s.ctx for s in seqs],
-                              [s.table for s in seqs], block_size, CPU)
+                              [s.table for s in seqs], block_size, DEVICE)
     # Positions (for RoPE) are the last q_len positions of each sequence, in batch order.
     assert step.positions.tolist() == [p for s in seqs for p in range(s.ctx - s.q_len, s.ctx)]
     out = attend(backend, torch.cat([s.q for s in seqs]), torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]),
@@ -151,8 +154,8 @@ def run_step(backend_name: str, shapes: list[tuple[int, int]], heads: int, kv_he
 
     # Every token landed at table[pos // bs], offset pos % bs, and nothing else was touched.
     k_exp, v_exp = expected_pool(seqs, k0, v0, block_size)
-    assert torch.equal(k_cache, k_exp)
-    assert torch.equal(v_cache, v_exp)
+    assert torch.equal(k_cache.cpu(), k_exp)
+    assert torch.equal(v_cache.cpu(), v_exp)
 
     ref = torch.cat([dense_reference(s, heads, kv_heads, scale) for s in seqs])
     assert out.shape == ref.shape
@@ -219,11 +222,11 @@ def test_permuted_table_changes_result(backend: str) -> None:
     heads, kv_heads, bs = 4, 2, 4
     seqs, k_cache, v_cache = make_case([(8, 8)], heads, kv_heads, bs, seed=3)
     s = seqs[0]
-    attn = make_backend(backend, k_cache, v_cache, heads)
-    step = StepMetadata.build([8], [8], [s.table], bs, CPU)
+    attn = make_backend(backend, k_cache.to(DEVICE), v_cache.to(DEVICE), heads)
+    step = StepMetadata.build([8], [8], [s.table], bs, DEVICE)
     right = attend(attn, s.q, s.k, s.v, step, 0.5)
     # The same K/V written to the same slots again, but read through the reversed table.
-    reversed_table = torch.tensor([s.table[::-1]])
+    reversed_table = torch.tensor([s.table[::-1]], device=DEVICE)
     wrong = attend(attn, s.q, s.k, s.v, dataclasses.replace(step, block_tables=reversed_table), 0.5)
     torch.testing.assert_close(right, dense_reference(s, heads, kv_heads, 0.5), atol=ATOL, rtol=RTOL)
     assert not torch.allclose(right, wrong, atol=1e-3)

@@ -26,7 +26,7 @@ def budget(fmt: str, blocks: int, residual: int, max_num_seqs: int, exact_sink: 
     """Bytes for exactly `blocks` compressed blocks plus the staging the pool will reserve."""
     k, v = (make_format(fmt, role, group_size=GROUP, exact_sink=exact_sink) for role in "kv")
     block = QuantizedKVPool.bytes_per_block(16, TINY.num_kv_heads, TINY.head_dim, [(k, v)] * TINY.num_layers)
-    staging = QuantizedKVPool.staging_slots(max_num_seqs, 16, residual, [(k, v)], CHUNKED_BATCHED_TOKENS)
+    staging = QuantizedKVPool.staging_slots(max_num_seqs, 16, residual, [(k, v)], CHUNKED_BATCHED_TOKENS["cpu"])
     dense = KVPool.bytes_per_block(TINY.num_layers, 16, TINY.num_kv_heads, TINY.head_dim, torch.float32)
     return str(blocks * block + staging * dense)
 
