@@ -31,11 +31,26 @@ KV_DTYPES = ("fp8", *FORMAT_NAMES)  # the engine's kv_cache_dtype names; fp8 mea
 DEFAULT_BLOCK_SIZE = 16
 
 
-def bytes_per_element(cfg: ModelConfig, dtype: str, group_size: int | None = None,
-                      block_size: int = DEFAULT_BLOCK_SIZE, *, exact_sink: bool = False) -> Fraction:
+@dataclass(frozen=True)
+class KVLayout:
+    """How pages store K/V, in the engine's terms: `dtype` (a `kv_cache_dtype` name, fp8, or
+    plan:PATH), `group_size` (`kv_group_size`; None: the engine's 32), `block_size` (KIVI keys keep
+    their ranges per block) and `exact_sink` (`kv_exact_sink`). Every function below takes it
+    whole, so a new format option is one new field here."""
+    dtype: str = "fp16"
+    group_size: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    exact_sink: bool = False
+
+    def describe(self) -> str:
+        return (self.dtype + (f" in groups of {self.group_size}" if self.group_size else "")
+                + (", exact sinks" if self.exact_sink else ""))
+
+
+def bytes_per_element(cfg: ModelConfig, layout: KVLayout) -> Fraction:
     """Bytes per K or V element, averaged over the codes and whatever scales, zero-points and side
-    tables the format stores (kvserve.cache.kv_format, the engine's own layouts; `exact_sink`:
-    KIVI keys keep each block's first key in fp16, as `kv_exact_sink` does)."""
+    tables the format stores (kvserve.cache.kv_format, the engine's own layouts)."""
+    dtype = layout.dtype
     path = plan_path(dtype)
     if path is not None:  # a per-layer plan: the mean over its layers ("auto" as bf16)
         plan = KVPlan.load(path)
@@ -47,8 +62,9 @@ def bytes_per_element(cfg: ModelConfig, dtype: str, group_size: int | None = Non
         if name not in FORMAT_NAMES:
             raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(KV_DTYPES)} or plan:PATH")
         pairs = [(name, name)]
-    per_token = sum(Fraction(make_format(n, role, group_size=group_size or 32, exact_sink=exact_sink).bytes_per_token(
-        cfg.num_kv_heads, cfg.head_dim, block_size)) for pair in pairs for n, role in zip(pair, "kv"))
+    per_token = sum(Fraction(make_format(n, role, group_size=layout.group_size or 32, exact_sink=layout.exact_sink)
+                             .bytes_per_token(cfg.num_kv_heads, cfg.head_dim, layout.block_size))
+                    for pair in pairs for n, role in zip(pair, "kv"))
     return per_token / (2 * cfg.num_kv_heads * cfg.head_dim * len(pairs))
 
 
@@ -126,20 +142,18 @@ def attention_kind(cfg: ModelConfig) -> str:
 
 # ---- sizes -----------------------------------------------------------------------------------
 
-def kv_bytes(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, group_size: int | None = None,
-             block_size: int = DEFAULT_BLOCK_SIZE, *, exact_sink: bool = False) -> int:
+def kv_bytes(cfg: ModelConfig, layout: KVLayout, batch: int, seq_len: int) -> int:
     """2 x batch x layers x kv_heads x head_dim x seq_len x bytes per element.
 
     Exact for byte-sized formats; a fractional total (int4 groups that split unevenly) is
     rounded up, since memory comes in whole bytes.
     """
     elements = 2 * batch * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * seq_len
-    return math.ceil(elements * bytes_per_element(cfg, dtype, group_size, block_size, exact_sink=exact_sink))
+    return math.ceil(elements * bytes_per_element(cfg, layout))
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: str, group_size: int | None = None,
-                       block_size: int = DEFAULT_BLOCK_SIZE, *, exact_sink: bool = False) -> int:
-    return kv_bytes(cfg, dtype, 1, 1, group_size, block_size, exact_sink=exact_sink)
+def kv_bytes_per_token(cfg: ModelConfig, layout: KVLayout) -> int:
+    return kv_bytes(cfg, layout, 1, 1)
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -154,9 +168,8 @@ class Fit:
     block_bytes: int
 
 
-def sequences_that_fit(cfg: ModelConfig, dtype: str, budget_bytes: int, seq_len: int, block_size: int,
-                       max_len: int | None = None, group_size: int | None = None, *,
-                       exact_sink: bool = False) -> Fit:
+def sequences_that_fit(cfg: ModelConfig, layout: KVLayout, budget_bytes: int, seq_len: int,
+                       max_len: int | None = None) -> Fit:
     """How many `seq_len`-token sequences a budget holds, paged and contiguous.
 
     Paged, a sequence takes ceil(seq_len / block_size) blocks; contiguous, it reserves
@@ -164,16 +177,16 @@ def sequences_that_fit(cfg: ModelConfig, dtype: str, budget_bytes: int, seq_len:
     sequence's cache must.
     """
     max_len = cfg.max_position if max_len is None else max_len
+    block_size = layout.block_size
     if seq_len < 1 or block_size < 1:
         raise ValueError(f"seq_len ({seq_len}) and block_size ({block_size}) must be positive")
     if seq_len > max_len:
         raise ValueError(f"seq_len {seq_len} exceeds max_len {max_len}, so a contiguous "
                          "reservation could not hold it; raise max_len")
-    block_bytes = kv_bytes(cfg, dtype, 1, block_size, group_size, block_size, exact_sink=exact_sink)
+    block_bytes = kv_bytes(cfg, layout, 1, block_size)
     num_blocks = budget_bytes // block_bytes
     return Fit(paged=num_blocks // _blocks(seq_len, block_size),
-               contiguous=budget_bytes // kv_bytes(cfg, dtype, 1, max_len, group_size, block_size,
-                                                   exact_sink=exact_sink),
+               contiguous=budget_bytes // kv_bytes(cfg, layout, 1, max_len),
                num_blocks=num_blocks, block_bytes=block_bytes)
 
 
@@ -213,12 +226,10 @@ def _gqa_kv_heads(cfg: ModelConfig) -> int | None:
     return next((g for g in range(min(8, cfg.num_heads - 1), 1, -1) if cfg.num_heads % g == 0), None)
 
 
-def compare_attention_kinds(cfg: ModelConfig, dtype: str = "fp16", group_size: int | None = None,
-                            block_size: int = DEFAULT_BLOCK_SIZE, *, exact_sink: bool = False) -> list[AttentionKind]:
+def compare_attention_kinds(cfg: ModelConfig, layout: KVLayout = KVLayout()) -> list[AttentionKind]:
     """The same model with MHA (a KV head per query head), GQA and MQA (one KV head)."""
     counts = [("MHA", cfg.num_heads), ("GQA", _gqa_kv_heads(cfg)), ("MQA", 1)]
-    return [AttentionKind(name, kv, kv_bytes_per_token(replace(cfg, num_kv_heads=kv), dtype, group_size, block_size,
-                                                       exact_sink=exact_sink))
+    return [AttentionKind(name, kv, kv_bytes_per_token(replace(cfg, num_kv_heads=kv), layout))
             for name, kv in counts if kv is not None]
 
 
@@ -232,26 +243,25 @@ def format_bytes(n: int) -> str:
     return f"{n:,} bytes"
 
 
-def format_plan(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, block_size: int, *,
-                name: str = "model", group_size: int | None = None, budget_bytes: int | None = None,
+def format_plan(cfg: ModelConfig, layout: KVLayout, batch: int, seq_len: int, *,
+                name: str = "model", budget_bytes: int | None = None,
                 max_len: int | None = None, lengths: list[int] | None = None,
-                compare: bool = False, exact_sink: bool = False) -> str:
+                compare: bool = False) -> str:
     """The human-readable plan `kvserve memory` prints."""
     max_len = cfg.max_position if max_len is None else max_len
-    sink = {"exact_sink": exact_sink}
-    element = bytes_per_element(cfg, dtype, group_size, block_size, **sink)
-    grouping = (f" in groups of {group_size}" if group_size else "") + (", exact sinks" if exact_sink else "")
+    block_size = layout.block_size
+    element = bytes_per_element(cfg, layout)
     lines = [
         f"Model: {name}: {cfg.num_layers} layers, {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads "
         f"({attention_kind(cfg)}), head_dim {cfg.head_dim}",
-        f"KV dtype: {dtype}{grouping}, {float(element):g} bytes per element (scales included)",
-        f"KV per token: {format_bytes(kv_bytes_per_token(cfg, dtype, group_size, block_size, **sink))}",
-        f"KV cache: {format_bytes(kv_bytes(cfg, dtype, batch, seq_len, group_size, block_size, **sink))}",
+        f"KV dtype: {layout.describe()}, {float(element):g} bytes per element (scales included)",
+        f"KV per token: {format_bytes(kv_bytes_per_token(cfg, layout))}",
+        f"KV cache: {format_bytes(kv_bytes(cfg, layout, batch, seq_len))}",
         f"  = 2 x {batch:,} batch x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x "
         f"{cfg.head_dim} head_dim x {seq_len:,} tokens x {float(element):g} bytes",
     ]
     if budget_bytes is not None:
-        fit = sequences_that_fit(cfg, dtype, budget_bytes, seq_len, block_size, max_len, group_size, **sink)
+        fit = sequences_that_fit(cfg, layout, budget_bytes, seq_len, max_len)
         lines += [
             f"Sequences of {seq_len:,} tokens that fit {format_bytes(budget_bytes)}:",
             f"  paged:      {fit.paged:,} ({fit.num_blocks:,} blocks of {block_size} tokens, "
@@ -267,13 +277,12 @@ def format_plan(cfg: ModelConfig, dtype: str, batch: int, seq_len: int, block_si
             f"  paged:      {paged:6.1%} (blocks of {block_size} tokens)",
         ]
     if compare:
-        kinds = compare_attention_kinds(cfg, dtype, group_size, block_size, **sink)
+        kinds = compare_attention_kinds(cfg, layout)
         mha = kinds[0].bytes_per_token
-        lines += [f"Attention kinds, {dtype}, batch {batch:,} x {seq_len:,} tokens:",
+        lines += [f"Attention kinds, {layout.dtype}, batch {batch:,} x {seq_len:,} tokens:",
                   "  kind  KV heads   bytes/token    bytes for the batch  MHA/this"]
         for kind in kinds:
-            total = kv_bytes(replace(cfg, num_kv_heads=kind.kv_heads), dtype, batch, seq_len, group_size, block_size,
-                             **sink)
+            total = kv_bytes(replace(cfg, num_kv_heads=kind.kv_heads), layout, batch, seq_len)
             own = "  <- this model" if kind.kv_heads == cfg.num_kv_heads else ""
             lines.append(f"  {kind.name}   {kind.kv_heads:>8}  {kind.bytes_per_token:>12,}  {total:>21,}"
                          f"  {mha / kind.bytes_per_token:>8g}{own}")
@@ -399,9 +408,9 @@ def run(args: argparse.Namespace) -> None:
     lengths = None
     if args.lengths_median is not None:
         lengths = lognormal_lengths(args.num_seqs, args.lengths_median, args.lengths_sigma, max_len, args.seed)
-    print(format_plan(cfg, args.dtype, args.batch, args.seq_len, args.block_size, name=name,
-                      group_size=args.group_size, budget_bytes=args.budget, max_len=max_len,
-                      lengths=lengths, compare=args.compare_attention, exact_sink=args.exact_sink))
+    layout = KVLayout(args.dtype, args.group_size, args.block_size, args.exact_sink)
+    print(format_plan(cfg, layout, args.batch, args.seq_len, name=name, budget_bytes=args.budget, max_len=max_len,
+                      lengths=lengths, compare=args.compare_attention))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from kvserve.cache.kv_pool import KVPool
 from kvserve.diagnostics.memory_planner import (
+    KVLayout,
     bytes_per_element,
     compare_attention_kinds,
     explicit_shape,
@@ -47,15 +48,15 @@ def test_hand_worked_values_cover_every_preset() -> None:
 def test_bytes_per_token_for_each_preset(preset: str) -> None:
     cfg = model_shape(preset)
     expected = HAND_WORKED_FP16_PER_TOKEN[preset]
-    assert kv_bytes_per_token(cfg, "fp16") == expected
-    assert kv_bytes_per_token(cfg, "bf16") == expected
-    assert kv_bytes_per_token(cfg, "fp32") == 2 * expected
+    assert kv_bytes_per_token(cfg, KVLayout("fp16")) == expected
+    assert kv_bytes_per_token(cfg, KVLayout("bf16")) == expected
+    assert kv_bytes_per_token(cfg, KVLayout("fp32")) == 2 * expected
     # 8-bit: a byte per element plus an fp16 scale per token and head, for K and V.
     scales = 2 * cfg.num_layers * cfg.num_kv_heads * 2
-    assert kv_bytes_per_token(cfg, "fp8_e4m3") == kv_bytes_per_token(cfg, "int8") == expected // 2 + scales
+    assert kv_bytes_per_token(cfg, KVLayout("fp8_e4m3")) == kv_bytes_per_token(cfg, KVLayout("int8")) == expected // 2 + scales
     # int4 in groups of 16: half a byte per element, an fp16 scale and zero (4 B) per 16 elements;
     # expected counts 2 bytes per element.
-    assert kv_bytes_per_token(cfg, "int4", 16) == expected // 4 + expected // 2 // 16 * 4
+    assert kv_bytes_per_token(cfg, KVLayout("int4", 16)) == expected // 4 + expected // 2 // 16 * 4
     # The engine's own 2-byte figure on ModelConfig must agree with the planner's.
     assert cfg.kv_bytes_per_token == expected
 
@@ -63,9 +64,9 @@ def test_bytes_per_token_for_each_preset(preset: str) -> None:
 def test_gpt3_batch_total_is_exact() -> None:
     cfg = model_shape("gpt3-175b")
     # 2 x 32 x 96 x 96 x 128 x 2048 x 2 = 309,237,645,312 = 288 x 2^30
-    assert kv_bytes(cfg, "fp16", 32, 2048) == 309_237_645_312 == 288 * GiB
+    assert kv_bytes(cfg, KVLayout("fp16"), 32, 2048) == 309_237_645_312 == 288 * GiB
     # One 2048-token sequence: 4,718,592 x 2048 = 9 GiB.
-    assert kv_bytes(cfg, "fp16", 1, 2048) == 9 * GiB
+    assert kv_bytes(cfg, KVLayout("fp16"), 1, 2048) == 9 * GiB
 
 
 def test_acceptance_command_prints_exact_bytes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,32 +79,32 @@ def test_acceptance_command_prints_exact_bytes(capsys: pytest.CaptureFixture[str
 def test_int4_groups_add_scale_and_zero() -> None:
     cfg = model_shape("llama-2-7b")
     # Each group of 128 carries an fp16 scale and an fp16 zero: 4 bytes over 128 elements.
-    assert bytes_per_element(cfg, "int4", 128) == Fraction(1, 2) + Fraction(4, 128)
+    assert bytes_per_element(cfg, KVLayout("int4", 128)) == Fraction(1, 2) + Fraction(4, 128)
     # Llama-2-7B: 2 x 32 x 32 x 128 x (0.5 + 4/128) = 131,072 + 8,192.
-    assert kv_bytes_per_token(cfg, "int4", 128) == 139_264
+    assert kv_bytes_per_token(cfg, KVLayout("int4", 128)) == 139_264
     with pytest.raises(ValueError, match="unknown KV dtype"):
-        bytes_per_element(cfg, "fp12")
+        bytes_per_element(cfg, KVLayout("fp12"))
 
 
 def test_kivi2_keys_per_channel_per_block() -> None:
     cfg = model_shape("llama-2-7b")
     # Per layer and KV head: keys 128 * 2 bits = 32 B per token plus an fp16 scale and zero per
     # channel per 16-token block (128 * 4 / 16 = 32 B); values 32 B + 4 groups * 4 B = 48 B.
-    assert kv_bytes_per_token(cfg, "kivi2") == 32 * 32 * (32 + 32 + 48)
+    assert kv_bytes_per_token(cfg, KVLayout("kivi2")) == 32 * 32 * (32 + 32 + 48)
     # Blocks of 64 tokens and value groups of 64: keys 32 + 128 * 4 / 64 = 40 B, values 32 + 2 * 4 = 40 B,
     # i.e. 2.5 bits per value; the block size given is the one priced (it once stayed at 16).
-    assert kv_bytes_per_token(cfg, "kivi2", group_size=64, block_size=64) == 32 * 32 * (40 + 40)
-    assert "KV per token: 81,920 bytes" in format_plan(cfg, "kivi2", 1, 64, 64, group_size=64)
+    assert kv_bytes_per_token(cfg, KVLayout("kivi2", group_size=64, block_size=64)) == 32 * 32 * (40 + 40)
+    assert "KV per token: 81,920 bytes" in format_plan(cfg, KVLayout("kivi2", 64, 64), 1, 64)
     # Exact sinks: each block's first key in fp16, 128 * 2 B / 64 tokens = 4 B more per token for keys:
     # 2.625 bits per value.
-    assert kv_bytes_per_token(cfg, "kivi2", group_size=64, block_size=64, exact_sink=True) == 32 * 32 * (44 + 40)
-    assert bytes_per_element(cfg, "kivi2", 64, 64, exact_sink=True) == Fraction(21, 64)  # 2.625 bits
-    assert "exact sinks" in format_plan(cfg, "kivi2", 1, 64, 64, group_size=64, exact_sink=True)
+    assert kv_bytes_per_token(cfg, KVLayout("kivi2", 64, 64, exact_sink=True)) == 32 * 32 * (44 + 40)
+    assert bytes_per_element(cfg, KVLayout("kivi2", 64, 64, exact_sink=True)) == Fraction(21, 64)  # 2.625 bits
+    assert "exact sinks" in format_plan(cfg, KVLayout("kivi2", 64, 64, exact_sink=True), 1, 64)
 
 
 def test_sequences_that_fit_hand_worked() -> None:
     cfg = model_shape("llama-2-7b")
-    fit = sequences_that_fit(cfg, "fp16", 80 * GiB, seq_len=1000, block_size=16)
+    fit = sequences_that_fit(cfg, KVLayout("fp16", block_size=16), 80 * GiB, seq_len=1000)
     # A block is 16 tokens x 512 KiB = 8 MiB, so 80 GiB holds 10,240 blocks. A 1000-token
     # sequence takes ceil(1000 / 16) = 63 blocks: 10,240 // 63 = 162 sequences.
     assert fit.block_bytes == 8 * 2**20
@@ -111,9 +112,9 @@ def test_sequences_that_fit_hand_worked() -> None:
     assert fit.paged == 162
     # Contiguous reserves the model's 4096-token context: 4096 x 512 KiB = 2 GiB each -> 40.
     assert fit.contiguous == 40
-    assert sequences_that_fit(cfg, "fp16", 80 * GiB, 1000, 16, max_len=1000).contiguous == 80 * GiB // (1000 * 524_288)
+    assert sequences_that_fit(cfg, KVLayout("fp16", block_size=16), 80 * GiB, 1000, max_len=1000).contiguous == 80 * GiB // (1000 * 524_288)
     with pytest.raises(ValueError, match="exceeds max_len"):
-        sequences_that_fit(cfg, "fp16", 80 * GiB, 5000, 16)
+        sequences_that_fit(cfg, KVLayout("fp16", block_size=16), 80 * GiB, 5000)
 
 
 def test_paging_waste_hand_worked() -> None:
@@ -170,11 +171,11 @@ def test_gguf_metadata_gives_the_shape() -> None:
         pytest.skip("the bundled SmolLM2 GGUF is not installed")
     cfg = model_shape(path)
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
-    assert kv_bytes_per_token(cfg, "fp16") == 23_040
+    assert kv_bytes_per_token(cfg, KVLayout("fp16")) == 23_040
 
 
 def test_explicit_shape_through_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
-    assert kv_bytes_per_token(explicit_shape(layers=80, kv_heads=8, head_dim=128, heads=64), "fp16") == 327_680
+    assert kv_bytes_per_token(explicit_shape(layers=80, kv_heads=8, head_dim=128, heads=64), KVLayout("fp16")) == 327_680
     main(["--layers", "80", "--kv-heads", "8", "--heads", "64", "--head-dim", "128", "--seq-len", "4096",
           "--budget", "80GiB", "--compare-attention", "--lengths-median", "500"])
     out = capsys.readouterr().out
@@ -185,7 +186,7 @@ def test_explicit_shape_through_the_cli(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_format_plan_is_human_readable() -> None:
-    text = format_plan(model_shape("gpt3-175b"), "fp16", 1, 2048, 16, name="gpt3-175b")
+    text = format_plan(model_shape("gpt3-175b"), KVLayout("fp16"), 1, 2048, name="gpt3-175b")
     assert "KV cache: 9,663,676,416 bytes (9.00 GiB)" in text
 
 
@@ -196,9 +197,9 @@ def test_planner_matches_the_engines_pool(dtype: str, torch_dtype: torch.dtype) 
     num_blocks, block_size = 3, 16
     pool = KVPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, torch_dtype,
                   torch.device("cpu"))
-    assert pool.nbytes == kv_bytes_per_token(cfg, dtype) * num_blocks * block_size
+    assert pool.nbytes == kv_bytes_per_token(cfg, KVLayout(dtype)) * num_blocks * block_size
     assert KVPool.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                  torch_dtype) == kv_bytes(cfg, dtype, 1, block_size)
+                                  torch_dtype) == kv_bytes(cfg, KVLayout(dtype), 1, block_size)
 
 
 def test_a_per_layer_plan_is_priced_layer_by_layer(tmp_path: Path) -> None:
@@ -209,10 +210,10 @@ def test_a_per_layer_plan_is_priced_layer_by_layer(tmp_path: Path) -> None:
     KVPlan((("int8", "int8"), ("auto", "int4"))).save(path)
     # Per KV head: int8 16 B + 2 B scale for K and V (36 B); bf16 keys 32 B; int4 g32 over 16 channels
     # is refused, so group 16: 8 B + 4 B. Layers: 36 + (32 + 12) = 80 B per head, 2 heads.
-    assert kv_bytes_per_token(cfg, f"plan:{path}", group_size=16) == 2 * 80
+    assert kv_bytes_per_token(cfg, KVLayout(f"plan:{path}", group_size=16)) == 2 * 80
     KVPlan((("int8", "int8"),)).save(path)
     with pytest.raises(ValueError, match="names 1 layers, the model has 2"):
-        kv_bytes_per_token(cfg, f"plan:{path}")
+        kv_bytes_per_token(cfg, KVLayout(f"plan:{path}"))
 
 
 def test_a_tensor_parallel_plan_prices_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
