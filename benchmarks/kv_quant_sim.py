@@ -27,22 +27,22 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from kvserve.attention.rotation import rotation_matrix
 from kvserve.bench.hf_baseline import load_hf_model
+from kvserve.cache.kv_format import _dequantize_asym, _quantize_asym
+from kvserve.model.llama import RotaryEmbedding
 from kvserve.model.loader import default_model_path
 from kvserve.texts import load_text
 
 
 def minmax(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Asymmetric min-max codes along `dim`, decoded (fp32 scales: the simulation's only liberty)."""
-    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-8)
-    return ((x - lo) / scale).round().clamp(0, 2 ** bits - 1) * scale + lo
+    """The engine's asymmetric min-max codes along `dim` (fp16 scale and zero-point), decoded."""
+    codes, scale, zero = _quantize_asym(x, bits, dim)
+    return _dequantize_asym(codes, scale, zero, dim)
 
 
 def rope_tables(length: int, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    angles = torch.arange(length, dtype=torch.float32)[:, None] * inv
-    angles = torch.cat([angles, angles], -1)
-    return angles.cos(), angles.sin()
+    """The model's own RoPE tables, [length, dim] (both halves of a head share an angle)."""
+    rotary = RotaryEmbedding(dim, length, theta)
+    return torch.cat([rotary.cos, rotary.cos], -1), torch.cat([rotary.sin, rotary.sin], -1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,42 @@
+"""The host's share of a decode step: `python benchmarks/host_overhead.py --batch 1 --layers 1`.
+
+A tiny random model (hidden 64) on the CPU, so the kernels cost next to nothing and a step's
+time is what the engine spends around them: scheduling, metadata, the layer loop, sampling,
+bookkeeping. That is the floor a GPU step cannot go under without graphs (for the per-layer
+part) or overlapping the host with the device (for the rest).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.config import ModelConfig
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--steps", type=int, default=100)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    model = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=args.layers, num_heads=4,
+                        num_kv_heads=2, head_dim=16, max_position=4096)
+    engine = LLM(model=model, dtype="float32", device="cpu", kv_cache_memory="256MiB", max_model_len=4096,
+                 max_num_seqs=max(args.batch, 1), attention_backend="cpu").engine
+    for i in range(args.batch):
+        engine.add_request([(7 * i + j) % 250 + 3 for j in range(100)],
+                           SamplingParams(max_tokens=args.steps + 50, ignore_eos=True, temperature=0))
+    for _ in range(20):  # prefill, then warm decode steps
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    print(f"batch {args.batch}, {args.layers} layer(s): {(time.perf_counter() - start) / args.steps * 1e3:.3f} ms a step")
+
+
+if __name__ == "__main__":
+    main()
