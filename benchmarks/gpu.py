@@ -11,7 +11,7 @@ the same workload:
   the profile's tables in --out.
 A part that fails is recorded with its traceback and the others still run.
 Each row says how far it is from the machine's limits (weight + KV bytes per decode step over
-the measured read bandwidth). Results: a JSON file and a markdown table in --out, and stdout.
+the measured read bandwidth). Results: gpu.json and the profile tables in --out, and stdout.
 """
 from __future__ import annotations
 
@@ -108,8 +108,9 @@ def hf_one_stream(model: object, prompt: list[int], tokens: int, device: torch.d
 def kvserve_rows(model_dir: Path, args: argparse.Namespace, requests: list[WorkloadRequest], one: WorkloadRequest,
                  device: torch.device, cuda_graphs: bool) -> dict:
     tiny = args.tiny
+    shape = SHAPE_TINY if tiny else SHAPE_1B
     llm = LLM(model=str(model_dir), dtype="bfloat16", device=str(device), kv_cache_memory="64MiB" if tiny else "40GiB",
-              max_model_len=512 if tiny else 4096, max_num_seqs=256, cuda_graphs=cuda_graphs)
+              max_model_len=shape["max_position_embeddings"], max_num_seqs=256, cuda_graphs=cuda_graphs)
     prompts = [r.prompt_token_ids for r in requests]
     run_kvserve(llm, prompts[:8], greedy_params(requests[:8]), "warm-up", progress=False)
     mixed = run_kvserve(llm, prompts, greedy_params(requests), "kvserve mixed")

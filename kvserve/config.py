@@ -21,9 +21,10 @@ REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 
 CACHE_MODES = ("paged", "contiguous", "no-cache")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
-# Tokens per step when chunked prefill is on and max_num_batched_tokens is not set, by device: on a CPU a step's time grows with its tokens,
-# so a small one keeps running streams moving; a GPU runs 8192 tokens (vLLM's default) in about
-# the time of a few hundred, and a small budget would leave it idle.
+# Tokens per step when chunked prefill is on and max_num_batched_tokens is not set, by device: on
+# a CPU a step's time grows with its tokens, so a small one keeps running streams moving; a GPU
+# runs 8192 tokens (vLLM's default) in about the time of a few hundred, and a small budget would
+# leave it idle.
 CHUNKED_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}

@@ -7,8 +7,10 @@ a step then copies its token ids, positions, slots, context lengths and block ta
 buffers and launches the graph: one launch for every layer.
 
 A step of n sequences runs in the smallest bucket b >= n. The b - n pad rows repeat the first
-sequence (its token, position and slot) with no context: their K/V writes put the same values
-in the same slot, so they need no scratch block, and their outputs are dropped.
+sequence whole (token, position, slot, context length and block table), so every layer computes
+the same K/V for them as for it and writes the same values to the same slot: they need no scratch
+block, and their outputs are dropped. (With no context a pad row's attention output, and so its
+next layer's K/V, would differ.)
 """
 from __future__ import annotations
 
