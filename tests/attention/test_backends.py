@@ -71,7 +71,7 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 def make_case(shapes: list[tuple[int, int]], heads: int, kv_heads: int, block_size: int,
-              seed: int) -> tuple[list[SeqData], torch.Tensor, torch.Tensor]:
+              seed: int, head_dim: int = HEAD_DIM) -> tuple[list[SeqData], torch.Tensor, torch.Tensor]:
     """Random sequences plus a pool filled with garbage.
 
     Blocks are handed out from a random permutation of the pool, so tables are neither sorted
@@ -89,11 +89,11 @@ def make_case(shapes: list[tuple[int, int]], heads: int, kv_heads: int, block_si
         table, perm = perm[:n], perm[n:]
         seqs.append(SeqData(
             ctx, q_len,
-            k=torch.randn(ctx, kv_heads, HEAD_DIM, generator=gen),
-            v=torch.randn(ctx, kv_heads, HEAD_DIM, generator=gen),
-            q=torch.randn(q_len, heads, HEAD_DIM, generator=gen),
+            k=torch.randn(ctx, kv_heads, head_dim, generator=gen),
+            v=torch.randn(ctx, kv_heads, head_dim, generator=gen),
+            q=torch.randn(q_len, heads, head_dim, generator=gen),
             table=table))
-    shape = (num_blocks, block_size, kv_heads, HEAD_DIM)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen)
     v_cache = torch.randn(shape, generator=gen)
     return seqs, k_cache, v_cache
@@ -120,7 +120,7 @@ def write_context(backend: AttentionBackend, seqs: list[SeqData], heads: int, bl
         return
     lens = [s.ctx - s.q_len for s in prior]
     step = StepMetadata.build(lens, lens, [s.table for s in prior], block_size, DEVICE)
-    attend(backend, torch.zeros(sum(lens), heads, HEAD_DIM), torch.cat([s.k[: s.ctx - s.q_len] for s in prior]),
+    attend(backend, torch.zeros(sum(lens), heads, prior[0].q.shape[-1]), torch.cat([s.k[: s.ctx - s.q_len] for s in prior]),
            torch.cat([s.v[: s.ctx - s.q_len] for s in prior]), step, 1.0)
 
 
@@ -137,10 +137,10 @@ def expected_pool(seqs: list[SeqData], k0: torch.Tensor, v0: torch.Tensor,
 
 
 def run_step(backend_name: str, shapes: list[tuple[int, int]], heads: int, kv_heads: int, block_size: int,
-             seed: int = 0, scale: float | None = None) -> None:
+             seed: int = 0, scale: float | None = None, head_dim: int = HEAD_DIM) -> None:
     """Write context, then write the step's new tokens and attend; compare with the reference."""
-    scale = 1 / math.sqrt(HEAD_DIM) if scale is None else scale
-    seqs, k0, v0 = make_case(shapes, heads, kv_heads, block_size, seed)
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
+    seqs, k0, v0 = make_case(shapes, heads, kv_heads, block_size, seed, head_dim)
     k_cache, v_cache = k0.to(DEVICE, copy=True), v0.to(DEVICE, copy=True)
     backend = make_backend(backend_name, k_cache, v_cache, heads)
 
@@ -191,6 +191,14 @@ def test_unpadded_grid(backend: str, shapes: list[tuple[int, int]]) -> None:
     # Every sequence brings the same number of new tokens, so the query grid has no padding
     # rows (a batch of one, equal-length prefills, equal-length chunks after cached context).
     run_step(backend, shapes, heads=8, kv_heads=2, block_size=16, seed=5)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+@pytest.mark.parametrize("head_dim", [40, 64, 80, 128])
+def test_head_dims(backend: str, head_dim: int) -> None:
+    # The cpu kernel keeps a head's accumulator in registers for some head sizes (64 is
+    # SmolLM2's, 128 Llama's) and loops for others (80); 40 is not a multiple of its 16 lanes.
+    run_step(backend, MIXED, heads=8, kv_heads=2, block_size=16, seed=head_dim, head_dim=head_dim)
 
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
