@@ -240,6 +240,26 @@ def test_permuted_table_changes_result(backend: str) -> None:
     assert not torch.allclose(right, wrong, atol=1e-3)
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_bf16_dense_pages_match_the_dense_reference(block_size: int) -> None:
+    """bf16 pages, where the cpu kernel reads keys in place (bf16 dot products) instead of
+    decoding them; block 1 ends every 16-key tile early, so its padding must not read past it."""
+    heads, kv_heads, dim, bf16 = 8, 2, 64, torch.bfloat16
+    seqs, k0, v0 = make_case(MIXED, heads, kv_heads, block_size, seed=block_size, head_dim=dim)
+    for s in seqs:
+        s.q, s.k, s.v = (t.to(bf16).float() for t in (s.q, s.k, s.v))
+    k_exp, v_exp = expected_pool(seqs, k0, v0, block_size)
+    ref = torch.cat([dense_reference(s, heads, kv_heads, dim ** -0.5) for s in seqs])
+    for name in BACKEND_NAMES:
+        backend = make_backend(name, k_exp.to(DEVICE, bf16), v_exp.to(DEVICE, bf16), heads)
+        step = StepMetadata.build([s.q_len for s in seqs], [s.ctx for s in seqs], [s.table for s in seqs],
+                                  block_size, DEVICE)
+        out = attend(backend, torch.cat([s.q for s in seqs]).to(bf16),
+                     torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]).to(bf16),
+                     torch.cat([s.v[s.ctx - s.q_len:] for s in seqs]).to(bf16), step, dim ** -0.5)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8_e4m3", "int4"])
 def test_bf16_compressed_pages_match_the_reference_backend(fmt: str) -> None:
     """In bf16 every backend decodes codes into bf16 before attention, as the reference does."""

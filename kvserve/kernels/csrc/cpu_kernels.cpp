@@ -206,6 +206,43 @@ struct Pages {
   int64_t group;
 };
 
+// The rows of head h of a dense bf16 block, read in place: the first row and the stride between
+// tokens; base is null when the pages hold another type (those are decoded into fp32 first).
+struct Bf16Rows { const c10::BFloat16* base; int64_t stride; };
+inline Bf16Rows bf16_rows(const Pages& p, int64_t block, int64_t h) {
+  if (p.kind != kDense) return {nullptr, 0};
+  const at::Tensor* src = p.data;
+  if (block >= src->size(0)) { block -= src->size(0); src = p.host; }
+  if (src->scalar_type() != at::kBFloat16) return {nullptr, 0};
+  return {src->data_ptr<c10::BFloat16>() + block * src->stride(0) + h * src->stride(2), src->stride(1)};
+}
+
+#if defined(__AVX512BF16__)
+// s[t] = scale * (q . k[t]) for t < n (n >= 1) over bf16 rows read in place, 32 products per
+// VDPBF16PS into fp32 (each bf16 product is exact in fp32); returns their max. Skips decoding the
+// keys into fp32, which cost more than the dot products in a decode step. D % 32 == 0.
+inline float dots_bf16(const c10::BFloat16* q, Bf16Rows k, int64_t n, int64_t D, float scale, float* s) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t left = std::min<int64_t>(16, n - t0);
+    const c10::BFloat16* row[16];
+    // Past the last key the tile re-reads that key (never past the block) and drops the sums.
+    for (int t = 0; t < 16; ++t) row[t] = k.base + (t0 + std::min<int64_t>(t, left - 1)) * k.stride;
+    __m512 acc[16];
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+      for (int t = 0; t < 16; ++t) acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)_mm512_loadu_si512(row[t] + d));
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << left) - 1);
+    const __m512 st = _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(s + t0, valid, st);
+    mx = _mm512_mask_max_ps(mx, valid, mx, st);
+  }
+  return _mm512_reduce_max_ps(mx);
+}
+#endif
+
 // Decodes tokens [0, n) of `block`, head `h`, into out[n][D] (fp32).
 template <typename T>
 void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D, float* out) {
@@ -345,6 +382,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
     const int64_t padded = (block_size + 15) / 16 * 16;
     std::vector<float> qbuf, acc, kbuf(padded * D), vbuf(block_size * D), sbuf, m, l;
     std::vector<int64_t> pos;
+    std::vector<const T*> qrow;
     for (int64_t it = begin; it < end; ++it) {
       const Item w = items[it];
       const int64_t q_len = qs[w.b + 1] - qs[w.b];
@@ -355,10 +393,12 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       m.assign(rows, neg_inf);
       l.assign(rows, 0.f);
       pos.assign(rows, 0);
+      qrow.assign(rows, nullptr);
       for (int64_t i = 0; i < w.q1 - w.q0; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * G + g;
           const T* src = qd + (w.q0 + i) * q_tok + (w.h * G + g) * q_head;
+          qrow[r] = src;
           for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = to_f(src[d]) * fscale;
           // Token j of a sequence's new tokens sits at position ctx - q_len + j.
           pos[r] = ctx[w.b] - q_len + (w.q0 + i - qs[w.b]);
@@ -367,26 +407,43 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       const int64_t nblocks = last / block_size + 1;
       // Block bi of the item's table into kbuf (and vbuf with `values`); returns its tokens. A
       // block inside the full-precision window is read from its staging slot instead.
-      auto load_block = [&](int64_t bi, bool values) {
+      // bf16 keys are read in place unless this item keeps scores: the scoring pass recomputes
+      // fp32 dots from decoded keys, and both passes must see the same scores.
+      bool direct = false;
+#if defined(__AVX512BF16__)
+      direct = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && !(first && first[w.b] >= 0);
+#endif
+      // Block bi of the item's table: its values into vbuf (with `values`), its keys into kbuf
+      // unless they can be read in place (then their rows go to `krows`); returns its tokens. A
+      // block inside the full-precision window is read from its staging slot instead.
+      auto load_block = [&](int64_t bi, bool values, Bf16Rows& krows) {
         const int64_t block = tables[w.b * table_stride + bi];
         const int64_t n = std::min(block_size, last + 1 - bi * block_size);
         const int64_t slot = stage ? stage[block] : -1;
         const Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
         const Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
         const int64_t at = slot >= 0 ? slot : block;
-        decode_block<T>(slot >= 0 ? sk : kp, at, n, w.h, D, kbuf.data());
+        krows = direct ? bf16_rows(slot >= 0 ? sk : kp, at, w.h) : Bf16Rows{nullptr, 0};
+        if (krows.base == nullptr) decode_block<T>(slot >= 0 ? sk : kp, at, n, w.h, D, kbuf.data());
         if (values) decode_block<T>(slot >= 0 ? sv : vp, at, n, w.h, D, vbuf.data());
         return n;
       };
+      Bf16Rows krows{nullptr, 0};
       for (int64_t bi = 0; bi < nblocks; ++bi) {
-        const int64_t n = load_block(bi, true);
+        const int64_t n = load_block(bi, true, krows);
         const int64_t k0 = bi * block_size;
         for (int64_t r = 0; r < rows; ++r) {
-          const float* qr = qbuf.data() + r * D;
           float* s = sbuf.data() + r * block_size;
           const int64_t visible = std::min(n, pos[r] + 1 - k0);  // causal: keys at or before pos
           if (visible <= 0) continue;
-          const float mx = std::max(m[r], dots(qr, kbuf.data(), visible, D, s));
+          float top;
+#if defined(__AVX512BF16__)
+          if (krows.base != nullptr)
+            top = dots_bf16(reinterpret_cast<const c10::BFloat16*>(qrow[r]), krows, visible, D, fscale, s);
+          else
+#endif
+            top = dots(qbuf.data() + r * D, kbuf.data(), visible, D, s);
+          const float mx = std::max(m[r], top);
           const float correction = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
           const float sum = exp_sub_sum(s, visible, mx);
           scale_accumulate(acc.data() + r * D, correction, s, vbuf.data(), visible, D);
@@ -399,7 +456,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         float* row_scores = sc + w.b * sc_b + w.h * sc_h;
         const int64_t r0 = (first[w.b] - (w.q0 - qs[w.b])) * G;  // the first counted row
         for (int64_t bi = 0; bi < nblocks; ++bi) {
-          const int64_t n = load_block(bi, false);
+          const int64_t n = load_block(bi, false, krows);
           const int64_t k0 = bi * block_size;
           for (int64_t r = std::max<int64_t>(r0, 0); r < rows; ++r) {
             const int64_t visible = std::min(n, pos[r] + 1 - k0);
