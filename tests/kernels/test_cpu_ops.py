@@ -79,7 +79,7 @@ def test_rope_split_on_a_strided_view_of_a_larger_row(dtype: torch.dtype) -> Non
     torch.testing.assert_close(fused, eager, **TOL[dtype])
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 33])
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 30, 33])  # 5, 6, 30, 33: a last tile of 5 or 6 rows
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_bf16_against_fp32_matmul(rows: int, bias: bool) -> None:
     if not kernels.has_bf16_gemm():
