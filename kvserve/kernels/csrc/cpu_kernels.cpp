@@ -218,11 +218,13 @@ inline Bf16Rows bf16_rows(const Pages& p, int64_t block, int64_t h) {
   return {src->data_ptr<c10::BFloat16>() + block * src->stride(0) + h * src->stride(2), src->stride(1)};
 }
 
-#if defined(__AVX512BF16__)
-// s[t] = scale * (q . k[t]) for t < n (n >= 1) over bf16 rows read in place, 32 products per
-// VDPBF16PS into fp32 (each bf16 product is exact in fp32); returns their max. Skips decoding the
-// keys into fp32, which cost more than the dot products in a decode step. D % 32 == 0.
-inline float dots_bf16(const c10::BFloat16* q, Bf16Rows k, int64_t n, int64_t D, float scale, float* s) {
+#ifdef __AVX512F__
+// `dots` over bf16 key rows read in place: each 16-channel chunk is widened to fp32 in registers
+// (exact), so the sums are bit-identical to `dots` over keys decoded into a buffer first, without
+// that buffer's stores and loads, which cost more than the dot products in a decode step. A
+// VDPBF16PS version was faster still, but its different summation order flipped a bf16 near-tie
+// of the README's own prompt (BENCHMARKS.md). D % 16 == 0.
+inline float dots_bf16(const float* q, Bf16Rows k, int64_t n, int64_t D, float* s) {
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const int64_t left = std::min<int64_t>(16, n - t0);
@@ -231,12 +233,16 @@ inline float dots_bf16(const c10::BFloat16* q, Bf16Rows k, int64_t n, int64_t D,
     for (int t = 0; t < 16; ++t) row[t] = k.base + (t0 + std::min<int64_t>(t, left - 1)) * k.stride;
     __m512 acc[16];
     for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
-      for (int t = 0; t < 16; ++t) acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)_mm512_loadu_si512(row[t] + d));
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      for (int t = 0; t < 16; ++t) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[t] + d));
+        const __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        acc[t] = _mm512_fmadd_ps(qv, kv, acc[t]);
+      }
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << left) - 1);
-    const __m512 st = _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale));
+    const __m512 st = hsum16(acc);
     _mm512_mask_storeu_ps(s + t0, valid, st);
     mx = _mm512_mask_max_ps(mx, valid, mx, st);
   }
@@ -391,7 +397,6 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
     const int64_t padded = (block_size + 15) / 16 * 16;
     std::vector<float> qbuf, acc, kbuf(padded * D), vbuf(block_size * D), sbuf, m, l;
     std::vector<int64_t> pos;
-    std::vector<const T*> qrow;
     for (int64_t it; (it = next_item.fetch_add(1)) < num_items;) {
       const Item w = items[it];
       const int64_t q_len = qs[w.b + 1] - qs[w.b];
@@ -402,12 +407,10 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       m.assign(rows, neg_inf);
       l.assign(rows, 0.f);
       pos.assign(rows, 0);
-      qrow.assign(rows, nullptr);
       for (int64_t i = 0; i < w.q1 - w.q0; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * G + g;
           const T* src = qd + (w.q0 + i) * q_tok + (w.h * G + g) * q_head;
-          qrow[r] = src;
           for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = to_f(src[d]) * fscale;
           // Token j of a sequence's new tokens sits at position ctx - q_len + j.
           pos[r] = ctx[w.b] - q_len + (w.q0 + i - qs[w.b]);
@@ -419,8 +422,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       // bf16 keys are read in place unless this item keeps scores: the scoring pass recomputes
       // fp32 dots from decoded keys, and both passes must see the same scores.
       bool direct = false;
-#if defined(__AVX512BF16__)
-      direct = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && !(first && first[w.b] >= 0);
+#ifdef __AVX512F__
+      direct = std::is_same_v<T, c10::BFloat16> && D % 16 == 0 && !(first && first[w.b] >= 0);
 #endif
       // Block bi of the item's table: its values into vbuf (with `values`), its keys into kbuf
       // unless they can be read in place (then their rows go to `krows`); returns its tokens. A
@@ -446,9 +449,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           const int64_t visible = std::min(n, pos[r] + 1 - k0);  // causal: keys at or before pos
           if (visible <= 0) continue;
           float top;
-#if defined(__AVX512BF16__)
+#ifdef __AVX512F__
           if (krows.base != nullptr)
-            top = dots_bf16(reinterpret_cast<const c10::BFloat16*>(qrow[r]), krows, visible, D, fscale, s);
+            top = dots_bf16(qbuf.data() + r * D, krows, visible, D, s);
           else
 #endif
             top = dots(qbuf.data() + r * D, kbuf.data(), visible, D, s);
