@@ -289,6 +289,24 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
         const auto* row = codes + ((block * data.size(1) + t) * H + h) * D;
         const float s = per_head ? head_scale : to_f(token_scale[s_base + t * H]);
         float* o = out + t * D;
+#if defined(__AVX512BF16__)
+        // int8 codes 16 at a time: the same one multiply and one rounding as the loop below.
+        using code_t = std::remove_cv_t<std::remove_pointer_t<decltype(codes)>>;
+        if constexpr (std::is_same_v<code_t, int8_t> &&
+                      (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
+          if (D % 16 == 0) {
+            const __m512 sv = _mm512_set1_ps(s);
+            for (int64_t d = 0; d < D; d += 16) {
+              const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+              __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), sv);
+              if constexpr (std::is_same_v<T, c10::BFloat16>)
+                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+              _mm512_storeu_ps(o + d, v);
+            }
+            continue;
+          }
+        }
+#endif
         for (int64_t d = 0; d < D; ++d) o[d] = through<T>(to_f(row[d]) * s);
       }
     };
