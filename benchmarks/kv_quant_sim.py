@@ -15,11 +15,18 @@ them (the same layouts measured both ways) and printed beside them in BENCHMARKS
 Pre-RoPE keys are recovered from HF's post-RoPE keys by the inverse rotation (SmolLM2 uses plain
 RoPE, theta from the model config), quantized, and rotated back at their positions: the
 decoder of a pre-RoPE cache would do the same for every key it reads, every step.
+
+`--mixed` runs the layouts that spend a few more bits on the key channels that matter most:
+per layer and KV head, the `hi` channels with the largest E[q_d^2] * E[range_d^2] (a channel's
+share of the q.k error when its step is proportional to its range) get `hi_bits`, the rest 2.
+The choice is calibrated once on another text (`--calib`, its last 8 windows) and then fixed,
+as a plan file would fix it; the channel list costs nothing per token.
 """
 from __future__ import annotations
 
 import argparse
 import math
+from typing import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -54,22 +61,40 @@ class Layout:
     """One candidate: bits per role, keys pre- or post-RoPE, Hadamard or not, exact sinks."""
 
     def __init__(self, name: str, block: int, group: int, theta: float, rotation: torch.Tensor | None,
-                 k_bits: int = 2, v_bits: int = 2, pre_rope: bool = False, sink: bool = False) -> None:
+                 k_bits: int = 2, v_bits: int = 2, pre_rope: bool = False, sink: bool = False,
+                 hi: int = 0, hi_bits: int = 3, importance: dict[int, torch.Tensor] | None = None) -> None:
         self.name, self.block, self.group, self.theta, self.rotation = name, block, group, theta, rotation
         self.k_bits, self.v_bits, self.pre_rope, self.sink = k_bits, v_bits, pre_rope, sink
+        # `hi` channels per KV head at `hi_bits`, chosen from `importance[layer]` [kv_heads, D].
+        self.hi, self.hi_bits, self.importance = hi, hi_bits, importance
 
-    def keys(self, k: torch.Tensor) -> torch.Tensor:
+    def bits(self, head_dim: int) -> float:
+        """Bits per stored value, K and V averaged: codes, fp16 scale + zero-point per channel and
+        block (keys) or per group (values), and the fp16 sink key of each block."""
+        keys = self.k_bits + self.hi * (self.hi_bits - self.k_bits) / head_dim + 32 / self.block
+        keys += 16 / self.block if self.sink else 0.0
+        return (keys + self.v_bits + 32 / self.group) / 2
+
+    def stored(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """K or q [heads, T, D] post-RoPE -> the basis keys are quantized in."""
+        x = t * cos - rotate_half(t) * sin if self.pre_rope else t
+        return x if self.rotation is None else x @ self.rotation
+
+    def keys(self, k: torch.Tensor, layer: int) -> torch.Tensor:
         """k [kv_heads, T, D] post-RoPE -> what a query in a later block would read."""
         heads, length, dim = k.shape
         cos, sin = rope_tables(length, dim, self.theta)
-        x = k * cos - rotate_half(k) * sin if self.pre_rope else k
-        x = x if self.rotation is None else x @ self.rotation
+        x = self.stored(k, cos, sin)
         full = length // self.block * self.block
         blocks = x[:, :full].unflatten(1, (-1, self.block))  # [H, n, block, D]
-        if self.k_bits < 16 and self.sink:  # the first key exact, out of the ranges
-            blocks = torch.cat([blocks[:, :, :1], minmax(blocks[:, :, 1:], self.k_bits, 2)], 2)
-        elif self.k_bits < 16:
-            blocks = minmax(blocks, self.k_bits, 2)
+        body = blocks[:, :, 1:] if self.sink else blocks  # with a sink, the first key exact, out of the ranges
+        if self.k_bits < 16:
+            coded = minmax(body, self.k_bits, 2)
+            if self.hi and self.importance is not None:
+                top = self.importance[layer].topk(self.hi, -1).indices  # [H, hi]
+                chosen = torch.zeros(heads, dim, dtype=torch.bool).scatter(1, top, True)[:, None, None, :]
+                coded = torch.where(chosen, minmax(body, self.hi_bits, 2), coded)
+            blocks = torch.cat([blocks[:, :, :1], coded], 2) if self.sink else coded
         y = torch.cat([blocks.flatten(1, 2), x[:, full:]], 1)
         y = y if self.rotation is None else y @ self.rotation.T
         return y * cos + rotate_half(y) * sin if self.pre_rope else y
@@ -85,6 +110,8 @@ class Simulation:
     def __init__(self, block: int) -> None:
         self.block = block
         self.layout: Layout | None = None
+        # While set (calibration), every layer adds its channels' importance here, in `layout`'s basis.
+        self.importance: dict[int, torch.Tensor] | None = None
 
     def attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
@@ -96,13 +123,28 @@ class Simulation:
         encoded = slot[None, :] // self.block < slot[:, None] // self.block  # an earlier block
         group = query.shape[1] // key.shape[1]
         outs = []
+        layer = module.layer_idx
         for q, k, v in zip(query.float(), key.float(), value.float()):
-            kq, vq = (k, v) if self.layout is None else (self.layout.keys(k), self.layout.values(v))
+            if self.importance is not None and self.layout is not None:
+                self.importance[layer] = self.importance.get(layer, 0) + self.channel_importance(q, k)
+                kq, vq = k, v
+            else:
+                kq, vq = (k, v) if self.layout is None else (self.layout.keys(k, layer), self.layout.values(v))
             k, v, kq, vq = (t.repeat_interleave(group, 0) for t in (k, v, kq, vq))
             scores = torch.where(encoded, q @ kq.transpose(1, 2), q @ k.transpose(1, 2)) * scaling
             p = scores.masked_fill(~causal, -math.inf).softmax(-1)
             outs.append(((p * encoded) @ vq + (p * ~encoded) @ v).transpose(0, 1))
         return torch.stack(outs).to(query.dtype), None
+
+    def channel_importance(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """E[q_d^2] over a KV head's query heads times E[range_d^2] over its key blocks: [kv_heads, D]."""
+        assert self.layout is not None
+        cos, sin = rope_tables(k.shape[1], k.shape[2], self.layout.theta)
+        qs, ks = self.layout.stored(q, cos, sin), self.layout.stored(k, cos, sin)
+        full = ks.shape[1] // self.block * self.block
+        blocks = ks[:, :full].unflatten(1, (-1, self.block))
+        ranges = (blocks.amax(2) - blocks.amin(2)).pow(2).mean(1)
+        return qs.unflatten(0, (k.shape[0], -1)).pow(2).mean((1, 2)) * ranges
 
 
 @torch.inference_mode()
@@ -113,6 +155,11 @@ def main() -> None:
     p.add_argument("--block", type=int, default=64, help="tokens per block (default 64)")
     p.add_argument("--group", type=int, default=64, help="value channels per scale (default 64)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--mixed", action="store_true",
+                   help="only the layouts with calibrated higher-bit key channels (pre-RoPE, rotated, exact sink)")
+    p.add_argument("--calib", default="python-docs",
+                   help="text whose last 8 windows choose the higher-bit channels (default python-docs; "
+                        "pass the other text than --data)")
     args = p.parse_args()
 
     sim = Simulation(args.block)
@@ -139,6 +186,29 @@ def main() -> None:
         rot = kw.pop("rotated", False)
         return Layout(name, args.block, args.group, theta, hadamard if rot else None, **kw)
 
+    if args.mixed:
+        # The channels are chosen once, from another text, in the basis the keys are stored in.
+        calib_ids = tok.encode(load_text(args.calib).text[-40 * 512 * 8:], add_special_tokens=False)
+        calib = torch.tensor([calib_ids[i * 512:(i + 1) * 512] for i in range(8)])
+
+        def calibrated(**kw: object) -> dict[str, object]:
+            sim.layout, sim.importance = layout("probe", **kw), {}
+            for window in calib.split(2):
+                model(window)
+            importance, sim.importance, sim.layout = sim.importance, None, None
+            return {**kw, "importance": importance}
+
+        pre = calibrated(rotated=True, pre_rope=True, sink=True)
+        post = calibrated(rotated=True, sink=True)
+        layouts = [
+            layout("pre-RoPE, rotated, exact sink (all keys 2-bit)", rotated=True, pre_rope=True, sink=True),
+            layout("... 8 key channels per head 3-bit", hi=8, hi_bits=3, **pre),
+            layout("... 4 key channels per head 4-bit", hi=4, hi_bits=4, **pre),
+            layout("... 16 key channels per head 3-bit", hi=16, hi_bits=3, **pre),
+            layout("post-RoPE, rotated, exact sink, 8 key channels per head 3-bit", hi=8, hi_bits=3, **post),
+        ]
+        return run_layouts(sim, layouts, logprobs, ref, targets, base, dim,
+                           f"{load_text(args.data).name}: channels calibrated on {load_text(args.calib).name}")
     layouts = [
         layout("post-RoPE"), layout("post-RoPE, rotated", rotated=True),
         layout("pre-RoPE", pre_rope=True), layout("pre-RoPE, rotated", rotated=True, pre_rope=True),
@@ -149,16 +219,21 @@ def main() -> None:
         layout("rotated, exact sink: keys exact, values 2-bit", rotated=True, sink=True, k_bits=16),
         layout("rotated, exact sink: keys 3-bit", rotated=True, sink=True, k_bits=3),
     ]
-    print(f"{load_text(args.data).name}: {args.windows} windows x 512, block {args.block}, value groups "
-          f"{args.group}, {args.dtype}; exact K/V ppl {base.exp().item():.3f}\n")
-    print("| 2-bit KIVI layout (simulated) | ppl vs exact | KL |\n|---|---|---|")
+    run_layouts(sim, layouts, logprobs, ref, targets, base, dim,
+                f"{load_text(args.data).name}: {args.windows} windows x 512, block {args.block}, value groups "
+                f"{args.group}, {args.dtype}; exact K/V ppl {base.exp().item():.3f}")
+
+
+def run_layouts(sim: Simulation, layouts: list[Layout], logprobs: Callable[[], torch.Tensor], ref: torch.Tensor,
+                targets: torch.Tensor, base: torch.Tensor, dim: int, title: str) -> None:
+    print(f"{title}\n\n| 2-bit KIVI layout (simulated) | bits / value | ppl vs exact | KL |\n|---|---|---|---|")
     for lay in layouts:
         sim.layout = lay
         lp = logprobs()
         sim.layout = None
         ppl = (-lp.gather(-1, targets).mean() - base).exp().item() - 1
         kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
-        print(f"| {lay.name} | {100 * ppl:+.2f}% | {kl:.4f} |", flush=True)
+        print(f"| {lay.name} | {lay.bits(dim):.4g} | {100 * ppl:+.2f}% | {kl:.4f} |", flush=True)
 
 
 if __name__ == "__main__":
