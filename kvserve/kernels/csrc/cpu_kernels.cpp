@@ -250,6 +250,38 @@ inline float dots_bf16(const float* q, Bf16Rows k, int64_t n, int64_t D, float* 
 }
 #endif
 
+#ifdef __AVX512F__
+// scale_accumulate over bf16 value rows read in place, widened in registers (exact): the same
+// sums as over rows decoded into a buffer first.
+template <int C>
+inline void scale_accumulate_bf16_tile(float* a, float c, const float* p, Bf16Rows v, int64_t n) {
+  __m512 acc[C];
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int j = 0; j < C; ++j) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * j), cv);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 pt = _mm512_set1_ps(p[t]);
+    const c10::BFloat16* row = v.base + t * v.stride;
+    for (int j = 0; j < C; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * j));
+      acc[j] = _mm512_fmadd_ps(pt, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)), acc[j]);
+    }
+  }
+  for (int j = 0; j < C; ++j) _mm512_storeu_ps(a + 16 * j, acc[j]);
+}
+
+// Whether scale_accumulate_bf16 has a register tile for head size D.
+inline bool bf16_values_in_place(int64_t D) { return D == 32 || D == 64 || D == 96 || D == 128; }
+
+inline void scale_accumulate_bf16(float* a, float c, const float* p, Bf16Rows v, int64_t n, int64_t D) {
+  switch (D) {
+    case 32: return scale_accumulate_bf16_tile<2>(a, c, p, v, n);
+    case 64: return scale_accumulate_bf16_tile<4>(a, c, p, v, n);
+    case 96: return scale_accumulate_bf16_tile<6>(a, c, p, v, n);
+    default: return scale_accumulate_bf16_tile<8>(a, c, p, v, n);
+  }
+}
+#endif
+
 // Decodes tokens [0, n) of `block`, head `h`, into out[n][D] (fp32).
 template <typename T>
 void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D, float* out) {
@@ -439,14 +471,15 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       // block inside the full-precision window is read from its staging slot instead.
       // bf16 keys are read in place unless this item keeps scores: the scoring pass recomputes
       // fp32 dots from decoded keys, and both passes must see the same scores.
-      bool direct = false;
+      bool direct = false, values_direct = false;
 #ifdef __AVX512F__
       direct = std::is_same_v<T, c10::BFloat16> && D % 16 == 0 && !(first && first[w.b] >= 0);
+      values_direct = bf16_values_in_place(D);
 #endif
-      // Block bi of the item's table: its values into vbuf (with `values`), its keys into kbuf
-      // unless they can be read in place (then their rows go to `krows`); returns its tokens. A
-      // block inside the full-precision window is read from its staging slot instead.
-      auto load_block = [&](int64_t bi, bool values, Bf16Rows& krows) {
+      // Block bi of the item's table: its keys into kbuf and (with `values`) its values into
+      // vbuf, except those read in place, whose rows go to `krows` / `vrows`; returns its tokens.
+      // A block inside the full-precision window is read from its staging slot instead.
+      auto load_block = [&](int64_t bi, bool values, Bf16Rows& krows, Bf16Rows& vrows) {
         const int64_t block = tables[w.b * table_stride + bi];
         const int64_t n = std::min(block_size, last + 1 - bi * block_size);
         const int64_t slot = stage ? stage[block] : -1;
@@ -454,13 +487,14 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         const Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
         const int64_t at = slot >= 0 ? slot : block;
         krows = direct ? bf16_rows(slot >= 0 ? sk : kp, at, w.h) : Bf16Rows{nullptr, 0};
+        vrows = direct && values_direct ? bf16_rows(slot >= 0 ? sv : vp, at, w.h) : Bf16Rows{nullptr, 0};
         if (krows.base == nullptr) decode_block<T>(slot >= 0 ? sk : kp, at, n, w.h, D, kbuf.data());
-        if (values) decode_block<T>(slot >= 0 ? sv : vp, at, n, w.h, D, vbuf.data());
+        if (values && vrows.base == nullptr) decode_block<T>(slot >= 0 ? sv : vp, at, n, w.h, D, vbuf.data());
         return n;
       };
-      Bf16Rows krows{nullptr, 0};
+      Bf16Rows krows{nullptr, 0}, vrows{nullptr, 0};
       for (int64_t bi = 0; bi < nblocks; ++bi) {
-        const int64_t n = load_block(bi, true, krows);
+        const int64_t n = load_block(bi, true, krows, vrows);
         const int64_t k0 = bi * block_size;
         for (int64_t r = 0; r < rows; ++r) {
           float* s = sbuf.data() + r * block_size;
@@ -476,7 +510,12 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           const float mx = std::max(m[r], top);
           const float correction = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
           const float sum = exp_sub_sum(s, visible, mx);
-          scale_accumulate(acc.data() + r * D, correction, s, vbuf.data(), visible, D);
+#ifdef __AVX512F__
+          if (vrows.base != nullptr)
+            scale_accumulate_bf16(acc.data() + r * D, correction, s, vrows, visible, D);
+          else
+#endif
+            scale_accumulate(acc.data() + r * D, correction, s, vbuf.data(), visible, D);
           l[r] = l[r] * correction + sum;
           m[r] = mx;
         }
@@ -486,7 +525,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         float* row_scores = sc + w.b * sc_b + w.h * sc_h;
         const int64_t r0 = (first[w.b] - (w.q0 - qs[w.b])) * G;  // the first counted row
         for (int64_t bi = 0; bi < nblocks; ++bi) {
-          const int64_t n = load_block(bi, false, krows);
+          const int64_t n = load_block(bi, false, krows, vrows);
           const int64_t k0 = bi * block_size;
           for (int64_t r = std::max<int64_t>(r0, 0); r < rows; ++r) {
             const int64_t visible = std::min(n, pos[r] + 1 - k0);
