@@ -469,11 +469,13 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       const int64_t nblocks = last / block_size + 1;
       // Block bi of the item's table into kbuf (and vbuf with `values`); returns its tokens. A
       // block inside the full-precision window is read from its staging slot instead.
-      // bf16 keys are read in place unless this item keeps scores: the scoring pass recomputes
-      // fp32 dots from decoded keys, and both passes must see the same scores.
+      // bf16 pages are read in place by a decode item, whose few rows would not repay decoding
+      // a block into fp32 first; a prefill item's 30-odd rows would each widen the same keys
+      // again. Not when the item keeps scores: the scoring pass recomputes fp32 dots from
+      // decoded keys, and both passes must see the same scores.
       bool direct = false, values_direct = false;
 #ifdef __AVX512F__
-      direct = std::is_same_v<T, c10::BFloat16> && D % 16 == 0 && !(first && first[w.b] >= 0);
+      direct = std::is_same_v<T, c10::BFloat16> && D % 16 == 0 && rows <= 8 && !(first && first[w.b] >= 0);
       values_direct = bf16_values_in_place(D);
 #endif
       // Block bi of the item's table: its keys into kbuf and (with `values`) its values into
