@@ -84,19 +84,6 @@ inline float exp_sub_sum(float* s, int64_t n, float mx) {
   return sum;
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
-#ifdef __AVX512F__
-  if (D % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float acc = 0.f;
-  for (int64_t d = 0; d < D; ++d) acc += a[d] * b[d];
-  return acc;
-}
-
 #ifdef __AVX512F__
 // Lane t of the result: the sum of v[t]'s 16 lanes. A transposed reduction: 45 shuffles and
 // adds for 16 sums, where 16 separate horizontal sums take about three times as many.
@@ -114,21 +101,39 @@ inline __m512 hsum16(const __m512* v) {
 }
 #endif
 
-// s[t] = q . k[t] for t < n (n >= 1); returns their max. k holds at least round_up(n, 16) rows of
-// D floats (the rows past n are read, must be finite, and their sums are discarded).
-inline float dots(const float* q, const float* k, int64_t n, int64_t D, float* s) {
+// Rows of K or V as the attention loop reads them: `base` plus `stride` elements per token.
+// fp32 rows are blocks decoded into a buffer; bf16 rows are dense pages read in place.
+template <typename R>
+struct Rows { const R* base; int64_t stride; };
+
+#ifdef __AVX512F__
+// 16 channels of a row as fp32. bf16 is widened exactly, so bf16 rows read in place give the
+// same sums as the same rows decoded into fp32 first.
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// s[t] = q . k[t] for t < n (n >= 1); returns their max. With D % 16 == 0, 16 keys at a time;
+// past the last key a tile re-reads that key (never past the rows given) and drops the sums.
+template <typename R>
+inline float dots(const float* q, Rows<R> k, int64_t n, int64_t D, float* s) {
 #ifdef __AVX512F__
   if (D % 16 == 0) {
     __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int64_t left = std::min<int64_t>(16, n - t0);
+      const R* row[16];
+      for (int t = 0; t < 16; ++t) row[t] = k.base + (t0 + std::min<int64_t>(t, left - 1)) * k.stride;
       __m512 acc[16];
       for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-      const float* kt = k + t0 * D;
       for (int64_t d = 0; d < D; d += 16) {
         const __m512 qv = _mm512_loadu_ps(q + d);
-        for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kt + t * D + d), acc[t]);
+        for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(qv, load16(row[t] + d), acc[t]);
       }
-      const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t0)) - 1);
+      const __mmask16 valid = static_cast<__mmask16>((1u << left) - 1);
       const __m512 st = hsum16(acc);
       _mm512_mask_storeu_ps(s + t0, valid, st);
       mx = _mm512_mask_max_ps(mx, valid, mx, st);
@@ -137,28 +142,33 @@ inline float dots(const float* q, const float* k, int64_t n, int64_t D, float* s
   }
 #endif
   float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t] = dot(q, k + t * D, D));
+  for (int64_t t = 0; t < n; ++t) {
+    float acc = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc += q[d] * to_f(k.base[t * k.stride + d]);
+    mx = std::max(mx, s[t] = acc);
+  }
   return mx;
 }
 
 #ifdef __AVX512F__
 // The accumulator row stays in C registers only when C is a compile-time constant: with a
 // runtime count the compiler keeps it on the stack, and every FMA then waits on a store.
-template <int C>
-inline void scale_accumulate_tile(float* a, float c, const float* p, const float* v, int64_t n) {
+template <int C, typename R>
+inline void scale_accumulate_tile(float* a, float c, const float* p, Rows<R> v, int64_t n) {
   __m512 acc[C];
   const __m512 cv = _mm512_set1_ps(c);
   for (int j = 0; j < C; ++j) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * j), cv);
   for (int64_t t = 0; t < n; ++t) {
     const __m512 pt = _mm512_set1_ps(p[t]);
-    for (int j = 0; j < C; ++j) acc[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + t * 16 * C + 16 * j), acc[j]);
+    for (int j = 0; j < C; ++j) acc[j] = _mm512_fmadd_ps(pt, load16(v.base + t * v.stride + 16 * j), acc[j]);
   }
   for (int j = 0; j < C; ++j) _mm512_storeu_ps(a + 16 * j, acc[j]);
 }
 #endif
 
-// a = a * c + sum_t p[t] * v[t]  over n rows of v [n, D].
-inline void scale_accumulate(float* a, float c, const float* p, const float* v, int64_t n, int64_t D) {
+// a = a * c + sum_t p[t] * v[t]  over n rows of v.
+template <typename R>
+inline void scale_accumulate(float* a, float c, const float* p, Rows<R> v, int64_t n, int64_t D) {
 #ifdef __AVX512F__
   switch (D) {
     case 32: return scale_accumulate_tile<2>(a, c, p, v, n);
@@ -170,7 +180,7 @@ inline void scale_accumulate(float* a, float c, const float* p, const float* v, 
 #endif
   for (int64_t d = 0; d < D; ++d) a[d] *= c;
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = 0; d < D; ++d) a[d] += p[t] * v[t * D + d];
+    for (int64_t d = 0; d < D; ++d) a[d] += p[t] * to_f(v.base[t * v.stride + d]);
 }
 
 // bf16 / fp16 / fp32 row -> fp32, exactly (every such value is an fp32 value); other types by cast.
@@ -207,80 +217,15 @@ struct Pages {
   int64_t group;
 };
 
-// The rows of head h of a dense bf16 block, read in place: the first row and the stride between
-// tokens; base is null when the pages hold another type (those are decoded into fp32 first).
-struct Bf16Rows { const c10::BFloat16* base; int64_t stride; };
-inline Bf16Rows bf16_rows(const Pages& p, int64_t block, int64_t h) {
+// The rows of head h of a dense bf16 block, read in place; base is null when the pages hold
+// another type (those are decoded into fp32 first).
+inline Rows<c10::BFloat16> bf16_rows(const Pages& p, int64_t block, int64_t h) {
   if (p.kind != kDense) return {nullptr, 0};
   const at::Tensor* src = p.data;
   if (block >= src->size(0)) { block -= src->size(0); src = p.host; }
   if (src->scalar_type() != at::kBFloat16) return {nullptr, 0};
   return {src->data_ptr<c10::BFloat16>() + block * src->stride(0) + h * src->stride(2), src->stride(1)};
 }
-
-#ifdef __AVX512F__
-// `dots` over bf16 key rows read in place: each 16-channel chunk is widened to fp32 in registers
-// (exact), so the sums are bit-identical to `dots` over keys decoded into a buffer first, without
-// that buffer's stores and loads, which cost more than the dot products in a decode step. A
-// VDPBF16PS version was faster still, but its different summation order flipped a bf16 near-tie
-// of the README's own prompt (BENCHMARKS.md). D % 16 == 0.
-inline float dots_bf16(const float* q, Bf16Rows k, int64_t n, int64_t D, float* s) {
-  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int64_t left = std::min<int64_t>(16, n - t0);
-    const c10::BFloat16* row[16];
-    // Past the last key the tile re-reads that key (never past the block) and drops the sums.
-    for (int t = 0; t < 16; ++t) row[t] = k.base + (t0 + std::min<int64_t>(t, left - 1)) * k.stride;
-    __m512 acc[16];
-    for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + d);
-      for (int t = 0; t < 16; ++t) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[t] + d));
-        const __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-        acc[t] = _mm512_fmadd_ps(qv, kv, acc[t]);
-      }
-    }
-    const __mmask16 valid = static_cast<__mmask16>((1u << left) - 1);
-    const __m512 st = hsum16(acc);
-    _mm512_mask_storeu_ps(s + t0, valid, st);
-    mx = _mm512_mask_max_ps(mx, valid, mx, st);
-  }
-  return _mm512_reduce_max_ps(mx);
-}
-#endif
-
-#ifdef __AVX512F__
-// scale_accumulate over bf16 value rows read in place, widened in registers (exact): the same
-// sums as over rows decoded into a buffer first.
-template <int C>
-inline void scale_accumulate_bf16_tile(float* a, float c, const float* p, Bf16Rows v, int64_t n) {
-  __m512 acc[C];
-  const __m512 cv = _mm512_set1_ps(c);
-  for (int j = 0; j < C; ++j) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * j), cv);
-  for (int64_t t = 0; t < n; ++t) {
-    const __m512 pt = _mm512_set1_ps(p[t]);
-    const c10::BFloat16* row = v.base + t * v.stride;
-    for (int j = 0; j < C; ++j) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * j));
-      acc[j] = _mm512_fmadd_ps(pt, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)), acc[j]);
-    }
-  }
-  for (int j = 0; j < C; ++j) _mm512_storeu_ps(a + 16 * j, acc[j]);
-}
-
-// Whether scale_accumulate_bf16 has a register tile for head size D.
-inline bool bf16_values_in_place(int64_t D) { return D == 32 || D == 64 || D == 96 || D == 128; }
-
-inline void scale_accumulate_bf16(float* a, float c, const float* p, Bf16Rows v, int64_t n, int64_t D) {
-  switch (D) {
-    case 32: return scale_accumulate_bf16_tile<2>(a, c, p, v, n);
-    case 64: return scale_accumulate_bf16_tile<4>(a, c, p, v, n);
-    case 96: return scale_accumulate_bf16_tile<6>(a, c, p, v, n);
-    default: return scale_accumulate_bf16_tile<8>(a, c, p, v, n);
-  }
-}
-#endif
 
 // Decodes tokens [0, n) of `block`, head `h`, into out[n][D] (fp32).
 template <typename T>
@@ -443,9 +388,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    // `dots` reads whole tiles of 16 keys: the buffers hold that many rows, zeroed once.
-    const int64_t padded = (block_size + 15) / 16 * 16;
-    std::vector<float> qbuf, acc, kbuf(padded * D), vbuf(block_size * D), sbuf, m, l;
+    std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), sbuf, m, l;
     std::vector<int64_t> pos;
     for (int64_t it; (it = next_item.fetch_add(1)) < num_items;) {
       const Item w = items[it];
@@ -471,53 +414,43 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       // block inside the full-precision window is read from its staging slot instead.
       // bf16 pages are read in place by a decode item, whose few rows would not repay decoding
       // a block into fp32 first; a prefill item's 30-odd rows would each widen the same keys
-      // again. Not when the item keeps scores: the scoring pass recomputes fp32 dots from
-      // decoded keys, and both passes must see the same scores.
-      bool direct = false, values_direct = false;
-#ifdef __AVX512F__
-      direct = std::is_same_v<T, c10::BFloat16> && D % 16 == 0 && rows <= 8 && !(first && first[w.b] >= 0);
-      values_direct = bf16_values_in_place(D);
-#endif
+      // again. Not when the item keeps scores: the scoring pass reads decoded keys.
+      const bool direct = std::is_same_v<T, c10::BFloat16> && rows <= 8 && !(first && first[w.b] >= 0);
       // Block bi of the item's table: its keys into kbuf and (with `values`) its values into
-      // vbuf, except those read in place, whose rows go to `krows` / `vrows`; returns its tokens.
-      // A block inside the full-precision window is read from its staging slot instead.
-      auto load_block = [&](int64_t bi, bool values, Bf16Rows& krows, Bf16Rows& vrows) {
+      // vbuf, unless read in place; returns its tokens and the rows to read. A block inside the
+      // full-precision window is read from its staging slot instead.
+      struct Loaded { int64_t n; Rows<float> k, v; Rows<c10::BFloat16> k16, v16; };
+      auto load_block = [&](int64_t bi, bool values) {
         const int64_t block = tables[w.b * table_stride + bi];
-        const int64_t n = std::min(block_size, last + 1 - bi * block_size);
         const int64_t slot = stage ? stage[block] : -1;
         const Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
         const Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
+        const Pages& kpage = slot >= 0 ? sk : kp;
+        const Pages& vpage = slot >= 0 ? sv : vp;
         const int64_t at = slot >= 0 ? slot : block;
-        krows = direct ? bf16_rows(slot >= 0 ? sk : kp, at, w.h) : Bf16Rows{nullptr, 0};
-        vrows = direct && values_direct ? bf16_rows(slot >= 0 ? sv : vp, at, w.h) : Bf16Rows{nullptr, 0};
-        if (krows.base == nullptr) decode_block<T>(slot >= 0 ? sk : kp, at, n, w.h, D, kbuf.data());
-        if (values && vrows.base == nullptr) decode_block<T>(slot >= 0 ? sv : vp, at, n, w.h, D, vbuf.data());
-        return n;
+        Loaded got{std::min(block_size, last + 1 - bi * block_size), {kbuf.data(), D}, {vbuf.data(), D},
+                   {nullptr, 0}, {nullptr, 0}};
+        if (direct) got.k16 = bf16_rows(kpage, at, w.h);
+        if (direct && values) got.v16 = bf16_rows(vpage, at, w.h);
+        if (got.k16.base == nullptr) decode_block<T>(kpage, at, got.n, w.h, D, kbuf.data());
+        if (values && got.v16.base == nullptr) decode_block<T>(vpage, at, got.n, w.h, D, vbuf.data());
+        return got;
       };
-      Bf16Rows krows{nullptr, 0}, vrows{nullptr, 0};
       for (int64_t bi = 0; bi < nblocks; ++bi) {
-        const int64_t n = load_block(bi, true, krows, vrows);
+        const Loaded blk = load_block(bi, true);
         const int64_t k0 = bi * block_size;
         for (int64_t r = 0; r < rows; ++r) {
           float* s = sbuf.data() + r * block_size;
-          const int64_t visible = std::min(n, pos[r] + 1 - k0);  // causal: keys at or before pos
+          const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);  // causal: keys at or before pos
           if (visible <= 0) continue;
-          float top;
-#ifdef __AVX512F__
-          if (krows.base != nullptr)
-            top = dots_bf16(qbuf.data() + r * D, krows, visible, D, s);
-          else
-#endif
-            top = dots(qbuf.data() + r * D, kbuf.data(), visible, D, s);
+          const float* qr = qbuf.data() + r * D;
+          const float top = blk.k16.base ? dots(qr, blk.k16, visible, D, s) : dots(qr, blk.k, visible, D, s);
           const float mx = std::max(m[r], top);
           const float correction = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
           const float sum = exp_sub_sum(s, visible, mx);
-#ifdef __AVX512F__
-          if (vrows.base != nullptr)
-            scale_accumulate_bf16(acc.data() + r * D, correction, s, vrows, visible, D);
-          else
-#endif
-            scale_accumulate(acc.data() + r * D, correction, s, vbuf.data(), visible, D);
+          float* ar = acc.data() + r * D;
+          if (blk.v16.base) scale_accumulate(ar, correction, s, blk.v16, visible, D);
+          else scale_accumulate(ar, correction, s, blk.v, visible, D);
           l[r] = l[r] * correction + sum;
           m[r] = mx;
         }
@@ -527,13 +460,15 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         float* row_scores = sc + w.b * sc_b + w.h * sc_h;
         const int64_t r0 = (first[w.b] - (w.q0 - qs[w.b])) * G;  // the first counted row
         for (int64_t bi = 0; bi < nblocks; ++bi) {
-          const int64_t n = load_block(bi, false, krows, vrows);
+          const Loaded blk = load_block(bi, false);
           const int64_t k0 = bi * block_size;
           for (int64_t r = std::max<int64_t>(r0, 0); r < rows; ++r) {
-            const int64_t visible = std::min(n, pos[r] + 1 - k0);
+            const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);
+            if (visible <= 0) continue;
+            float* s = sbuf.data() + r * block_size;
+            dots(qbuf.data() + r * D, blk.k, visible, D, s);  // the first pass's scores, recomputed
             const float inv = 1.f / (l[r] * G);
-            for (int64_t t = 0; t < visible; ++t)
-              row_scores[k0 + t] += std::exp(dot(qbuf.data() + r * D, kbuf.data() + t * D, D) - m[r]) * inv;
+            for (int64_t t = 0; t < visible; ++t) row_scores[k0 + t] += std::exp(s[t] - m[r]) * inv;
           }
         }
       }
