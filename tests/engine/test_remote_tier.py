@@ -26,7 +26,13 @@ def test_a_second_engine_computes_only_the_suffix(tiny_llm: Callable[..., LLM], 
     want = outputs(alone, [PROMPT])
     assert outputs(a, [PROMPT]) == want
     assert a.engine.remote.stats.stored >= 4
-    assert outputs(b, [PROMPT]) == want  # the same pages, so the same tokens and logprobs
+    # The same pages, so the same tokens; logprobs to rounding, since b computes only the suffix
+    # and some BLAS builds (MKL on AMD CPUs) round a row differently at another row count.
+    got = outputs(b, [PROMPT])
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    for (_, got_lp), (_, want_lp) in zip(got, want):
+        assert [t.token_id for t in got_lp] == [t.token_id for t in want_lp]
+        assert [t.logprob for t in got_lp] == pytest.approx([t.logprob for t in want_lp], abs=1e-5)
     assert b.engine.block_manager.prefix_stats.remote_tokens == 64
     assert b.engine.tokens_computed == a.engine.tokens_computed - 64
     # Blocks loaded from the tier join the local cache: a third run hits locally.
