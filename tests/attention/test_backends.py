@@ -247,9 +247,9 @@ def test_permuted_table_changes_result(backend: str) -> None:
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dim", [64, 80])
 def test_bf16_dense_pages_match_the_dense_reference(block_size: int, dim: int) -> None:
-    """bf16 pages, which the cpu kernel reads in place instead of decoding them first (values
-    only for head sizes it has a register tile for: 64, not 80); block 1 ends every 16-key tile
-    early, so its padding must not read past the block."""
+    """bf16 pages, which the cpu kernel's decode items read in place instead of decoding them
+    first (64 through its register tiles, 80 through the plain loops); block 1 ends every 16-key
+    tile early, so its padding must not read past the block."""
     heads, kv_heads, bf16 = 8, 2, torch.bfloat16
     seqs, k0, v0 = make_case(MIXED, heads, kv_heads, block_size, seed=block_size, head_dim=dim)
     for s in seqs:

@@ -410,8 +410,6 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         }
       const int64_t last = pos[rows - 1];  // the furthest key any row of this item sees
       const int64_t nblocks = last / block_size + 1;
-      // Block bi of the item's table into kbuf (and vbuf with `values`); returns its tokens. A
-      // block inside the full-precision window is read from its staging slot instead.
       // bf16 pages are read in place by a decode item, whose few rows would not repay decoding
       // a block into fp32 first; a prefill item's 30-odd rows would each widen the same keys
       // again. Not when the item keeps scores: the scoring pass reads decoded keys.
