@@ -46,6 +46,14 @@ def minmax(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return _dequantize_asym(codes, scale, zero, dim)
 
 
+def midrise(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Symmetric codes without a zero-point: levels (c + 1/2) * step, c in [-2^(b-1), 2^(b-1) - 1],
+    one fp16 step per slice along `dim` sized so the largest |x| is a level."""
+    half = 2 ** (bits - 1)
+    step = (x.abs().amax(dim, keepdim=True) / (half - 0.5)).clamp_min(2.0 ** -14).half().float()
+    return ((x / step - 0.5).round().clamp(-half, half - 1) + 0.5) * step
+
+
 def rope_tables(length: int, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's own RoPE tables, [length, dim] (both halves of a head share an angle)."""
     rotary = RotaryEmbedding(dim, length, theta)
@@ -62,18 +70,33 @@ class Layout:
 
     def __init__(self, name: str, block: int, group: int, theta: float, rotation: torch.Tensor | None,
                  k_bits: int = 2, v_bits: int = 2, pre_rope: bool = False, sink: bool = False,
-                 hi: int = 0, hi_bits: int = 3, importance: dict[int, torch.Tensor] | None = None) -> None:
+                 hi: int = 0, hi_bits: int = 3, importance: dict[int, torch.Tensor] | None = None,
+                 pairs: bool = False, v_rotation: torch.Tensor | None = None, v_symmetric: bool = False) -> None:
         self.name, self.block, self.group, self.theta, self.rotation = name, block, group, theta, rotation
+        self.v_rotation, self.v_symmetric = v_rotation, v_symmetric
         self.k_bits, self.v_bits, self.pre_rope, self.sink = k_bits, v_bits, pre_rope, sink
         # `hi` channels per KV head at `hi_bits`, chosen from `importance[layer]` [kv_heads, D].
         self.hi, self.hi_bits, self.importance = hi, hi_bits, importance
+        # Post-RoPE, channels d and d + D/2 rotate into each other with position: chosen as pairs.
+        self.pairs = pairs
+
+    def chosen(self, layer: int, heads: int, dim: int) -> torch.Tensor:
+        """[heads, dim] bool: the key channels stored at `hi_bits`."""
+        assert self.importance is not None
+        imp = self.importance[layer]
+        if self.pairs:
+            top = (imp[:, :dim // 2] + imp[:, dim // 2:]).topk(self.hi // 2, -1).indices
+            top = torch.cat([top, top + dim // 2], -1)
+        else:
+            top = imp.topk(self.hi, -1).indices
+        return torch.zeros(heads, dim, dtype=torch.bool).scatter(1, top, True)
 
     def bits(self, head_dim: int) -> float:
         """Bits per stored value, K and V averaged: codes, fp16 scale + zero-point per channel and
         block (keys) or per group (values), and the fp16 sink key of each block."""
         keys = self.k_bits + self.hi * (self.hi_bits - self.k_bits) / head_dim + 32 / self.block
         keys += 16 / self.block if self.sink else 0.0
-        return (keys + self.v_bits + 32 / self.group) / 2
+        return (keys + self.v_bits + (16 if self.v_symmetric else 32) / self.group) / 2
 
     def stored(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """K or q [heads, T, D] post-RoPE -> the basis keys are quantized in."""
@@ -91,8 +114,7 @@ class Layout:
         if self.k_bits < 16:
             coded = minmax(body, self.k_bits, 2)
             if self.hi and self.importance is not None:
-                top = self.importance[layer].topk(self.hi, -1).indices  # [H, hi]
-                chosen = torch.zeros(heads, dim, dtype=torch.bool).scatter(1, top, True)[:, None, None, :]
+                chosen = self.chosen(layer, heads, dim)[:, None, None, :]
                 coded = torch.where(chosen, minmax(body, self.hi_bits, 2), coded)
             blocks = torch.cat([blocks[:, :, :1], coded], 2) if self.sink else coded
         y = torch.cat([blocks.flatten(1, 2), x[:, full:]], 1)
@@ -100,10 +122,12 @@ class Layout:
         return y * cos + rotate_half(y) * sin if self.pre_rope else y
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
-        x = v if self.rotation is None else v @ self.rotation
+        r = self.v_rotation
+        x = v if r is None else v @ r
         if self.v_bits < 16:
-            x = minmax(x.unflatten(-1, (-1, self.group)), self.v_bits, -1).flatten(-2)
-        return x if self.rotation is None else x @ self.rotation.T
+            grouped = x.unflatten(-1, (-1, self.group))
+            x = (midrise if self.v_symmetric else minmax)(grouped, self.v_bits, -1).flatten(-2)
+        return x if r is None else x @ r.T
 
 
 class Simulation:
@@ -143,6 +167,7 @@ class Simulation:
         qs, ks = self.layout.stored(q, cos, sin), self.layout.stored(k, cos, sin)
         full = ks.shape[1] // self.block * self.block
         blocks = ks[:, :full].unflatten(1, (-1, self.block))
+        blocks = blocks[:, :, 1:] if self.layout.sink else blocks  # the sink is stored apart
         ranges = (blocks.amax(2) - blocks.amin(2)).pow(2).mean(1)
         return qs.unflatten(0, (k.shape[0], -1)).pow(2).mean((1, 2)) * ranges
 
@@ -184,7 +209,9 @@ def main() -> None:
 
     def layout(name: str, **kw: object) -> Layout:
         rot = kw.pop("rotated", False)
-        return Layout(name, args.block, args.group, theta, hadamard if rot else None, **kw)
+        v_rot = kw.pop("values_rotated", rot)
+        return Layout(name, args.block, args.group, theta, hadamard if rot else None,
+                      v_rotation=hadamard if v_rot else None, **kw)
 
     if args.mixed:
         # The channels are chosen once, from another text, in the basis the keys are stored in.
@@ -199,13 +226,15 @@ def main() -> None:
             return {**kw, "importance": importance}
 
         pre = calibrated(rotated=True, pre_rope=True, sink=True)
-        post = calibrated(rotated=True, sink=True)
+        post = calibrated(values_rotated=True, sink=True)
         layouts = [
-            layout("pre-RoPE, rotated, exact sink (all keys 2-bit)", rotated=True, pre_rope=True, sink=True),
-            layout("... 8 key channels per head 3-bit", hi=8, hi_bits=3, **pre),
-            layout("... 4 key channels per head 4-bit", hi=4, hi_bits=4, **pre),
-            layout("... 16 key channels per head 3-bit", hi=16, hi_bits=3, **pre),
-            layout("post-RoPE, rotated, exact sink, 8 key channels per head 3-bit", hi=8, hi_bits=3, **post),
+            layout("pre-RoPE, rotated, exact sink, 8 key channels per head 3-bit", hi=8, hi_bits=3, **pre),
+            layout("post-RoPE, keys not rotated, values rotated, exact sink (all keys 2-bit)",
+                   values_rotated=True, sink=True),
+            layout("... 16 key channels (8 RoPE pairs) per head 3-bit", hi=16, hi_bits=3, pairs=True, **post),
+            layout("... 24 key channels (12 RoPE pairs) 3-bit, values symmetric", hi=24, hi_bits=3, pairs=True,
+                   v_symmetric=True, **post),
+            layout("... 16 key channels 3-bit, no sink", hi=16, hi_bits=3, pairs=True, **{**post, "sink": False}),
         ]
         return run_layouts(sim, layouts, logprobs, ref, targets, base, dim,
                            f"{load_text(args.data).name}: channels calibrated on {load_text(args.calib).name}")

@@ -93,6 +93,8 @@ class EngineConfig:
     kv_rotation: str = _opt("none", "rotate each head's q, k and v before the pages (QuaRot): spreads outlier "
                                     "channels so compressed pages lose less; hadamard (power-of-two head_dim) or "
                                     "random orthogonal", choices=ROTATIONS)
+    kv_rotate_keys: bool = _opt(True, "with kv_rotation: false rotates values only, so keys keep their outlier "
+                                      "channels in place for kv_key_wide_channels to find")
     kv_cache_dtype_k: str | None = _opt(None, "keys only (default: kv_cache_dtype)", choices=FORMAT_NAMES)
     kv_cache_dtype_v: str | None = _opt(None, "values only (default: kv_cache_dtype)", choices=FORMAT_NAMES)
     kv_group_size: int = _opt(32, "channels per scale/zero-point for int4, kivi values and outlier (4..128)")
@@ -106,11 +108,18 @@ class EngineConfig:
                                        "one fixed scale per layer and KV head (vLLM's per-head scales), "
                                        "calibrated at start-up on kv_calibration_tokens tokens of the bundled "
                                        "Python docs, and stores codes alone", choices=FP8_SCALES)
-    kv_calibration_tokens: int = _opt(512, "tokens the per-head fp8 scales are calibrated on (kv_fp8_scales=head)")
+    kv_calibration_tokens: int = _opt(512, "tokens the start-up calibration reads (kv_fp8_scales=head, "
+                                           "kv_key_wide_channels)")
     kv_exact_sink: bool = _opt(False, "kivi keys: each block keeps its first key in fp16, outside the block's "
                                       "channel ranges, so a sequence's first token (the attention sink every "
                                       "query reads) is exact and cannot stretch its block's ranges; costs "
                                       "16 / block_size bits per key value")
+    kv_key_wide_channels: int = _opt(0, "kivi keys: this many channels per KV head (a multiple of 8; whole RoPE "
+                                        "pairs) get one bit more, those with the largest E[q^2] * E[range^2], "
+                                        "chosen at start-up on kv_calibration_tokens tokens; costs that many bits "
+                                        "per key; pair with kv_rotate_keys=false")
+    kv_symmetric_values: bool = _opt(False, "kivi values: codes symmetric about zero with a scale and no "
+                                            "zero-point, 16 bits per group fewer; best with rotated values")
     # Token eviction (kvserve.eviction): each sequence keeps kv_budget tokens; requests may override.
     kv_eviction: str = _opt("none", "drop cached tokens once a sequence holds kv_budget: window (sinks + recent, "
                                     "StreamingLLM), h2o (heavy hitters), snapkv (scored by the prompt's last "
@@ -251,8 +260,13 @@ class EngineConfig:
         if self.kv_fp8_scales not in FP8_SCALES:
             raise ValueError(f"EngineConfig.kv_fp8_scales must be one of {', '.join(FP8_SCALES)}, got "
                              f"{self.kv_fp8_scales!r}")
-        if not isinstance(self.kv_exact_sink, bool):
-            raise ValueError(f"EngineConfig.kv_exact_sink must be true or false, got {self.kv_exact_sink!r}")
+        if not (is_int(self.kv_key_wide_channels) and self.kv_key_wide_channels >= 0
+                and self.kv_key_wide_channels % 8 == 0):
+            raise ValueError("EngineConfig.kv_key_wide_channels must be a multiple of 8 (whole bytes of its bit "
+                             f"plane, whole RoPE pairs), got {self.kv_key_wide_channels!r}")
+        for flag in ("kv_exact_sink", "kv_rotate_keys", "kv_symmetric_values"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"EngineConfig.{flag} must be true or false, got {getattr(self, flag)!r}")
         if not (is_int(self.kv_calibration_tokens) and self.kv_calibration_tokens >= 1):
             raise ValueError(f"EngineConfig.kv_calibration_tokens must be an integer >= 1, got "
                              f"{self.kv_calibration_tokens!r}")
@@ -344,7 +358,8 @@ class EngineConfig:
     def _format_pair(self, names: tuple[str, str]) -> tuple[KVFormat, KVFormat]:
         kwargs = {"outliers": self.kv_outliers, "sparse_threshold": self.kv_sparse_threshold,
                   "sparse_capacity": self.kv_sparse_capacity, "fp8_scales": self.kv_fp8_scales,
-                  "exact_sink": self.kv_exact_sink}
+                  "exact_sink": self.kv_exact_sink, "key_wide_channels": self.kv_key_wide_channels,
+                  "symmetric_values": self.kv_symmetric_values}
         formats = []
         for name, role in zip(names, ("k", "v")):
             field = f"kv_group_size_{role}"

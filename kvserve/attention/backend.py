@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvserve.attention.metadata import StepMetadata
-from kvserve.attention.rotation import rotate
+from kvserve.attention.rotation import KVRotation, rotate
 from kvserve.attention.scores import ScorePlan, slot_scores
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
@@ -69,18 +69,18 @@ class StepAttention:
     """One step's attention as the model sees it: a backend bound to its prepared metadata.
     With a `scoring` plan, each layer also fills its row of `scores` [layers, n, kv_heads,
     slots], the step's second output beside the logits (see attention/scores.py). With a
-    `rotation` [D, D], q, k and v are rotated before the backend and the output back after it
-    (attention/rotation.py)."""
+    `rotation`, q, k (unless it rotates values only) and v are rotated before the backend and
+    the output back after it (attention/rotation.py)."""
     backend: AttentionBackend
     step: StepMetadata
     meta: Any
     scoring: ScorePlan | None = None
     scores: torch.Tensor | None = None
-    rotation: torch.Tensor | None = None
+    rotation: KVRotation | None = None
 
     @classmethod
     def of(cls, backend: AttentionBackend, step: StepMetadata, scoring: ScorePlan | None = None,
-           rotation: torch.Tensor | None = None) -> "StepAttention":
+           rotation: KVRotation | None = None) -> "StepAttention":
         scores = None
         if scoring is not None:
             pool = backend.pool
@@ -95,9 +95,11 @@ class StepAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
         with label("kvserve.attention"):  # for the doctor's profile of a step
-            r = self.rotation
+            r = None if self.rotation is None else self.rotation.matrix
             if r is not None:
-                q, k, v = rotate(q, r), rotate(k, r), rotate(v, r)
+                if self.rotation.keys:
+                    q, k = rotate(q, r), rotate(k, r)
+                v = rotate(v, r)
             if self.scoring is None:
                 out = self.backend.forward(layer, q, k, v, self.meta, scale)
             else:  # rotated queries over rotated keys: the same weights

@@ -5,8 +5,12 @@ quantized page loses less, and changes nothing else.
 With R orthogonal (R Rᵀ = I): scores (q R)(k R)ᵀ = q kᵀ, and attention over values v R is the
 plain output times R, undone by Rᵀ. So the backends, the pages, swap, offload, the prefix cache
 and eviction scores all work on rotated vectors unchanged; only `StepAttention` rotates.
+Values alone may be rotated (`keys=False`): per-channel key formats then keep a key outlier in
+its own channel, where a few wider channels can hold it (kv_key_wide_channels).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -38,3 +42,19 @@ def rotation_matrix(kind: str, dim: int, seed: int) -> torch.Tensor | None:
 def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """x [..., D] @ r in fp32, back in x's dtype (bf16 products would add their rounding twice)."""
     return (x.float() @ r).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class KVRotation:
+    """What `StepAttention` rotates: values always, queries and keys unless `keys` is False."""
+    matrix: torch.Tensor  # [D, D] orthogonal, fp32
+    keys: bool = True
+
+    def to(self, device: torch.device) -> "KVRotation":
+        return KVRotation(self.matrix.to(device), self.keys)
+
+
+def kv_rotation(kind: str, dim: int, seed: int, keys: bool = True) -> KVRotation | None:
+    """The engine's rotation for `kv_rotation=kind` and `kv_rotate_keys=keys`; None for "none"."""
+    matrix = rotation_matrix(kind, dim, seed)
+    return None if matrix is None else KVRotation(matrix, keys)

@@ -67,6 +67,22 @@ def _dequantize_asym(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return codes.float() * scale.float().unsqueeze(dim) + zero.float().unsqueeze(dim)
 
 
+def _quantize_midrise(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric `bits`-bit codes with no zero-point: code c (uint8) decodes as (c - 2^(b-1) + 1/2) *
+    scale, levels placed evenly about zero with none *at* zero, so all 2^b of them are used (an
+    absmax grid with a zero level wastes one). One fp16 scale per slice along `dim`, rounded up so
+    that the largest |x| is within the outermost level: decoding is within scale / 2 of x."""
+    half = 2 ** (bits - 1)
+    x = x.float()
+    scale = _fp16_rounded((x.abs().amax(dim, keepdim=True) / (half - 0.5)).clamp_min(MIN_SCALE), up=True)
+    codes = (x / scale.float() - 0.5).round().clamp(-half, half - 1) + half
+    return codes.to(torch.uint8), scale.squeeze(dim)
+
+
+def _dequantize_midrise(codes: torch.Tensor, scale: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    return (codes.float() - (2 ** (bits - 1) - 0.5)) * scale.float().unsqueeze(dim)
+
+
 def _bit_shifts(bits: int, device: torch.device) -> torch.Tensor:
     return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
 
@@ -212,10 +228,11 @@ class HeadScaleFormat(_PerTokenFormat):
 
 class _GroupFormat(_PerTokenFormat):
     """Asymmetric `bits`-bit codes, one fp16 scale and zero-point per `group_size` consecutive
-    channels of each token and head; codes packed 8 / bits per byte."""
+    channels of each token and head; codes packed 8 / bits per byte. `symmetric`: midrise codes
+    with a scale alone (16 bits per group fewer), for values centred on zero, as rotated ones are."""
 
-    def __init__(self, name: str, bits: int, group_size: int) -> None:
-        self.name, self.bits, self.group_size = name, bits, group_size
+    def __init__(self, name: str, bits: int, group_size: int, symmetric: bool = False) -> None:
+        self.name, self.bits, self.group_size, self.symmetric = name, bits, group_size, symmetric
 
     def check_head_dim(self, head_dim: int) -> None:
         if head_dim % self.group_size:
@@ -225,12 +242,15 @@ class _GroupFormat(_PerTokenFormat):
     def token_fields(self, num_kv_heads: int, head_dim: int) -> FieldSpec:
         self.check_head_dim(head_dim)
         groups = (num_kv_heads, head_dim // self.group_size)
-        return {"codes": ((num_kv_heads, head_dim * self.bits // 8), torch.uint8),
-                "scale": (groups, torch.float16), "zero": (groups, torch.float16)}
+        spec = {"codes": ((num_kv_heads, head_dim * self.bits // 8), torch.uint8), "scale": (groups, torch.float16)}
+        return spec if self.symmetric else {**spec, "zero": (groups, torch.float16)}
 
     def quantize(self, x: torch.Tensor, include: torch.Tensor | None = None) -> Fields:
         self.check_head_dim(x.shape[-1])
         grouped = x.unflatten(-1, (-1, self.group_size))
+        if self.symmetric:
+            codes, scale = _quantize_midrise(grouped, self.bits, -1)
+            return {"codes": _pack(codes.flatten(-2), self.bits), "scale": scale}
         if include is not None:
             include = include.unflatten(-1, (-1, self.group_size))
         codes, scale, zero = _quantize_asym(grouped, self.bits, -1, include)
@@ -238,6 +258,8 @@ class _GroupFormat(_PerTokenFormat):
 
     def dequantize(self, fields: Fields) -> torch.Tensor:
         codes = _unpack(fields["codes"], self.bits).unflatten(-1, (-1, self.group_size))
+        if self.symmetric:
+            return _dequantize_midrise(codes, fields["scale"], self.bits, -1).flatten(-2)
         return _dequantize_asym(codes, fields["scale"], fields["zero"], -1).flatten(-2)
 
     def encode(self, x: torch.Tensor) -> Fields:
@@ -280,7 +302,7 @@ class _OutlierFormat(_GroupFormat):
         return x.to(dtype)
 
 
-class _ChannelFormat(KVFormat):
+class ChannelFormat(KVFormat):
     """KIVI keys: `bits`-bit asymmetric codes with one fp16 scale and zero-point per block, head and
     channel, taken over the block's tokens. Key outliers live in fixed channels, so a per-channel
     range isolates them where a per-token range would let them stretch every token's step.
@@ -288,30 +310,71 @@ class _ChannelFormat(KVFormat):
     With `exact_sink`, each block's first key is stored in fp16 ("sink") and left out of the
     ranges (KVQuant keeps the first token in fp16 for the same reason): a sequence's first token
     draws attention from every query, so an error in its key moves every softmax, and its key
-    is unlike the others, so it would stretch its block's ranges."""
+    is unlike the others, so it would stretch its block's ranges.
+
+    With `wide` > 0, that many channels per KV head get one bit more (a third bit plane beside the
+    packed codes): the channels whose error moves q.k most, chosen once by calibration
+    (`calibrated`, see engine/kv_calibration.py). RoPE turns channels d and d + D/2 into each
+    other with position, so they are chosen in pairs. Built uncalibrated (`wide_channels` None:
+    its size is known, it cannot encode yet), as per-head fp8 scales are."""
     per_token = False
 
-    def __init__(self, name: str, bits: int, exact_sink: bool = False) -> None:
-        self.name, self.bits, self.exact_sink = name, bits, exact_sink
+    def __init__(self, name: str, bits: int, exact_sink: bool = False, wide: int = 0,
+                 wide_channels: torch.Tensor | None = None) -> None:
+        self.name, self.bits, self.exact_sink, self.wide = name, bits, exact_sink, wide
+        self.wide_channels = wide_channels  # [num_kv_heads, wide] int64, ascending
+
+    def calibrated(self, importance: torch.Tensor) -> "ChannelFormat":
+        """This format with the `wide` channels of largest `importance` [H, D] per head, by RoPE pairs."""
+        half = importance.shape[-1] // 2
+        pairs = (importance[:, :half] + importance[:, half:]).topk(self.wide // 2, -1).indices
+        chosen = torch.cat([pairs, pairs + half], -1).sort(-1).values
+        return ChannelFormat(self.name, self.bits, self.exact_sink, self.wide, chosen.cpu())
+
+    def _check(self, num_kv_heads: int, head_dim: int) -> None:
+        _check_packable(self.name, head_dim, self.bits)
+        if self.wide > head_dim:
+            raise ValueError(f"kv_key_wide_channels {self.wide} exceeds head_dim {head_dim}")
+        if self.wide_channels is not None and self.wide_channels.shape[0] != num_kv_heads:
+            raise ValueError(f"{self.name}: calibrated for {self.wide_channels.shape[0]} KV heads, got {num_kv_heads}")
 
     def fields(self, num_kv_heads: int, head_dim: int, block_size: int) -> FieldSpec:
-        _check_packable(self.name, head_dim, self.bits)
+        self._check(num_kv_heads, head_dim)
         channels = (num_kv_heads, head_dim)
         spec = {"codes": ((block_size, num_kv_heads, head_dim * self.bits // 8), torch.uint8),
                 "scale": (channels, torch.float16), "zero": (channels, torch.float16)}
+        if self.wide:
+            spec["wide"] = ((block_size, num_kv_heads, self.wide // 8), torch.uint8)
         return {**spec, "sink": (channels, torch.float16)} if self.exact_sink else spec
 
+    def _wide_index(self, device: torch.device) -> torch.Tensor:
+        if self.wide_channels is None:
+            raise RuntimeError(f"{self.name} with kv_key_wide_channels: calibrate it before use (calibrated())")
+        return self.wide_channels.to(device)
+
     def encode(self, x: torch.Tensor) -> Fields:
-        _check_packable(self.name, x.shape[-1], self.bits)
+        self._check(x.shape[-2], x.shape[-1])
         include = None
         if self.exact_sink:
             include = (torch.arange(x.shape[-3], device=x.device) > 0)[:, None, None]
         codes, scale, zero = _quantize_asym(x, self.bits, -3, include)  # -3: the block's token axis
         fields = {"codes": _pack(codes, self.bits), "scale": scale, "zero": zero}
+        if self.wide:
+            index = self._wide_index(x.device)
+            wide_x = x.gather(-1, index.expand(*x.shape[:-1], -1))
+            wide_codes, wide_scale, wide_zero = _quantize_asym(wide_x, self.bits + 1, -3, include)
+            low = wide_codes & (2 ** self.bits - 1)
+            fields = {"codes": _pack(codes.scatter(-1, index.expand_as(low), low), self.bits),
+                      "wide": _pack(wide_codes >> self.bits, 1),
+                      "scale": scale.scatter(-1, index.expand_as(wide_scale), wide_scale),
+                      "zero": zero.scatter(-1, index.expand_as(wide_zero), wide_zero)}
         return {**fields, "sink": x[..., 0, :, :].to(torch.float16)} if self.exact_sink else fields
 
     def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
         codes = _unpack(fields["codes"], self.bits)
+        if self.wide:
+            top = _unpack(fields["wide"], 1) << self.bits
+            codes = codes.scatter_add(-1, self._wide_index(codes.device).expand_as(top), top)
         x = _dequantize_asym(codes, fields["scale"], fields["zero"], -3)
         if self.exact_sink:
             x[..., 0, :, :] = fields["sink"].float()
@@ -368,10 +431,12 @@ class _SparseFormat(_PerTokenFormat):
 
 def make_format(name: str, role: str, *, group_size: int = 32, outliers: int = 4,
                 sparse_threshold: float = 0.5, sparse_capacity: float = 0.5, fp8_scales: str = "token",
-                exact_sink: bool = False) -> KVFormat:
+                exact_sink: bool = False, key_wide_channels: int = 0, symmetric_values: bool = False) -> KVFormat:
     """The format called `name` for keys (role "k") or values (role "v"); `fp8_scales` "head"
     gives fp8 formats one calibrated scale per KV head (uncalibrated until `calibrated`) instead
-    of a dynamic one per token; `exact_sink` keeps each block's first KIVI key in fp16. Every setting is checked,
+    of a dynamic one per token; `exact_sink` keeps each block's first KIVI key in fp16;
+    `key_wide_channels` gives that many KIVI key channels per head one bit more (uncalibrated
+    until `calibrated`); `symmetric_values` stores KIVI values without zero-points. Every setting is checked,
     whether or not `name` uses it, so a bad configuration fails the same way for every format.
     head_dim-dependent checks (group_size divides it, ...) happen in `fields`."""
     if name not in FORMAT_NAMES:
@@ -389,6 +454,9 @@ def make_format(name: str, role: str, *, group_size: int = 32, outliers: int = 4
         raise ValueError(f"kv_sparse_capacity must be in (0, 1], got {sparse_capacity}")
     if fp8_scales not in FP8_SCALES:
         raise ValueError(f"kv_fp8_scales must be one of {', '.join(FP8_SCALES)}, got {fp8_scales!r}")
+    if not (isinstance(key_wide_channels, int) and key_wide_channels >= 0 and key_wide_channels % 8 == 0):
+        raise ValueError("kv_key_wide_channels must be a multiple of 8 (whole bytes of its bit plane, whole RoPE "
+                         f"pairs), got {key_wide_channels!r}")
 
     plain = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     absmax = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
@@ -402,7 +470,9 @@ def make_format(name: str, role: str, *, group_size: int = 32, outliers: int = 4
         return _GroupFormat(name, 4, group_size)
     if name in ("kivi2", "kivi4"):
         bits = int(name[-1])
-        return _ChannelFormat(name, bits, exact_sink) if role == "k" else _GroupFormat(name, bits, group_size)
+        if role == "k":
+            return ChannelFormat(name, bits, exact_sink, key_wide_channels)
+        return _GroupFormat(name, bits, group_size, symmetric_values)
     if name == "outlier":
         return _OutlierFormat(group_size, outliers)
     return _SparseFormat(sparse_threshold, sparse_capacity)

@@ -35,16 +35,21 @@ DEFAULT_BLOCK_SIZE = 16
 class KVLayout:
     """How pages store K/V, in the engine's terms: `dtype` (a `kv_cache_dtype` name, fp8, or
     plan:PATH), `group_size` (`kv_group_size`; None: the engine's 32), `block_size` (KIVI keys keep
-    their ranges per block) and `exact_sink` (`kv_exact_sink`). Every function below takes it
-    whole, so a new format option is one new field here."""
+    their ranges per block), `exact_sink` (`kv_exact_sink`), `key_wide_channels`
+    (`kv_key_wide_channels`) and `symmetric_values` (`kv_symmetric_values`). Every function below
+    takes it whole, so a new format option is one new field here."""
     dtype: str = "fp16"
     group_size: int | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
     exact_sink: bool = False
+    key_wide_channels: int = 0
+    symmetric_values: bool = False
 
     def describe(self) -> str:
         return (self.dtype + (f" in groups of {self.group_size}" if self.group_size else "")
-                + (", exact sinks" if self.exact_sink else ""))
+                + (", exact sinks" if self.exact_sink else "")
+                + (f", {self.key_wide_channels} wide key channels" if self.key_wide_channels else "")
+                + (", symmetric values" if self.symmetric_values else ""))
 
 
 def bytes_per_element(cfg: ModelConfig, layout: KVLayout) -> Fraction:
@@ -62,7 +67,9 @@ def bytes_per_element(cfg: ModelConfig, layout: KVLayout) -> Fraction:
         if name not in FORMAT_NAMES:
             raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(KV_DTYPES)} or plan:PATH")
         pairs = [(name, name)]
-    per_token = sum(Fraction(make_format(n, role, group_size=layout.group_size or 32, exact_sink=layout.exact_sink)
+    per_token = sum(Fraction(make_format(n, role, group_size=layout.group_size or 32, exact_sink=layout.exact_sink,
+                                         key_wide_channels=layout.key_wide_channels,
+                                         symmetric_values=layout.symmetric_values)
                              .bytes_per_token(cfg.num_kv_heads, cfg.head_dim, layout.block_size))
                     for pair in pairs for n, role in zip(pair, "kv"))
     return per_token / (2 * cfg.num_kv_heads * cfg.head_dim * len(pairs))
@@ -351,6 +358,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cache.add_argument("--exact-sink", action="store_true",
                        help="kivi keys keep each block's first key in fp16, as the engine's --kv-exact-sink "
                             "(16 / block size more bits per key value)")
+    cache.add_argument("--key-wide-channels", type=int, default=0,
+                       help="kivi keys: channels per KV head with one bit more, as the engine's "
+                            "--kv-key-wide-channels (a multiple of 8; default 0)")
+    cache.add_argument("--symmetric-values", action="store_true",
+                       help="kivi values without zero-points, as the engine's --kv-symmetric-values")
     cache.add_argument("--batch", type=_positive_int, default=1, help="sequences in the batch (default 1)")
     cache.add_argument("--seq-len", type=_positive_int, default=2048, help="tokens per sequence (default 2048)")
     cache.add_argument("--block-size", type=_positive_int, default=16, help="tokens per paged block (default 16)")
@@ -408,7 +420,8 @@ def run(args: argparse.Namespace) -> None:
     lengths = None
     if args.lengths_median is not None:
         lengths = lognormal_lengths(args.num_seqs, args.lengths_median, args.lengths_sigma, max_len, args.seed)
-    layout = KVLayout(args.dtype, args.group_size, args.block_size, args.exact_sink)
+    layout = KVLayout(args.dtype, args.group_size, args.block_size, args.exact_sink, args.key_wide_channels,
+                      args.symmetric_values)
     print(format_plan(cfg, layout, args.batch, args.seq_len, name=name, budget_bytes=args.budget, max_len=max_len,
                       lengths=lengths, compare=args.compare_attention))
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from kvserve.attention import AttentionBackend, StepAttention, StepMetadata
+from kvserve.attention.rotation import KVRotation
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import Ops
 
@@ -33,7 +34,7 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, ops: Ops,
-                 rotation: torch.Tensor | None, max_batch: int, max_context: int, device: torch.device,
+                 rotation: KVRotation | None, max_batch: int, max_context: int, device: torch.device,
                  capture: bool = True) -> None:
         """Captures a graph per bucket up to `max_batch` sequences of up to `max_context` slots.
         `capture=False` runs the same static-buffer step eagerly instead (on any device: how the
@@ -62,7 +63,7 @@ class DecodeGraphs:
                         len(self.buckets), top, time.perf_counter() - start)
 
     def _step_fn(self, model: LlamaForCausalLM, backend: AttentionBackend, ops: Ops,
-                 rotation: torch.Tensor | None, batch: int, max_context: int) -> Callable[[], torch.Tensor]:
+                 rotation: KVRotation | None, batch: int, max_context: int) -> Callable[[], torch.Tensor]:
         device = self.input_ids.device
         step = StepMetadata(query_start=torch.arange(batch + 1), context_lens=torch.zeros(batch, dtype=torch.long),
                             block_tables=self.tables[:batch], slot_mapping=self.slots[:batch],

@@ -1,5 +1,8 @@
-"""Per-head fp8 scales (`kv_fp8_scales="head"`): the largest |K| and |V| each layer's KV heads
-store, measured once at start-up by running the model over a calibration text.
+"""Start-up calibration: per-head fp8 scales (`kv_fp8_scales="head"`: the largest |K| and |V|
+each layer's KV heads store) and the KIVI key channels that get a bit more
+(`kv_key_wide_channels`: those with the largest E[q_d^2] * E[range_d^2], a channel's share of
+the q.k error when its quantization step is proportional to its range), measured once by
+running the model over a calibration text.
 
 The model runs as it will serve (same attention path, RoPE and rotation) into a small dense pool
 of its own, and the maxima are read from those pages, so the scales cover exactly what the
@@ -9,13 +12,15 @@ the text they measure; a model without a tokenizer (random test models) reads se
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvserve.attention import StepAttention, StepMetadata
+from kvserve.attention.rotation import KVRotation
 from kvserve.attention.torch_sdpa import TorchSDPABackend
-from kvserve.cache.kv_format import HeadScaleFormat, KVFormat
+from kvserve.cache.kv_format import ChannelFormat, HeadScaleFormat, KVFormat
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import LayerFormats
 from kvserve.model.llama import LlamaForCausalLM
@@ -35,28 +40,76 @@ def calibration_tokens(tokenizer: Any, vocab_size: int, num_tokens: int, seed: i
     return ids[:num_tokens]
 
 
+@dataclass(frozen=True)
+class KVStats:
+    """What start-up calibration measures, per layer and KV head."""
+    amax: torch.Tensor  # [layers, 2 (K, V), kv_heads]: max |x| over the tokens and channels stored
+    key_importance: torch.Tensor  # [layers, kv_heads, D]: E[q_d^2] over the head's queries * E[range_d^2]
+
+    def heads(self, kv_heads: list[int]) -> "KVStats":
+        return KVStats(self.amax[:, :, kv_heads], self.key_importance[:, kv_heads])
+
+
+class _QueryEnergy(TorchSDPABackend):
+    """The reference backend, noting each layer's sum of q_d^2 over tokens [heads, D] as it passes
+    (in the basis the keys are stored in): the one thing calibration needs that no page holds."""
+
+    def __init__(self, pool: KVPool, num_heads: int) -> None:
+        super().__init__(pool, num_heads)
+        self.energy: dict[int, torch.Tensor] = {}
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any,
+                scale: float) -> torch.Tensor:
+        self.energy[layer] = q.float().square().sum(0)
+        return super().forward(layer, q, k, v, meta, scale)
+
+
+def _range_energy(keys: torch.Tensor, block_size: int, skip_first: bool) -> torch.Tensor:
+    """keys [n, H, D] -> E[range_d^2] over the whole blocks of `block_size` tokens (the ranges a
+    KIVI block's channel codes span; its first key left out with exact sinks) [H, D]."""
+    block = min(block_size, len(keys))
+    blocks = keys[:len(keys) // block * block].unflatten(0, (-1, block))
+    blocks = blocks[:, 1:] if skip_first and block > 1 else blocks
+    return (blocks.amax(1) - blocks.amin(1)).square().mean(0)
+
+
 @torch.inference_mode()
-def measure_kv_amax(model: LlamaForCausalLM, ops: Ops, token_ids: list[int], rotation: torch.Tensor | None,
-                    dtype: torch.dtype, device: torch.device, block_size: int = 16) -> torch.Tensor:
-    """[layers, 2 (K, V), kv_heads]: max |x| over the tokens and channels each head stores."""
+def measure_kv_stats(model: LlamaForCausalLM, ops: Ops, token_ids: list[int], rotation: KVRotation | None,
+                     dtype: torch.dtype, device: torch.device, block_size: int = 16,
+                     exact_sink: bool = False) -> KVStats:
+    """Runs `token_ids` as one prompt into a dense pool of its own. `block_size` and
+    `exact_sink`: the blocks whose channel ranges `key_importance` averages."""
     cfg = model.config
     n = len(token_ids)
     num_blocks = -(-n // block_size)
     pool = KVPool(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     step = StepMetadata.build([n], [n], [list(range(num_blocks))], block_size, device)
-    attention = StepAttention.of(TorchSDPABackend(pool, cfg.num_heads), step, None,
-                                 None if rotation is None else rotation.to(device))
+    probe = _QueryEnergy(pool, cfg.num_heads)
+    attention = StepAttention.of(probe, step, None, None if rotation is None else rotation.to(device))
     model(torch.tensor(token_ids, device=device), attention, torch.tensor([n - 1], device=device), ops)
-    return torch.stack([torch.stack([pages.flatten(0, 1)[:n].abs().amax((0, 2)) for pages in layer]).float()
-                        for layer in pool.layers])
+    pages = [[p.flatten(0, 1)[:n].float() for p in layer] for layer in pool.layers]
+    amax = torch.stack([torch.stack([p.abs().amax((0, 2)) for p in layer]) for layer in pages])
+    importance = torch.stack([
+        (probe.energy[i] / n).unflatten(0, (cfg.num_kv_heads, -1)).mean(1) * _range_energy(k, block_size, exact_sink)
+        for i, (k, _) in enumerate(pages)])
+    return KVStats(amax.cpu(), importance.cpu())
 
 
-def calibrate_formats(formats: list[LayerFormats], amax: torch.Tensor) -> list[LayerFormats]:
-    """Each layer's per-head formats given that layer's maxima; other formats unchanged."""
-    def one(fmt: KVFormat, layer_amax: torch.Tensor) -> KVFormat:
-        return fmt.calibrated(layer_amax) if isinstance(fmt, HeadScaleFormat) else fmt
-    return [(one(k, a[0]), one(v, a[1])) for (k, v), a in zip(formats, amax)]
+def _calibrated(fmt: KVFormat, amax: torch.Tensor, importance: torch.Tensor) -> KVFormat:
+    if isinstance(fmt, HeadScaleFormat):
+        return fmt.calibrated(amax)
+    if isinstance(fmt, ChannelFormat) and fmt.wide:
+        return fmt.calibrated(importance)
+    return fmt
+
+
+def calibrate_formats(formats: list[LayerFormats], stats: KVStats) -> list[LayerFormats]:
+    """Each layer's per-head fp8 formats given that layer's maxima, and its KIVI keys with wide
+    channels given its key importance; other formats unchanged."""
+    return [(_calibrated(k, a[0], imp), _calibrated(v, a[1], imp))
+            for (k, v), a, imp in zip(formats, stats.amax, stats.key_importance)]
 
 
 def needs_calibration(formats: list[LayerFormats] | None) -> bool:
-    return formats is not None and any(isinstance(f, HeadScaleFormat) for pair in formats for f in pair)
+    return formats is not None and any(isinstance(f, HeadScaleFormat) or (isinstance(f, ChannelFormat) and f.wide)
+                                       for pair in formats for f in pair)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvserve.attention import make_backend
-from kvserve.attention.rotation import rotation_matrix
+from kvserve.attention.rotation import kv_rotation
 from kvserve.cache.block_bytes import read_blocks
 from kvserve.cache.block_manager import BlockManager, BlockUsage
 from kvserve.cache.kv_remote import RemoteKVTier
@@ -68,7 +68,7 @@ class LLMEngine:
                              f">= max_model_len ({self.max_model_len}) so that any prompt can be prefilled "
                              f"(or enable_chunked_prefill)")
 
-        rotation = rotation_matrix(config.kv_rotation, cfg.head_dim, config.seed)
+        rotation = kv_rotation(config.kv_rotation, cfg.head_dim, config.seed, config.kv_rotate_keys)
         kernels = cpu_extension.load() if config.cpu_kernels and self.device.type == "cpu" else None
         # With tensor parallelism this process is rank 0: its pool holds its own KV heads, the
         # most of any rank, so the block count it derives from the budget fits every rank.

@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from kvserve.attention import AttentionBackend, StepAttention, StepMetadata
+from kvserve.attention.rotation import KVRotation
 from kvserve.attention.scores import ScorePlan
 from kvserve.cache.block_bytes import write_blocks
 from kvserve.cache.block_manager import BlockManager, on_device
@@ -51,9 +52,9 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool | QuantizedKVPool, block_manager: BlockManager | None,
                  device: torch.device, backend: AttentionBackend, kernels: ModuleType | None,
-                 swap: SwapSpace | None = None, rotation: torch.Tensor | None = None,
+                 swap: SwapSpace | None = None, rotation: KVRotation | None = None,
                  peers: StepPeers | None = None, cuda_graphs: tuple[int, int] | None = None) -> None:
-        """`rotation`: the [D, D] rotation of q, k and v before the pages (attention/rotation.py);
+        """`rotation`: the rotation of q, k and v (or v alone) before the pages (attention/rotation.py);
         `peers`: the tensor-parallel ranks that run each step beside this one (rank 0's runner);
         `block_manager` is None on those ranks, which only `execute`; `cuda_graphs`: (sequences,
         slots) up to which decode steps are replayed from CUDA graphs (engine/cuda_graphs.py)."""

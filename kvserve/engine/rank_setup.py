@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
+from kvserve.attention.rotation import KVRotation
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import LayerFormats, QuantizedKVPool
 from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import Shard
-from kvserve.engine.kv_calibration import calibrate_formats, calibration_tokens, measure_kv_amax, needs_calibration
+from kvserve.engine.kv_calibration import calibrate_formats, calibration_tokens, measure_kv_stats, needs_calibration
 from kvserve.model.config import ModelConfig
 from kvserve.model.ops import resolve_ops
 
@@ -46,19 +47,21 @@ class KVSizes:
 
 
 def rank_formats(config: EngineConfig, model: torch.nn.Module, tokenizer: Any, kernels: Any,
-                 rotation: torch.Tensor | None, shard: Shard | None) -> list[LayerFormats] | None:
+                 rotation: KVRotation | None, shard: Shard | None) -> list[LayerFormats] | None:
     """Each layer's (keys, values) formats for a rank's pool (`shard` None: the whole model's);
-    per-head fp8 scales calibrated on the whole model, then cut to the rank's KV heads."""
+    per-head fp8 scales and wide key channels calibrated on the whole model, then cut to the
+    rank's KV heads."""
     formats = config.kv_layer_formats(model.config.num_layers)
     if not needs_calibration(formats):
         return formats
     start = time.perf_counter()
     ids = calibration_tokens(tokenizer, model.config.vocab_size, config.kv_calibration_tokens, config.seed)
-    amax = measure_kv_amax(model, resolve_ops(kernels), ids, rotation, config.torch_dtype, config.torch_device)
+    stats = measure_kv_stats(model, resolve_ops(kernels), ids, rotation, config.torch_dtype, config.torch_device,
+                             config.block_size, config.kv_exact_sink)
     if shard is not None:
-        amax = amax[:, :, list(shard.kv_heads)]
-    logger.info("kvserve: per-head fp8 scales calibrated on %d tokens in %.1f s", len(ids), time.perf_counter() - start)
-    return calibrate_formats(formats, amax)
+        stats = stats.heads(list(shard.kv_heads))
+    logger.info("kvserve: KV formats calibrated on %d tokens in %.1f s", len(ids), time.perf_counter() - start)
+    return calibrate_formats(formats, stats)
 
 
 def make_pool(config: EngineConfig, cfg: ModelConfig, num_blocks: int, formats: list[LayerFormats] | None,

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from kvserve.attention import make_backend
-from kvserve.attention.rotation import rotation_matrix
+from kvserve.attention.rotation import kv_rotation
 from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import broadcast_object, init_group
@@ -26,7 +26,7 @@ def tp_worker_main(config: EngineConfig, rank: int, port: int, num_blocks: int, 
     loaded = load_model(config.model, config.torch_dtype, device, config.seed)
     cfg = loaded.config
     shard = shard_of(cfg, rank, config.tensor_parallel_size)
-    rotation = rotation_matrix(config.kv_rotation, cfg.head_dim, config.seed)
+    rotation = kv_rotation(config.kv_rotation, cfg.head_dim, config.seed, config.kv_rotate_keys)
     kernels = cpu_extension.load() if config.cpu_kernels and device.type == "cpu" else None
     formats = rank_formats(config, loaded.model, loaded.tokenizer, kernels, rotation, shard)
     rank_cfg = shard_config(cfg, shard)

@@ -60,6 +60,19 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_eval, kv_cache_memory="512MiB", max_model_len=2048)
 
 
+def _format_label(name: str, rotation: str, args: argparse.Namespace) -> str:
+    """A row's name with every layout option that changed it (sinks, wide channels and symmetric
+    values are KIVI's alone)."""
+    parts = [name]
+    if name.startswith("kivi"):
+        parts += ["exact sink"] * args.kv_exact_sink
+        parts += [f"{args.kv_key_wide_channels} wide key channels"] * bool(args.kv_key_wide_channels)
+        parts += ["symmetric values"] * args.kv_symmetric_values
+    if rotation != "none":
+        parts.append(f"{'' if args.kv_rotate_keys else 'values '}rotated ({rotation})")
+    return " ".join(parts)
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from kvserve.eval import quality
 
@@ -117,11 +130,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     rows = [measure(reference, f"reference ({args.dtype})")]
     del reference
     for name in formats:
-        # Only KIVI keys have sinks to keep; the row says when they are kept.
-        label = f"{name} exact sink" if args.kv_exact_sink and name.startswith("kivi") else name
         for rotation in rotations:
-            rows.append(measure(make_llm(name, kv_rotation=rotation),
-                                label if rotation == "none" else f"{label} rotated ({rotation})"))
+            rows.append(measure(make_llm(name, kv_rotation=rotation), _format_label(name, rotation, args)))
     evictions = [e for e in args.evictions.split(",") if e]
     protocol = "during decode" if args.kv_evict_during_decode else "once at the prompt's end"
     for policy in evictions:

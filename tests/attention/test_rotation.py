@@ -37,15 +37,16 @@ def test_bad_rotations_name_the_field(tiny_llm: Callable[..., LLM]) -> None:
 @pytest.mark.parametrize("backend, pages", [
     heavy_case(b, pages, backend=b, id=f"{b}-{pages or 'dense'}")
     for b in BACKENDS for pages in ("", "int8") if not (b == "triton" and pages)])
-@pytest.mark.parametrize("kind", ["hadamard", "random"])
+@pytest.mark.parametrize("kind, keys", [("hadamard", True), ("random", True), ("hadamard", False)])
 def test_rotated_pages_give_the_same_attention(tiny_llm: Callable[..., LLM], backend: str, pages: str,
-                                               kind: str) -> None:
-    """Dense pages: the same distributions within fp32 rounding. int8 pages: the codes are of
-    other vectors, so only close (within int8's own error against dense pages)."""
+                                               kind: str, keys: bool) -> None:
+    """Dense pages: the same distributions within fp32 rounding, with q and k rotated or values
+    alone. int8 pages: the codes are of other vectors, so only close (within int8's own error
+    against dense pages)."""
     fmt = dict(kv_cache_dtype=pages) if pages else {}
     run = dict(max_num_seqs=3, attention_backend=backend, cpu_kernels=backend != "torch", **fmt)
     want = forced_logprobs(tiny_llm(**run), WINDOWS, prefill_len=25)
-    got = forced_logprobs(tiny_llm(kv_rotation=kind, **run), WINDOWS, prefill_len=25)
+    got = forced_logprobs(tiny_llm(kv_rotation=kind, kv_rotate_keys=keys, **run), WINDOWS, prefill_len=25)
     if not pages:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     else:

@@ -379,6 +379,8 @@ def test_constant_input_decodes_without_nan(name: str, role: str, value: float) 
     ({"sparse_threshold": -0.1}, "kv_sparse_threshold"),
     ({"sparse_capacity": 0.0}, "kv_sparse_capacity"),
     ({"sparse_capacity": 1.5}, "kv_sparse_capacity"),
+    ({"key_wide_channels": 4}, "kv_key_wide_channels"),
+    ({"key_wide_channels": -8}, "kv_key_wide_channels"),
 ])
 def test_make_format_rejects_bad_settings(kwargs: dict, field: str) -> None:
     args = {"name": "int4", "role": "k", **kwargs}
@@ -402,6 +404,57 @@ def test_fields_reject_settings_that_do_not_fit_head_dim(name: str, kwargs: dict
                                                           field: str) -> None:
     with pytest.raises(ValueError, match=field):
         make_format(name, "v", **kwargs).fields(2, head_dim, BS)
+    with pytest.raises(ValueError, match="kv_key_wide_channels"):
+        make_format("kivi2", "k", key_wide_channels=72).fields(2, 64, BS)
+
+
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_wide_key_channels_get_one_more_bit(bits: int, sink: bool) -> None:
+    """The calibrated channels are the top RoPE pairs (d, d + D/2) by summed importance; their
+    step is their range over 2^(bits+1) - 1 levels, the others' over 2^bits - 1; a bit plane of
+    `wide` bits per token and head is all they cost."""
+    x = kv_data(*BLOCKS)
+    importance = torch.rand(2, 64, generator=torch.Generator().manual_seed(1))
+    importance[0, [5, 37]] = 10.0  # pair 5 for head 0 (channel 37 = 5 + 32)
+    importance[1, 40] = 30.0  # pair 8 for head 1, through its second half alone
+    fmt = make_format(f"kivi{bits}", "k", exact_sink=sink, key_wide_channels=8)
+    with pytest.raises(RuntimeError, match="calibrate"):
+        fmt.encode(x)
+    fmt = fmt.calibrated(importance)
+    pair_sums = importance[:, :32] + importance[:, 32:]
+    for head in range(2):
+        top = pair_sums[head].topk(4).indices
+        assert fmt.wide_channels[head].tolist() == sorted([*top.tolist(), *(top + 32).tolist()])
+    assert 5 in fmt.wide_channels[0] and 37 in fmt.wide_channels[0] and 8 in fmt.wide_channels[1]
+    f = fmt.encode(x)
+    y = fmt.decode(f, torch.float32)
+    body, got = (x[:, 1:], y[:, 1:]) if sink else (x, y)
+    ranges = body.amax(1) - body.amin(1)  # [B, H, D]
+    wide = torch.zeros(2, 64, dtype=torch.bool).scatter(1, fmt.wide_channels, True)
+    levels = torch.where(wide, 2 ** (bits + 1) - 1, 2 ** bits - 1)
+    step = f["scale"].float()
+    assert (step >= ranges / levels).all() and (step <= ranges / levels * (1 + 4 * F16_EPS) + MIN_SCALE).all()
+    assert ((got - body).abs() <= step[:, None] / 2 * (1 + 1e-5)).all()
+    plain = make_format(f"kivi{bits}", "k", exact_sink=sink)
+    assert fmt.bytes_per_token(2, 64, 16) == plain.bytes_per_token(2, 64, 16) + 2 * 8 / 8
+
+
+def test_symmetric_values_use_every_level_and_no_zero_point() -> None:
+    """2-bit midrise codes: the four levels +-0.5 and +-1.5 steps, the step sized by the group's
+    largest |x| (rounded up to fp16), every entry within half a step."""
+    fmt = make_format("kivi2", "v", group_size=4, symmetric_values=True)
+    x = torch.tensor([[[-1.5, -0.5, 0.5, 1.5, 3.0, -0.2, 0.9, 1.0]]])  # [1 token, 1 head, 8]
+    f = fmt.encode(x)
+    assert set(f) == {"codes", "scale"}
+    torch.testing.assert_close(f["scale"].float(), torch.tensor([[[1.0, 2.0]]]))
+    torch.testing.assert_close(fmt.decode(f, torch.float32), torch.tensor([[[-1.5, -0.5, 0.5, 1.5, 3.0, -1.0, 1.0, 1.0]]]))
+    y = kv_data(*TOKENS)
+    g = make_format("kivi2", "v", group_size=32, symmetric_values=True)
+    fy = g.encode(y)
+    step = fy["scale"].float().repeat_interleave(32, -1)
+    assert ((g.decode(fy, torch.float32) - y).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert g.bytes_per_token(2, 64, 16) == make_format("kivi2", "v", group_size=32).bytes_per_token(2, 64, 16) - 2 * 2 * 2
 
 
 def test_every_name_builds_for_both_roles() -> None:

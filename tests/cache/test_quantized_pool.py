@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.cache.block_manager import BlockManager
-from kvserve.cache.kv_format import FORMAT_NAMES, make_format
+from kvserve.cache.kv_format import FORMAT_NAMES, ChannelFormat, KVFormat, make_format
 from kvserve.cache.quantized_pool import QuantizedKVPool, encode_blocks
 from kvserve.attention import StepMetadata
 from kvserve.attention.selector import BACKENDS
@@ -17,12 +17,20 @@ from tests.backend_cases import heavy_case
 HEADS, KV_HEADS, DIM = 4, 2, 64  # GQA, 2 query heads per KV head
 
 
-def roundtrip(fmt_name: str, role: str, x: torch.Tensor, bs: int, exact_from: int | None,
-              exact_sink: bool = False) -> torch.Tensor:
+def formats_of(name: str, seed: int = 0, **kw: object) -> tuple[KVFormat, KVFormat]:
+    """(keys, values) formats; wide KIVI key channels calibrated on random importances."""
+    k, v = make_format(name, "k", **kw), make_format(name, "v", **kw)  # type: ignore[arg-type]
+    if isinstance(k, ChannelFormat) and k.wide:
+        k = k.calibrated(torch.rand(KV_HEADS, DIM, generator=torch.Generator().manual_seed(seed)))
+    return k, v
+
+
+def roundtrip(name: str, role: str, x: torch.Tensor, bs: int, exact_from: int | None,
+              fmt_kw: dict[str, object] | None = None) -> torch.Tensor:
     """What the cache should hold for one sequence's K or V [L, H, D], worked independently of the
     pool. Without staging (exact_from None) every token is encoded on its own; with it, whole
     blocks before `exact_from` are encoded and everything after is kept exactly."""
-    fmt = make_format(fmt_name, role, exact_sink=exact_sink)
+    fmt = formats_of(name, **(fmt_kw or {}))["kv".index(role)]
     fmt.fields(KV_HEADS, DIM, bs)  # binds head_dim (sparse)
     if exact_from is None:
         return fmt.decode(fmt.encode(x), x.dtype)
@@ -47,12 +55,12 @@ class Driver:
     """A pool, a block manager and sequences of random K/V/Q, stepped like the model runner does."""
 
     def __init__(self, fmt: str, bs: int, residual: int, lens: list[int], seed: int = 0,
-                 backend: str = "torch", exact_sink: bool = False) -> None:
+                 backend: str = "torch", **fmt_kw: object) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.bs, self.residual, self.fmt, self.exact_sink = bs, residual, fmt, exact_sink
+        self.bs, self.residual, self.fmt, self.fmt_kw = bs, residual, fmt, fmt_kw
         num_blocks = max(64, 1024 // bs)
         self.bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)
-        formats = make_format(fmt, "k", exact_sink=exact_sink), make_format(fmt, "v", exact_sink=exact_sink)
+        formats = formats_of(fmt, **fmt_kw)
         self.pool = QuantizedKVPool(num_blocks, bs, KV_HEADS, DIM, torch.float32, torch.device("cpu"), [formats],
                                     residual, QuantizedKVPool.staging_slots(4, bs, residual, [formats], sum(lens)))
         reason = BACKENDS[backend].unsupported(self.pool, torch.device("cpu"))
@@ -92,8 +100,8 @@ class Driver:
             # A staged pool seals after attention: the step reads the window it started with
             # and its own tokens exactly.
             exact_from = max(end - n - self.residual, 0) if self.pool.staged else None
-            k = roundtrip(self.fmt, "k", self.k[i][:end], self.bs, exact_from, self.exact_sink)
-            v = roundtrip(self.fmt, "v", self.v[i][:end], self.bs, exact_from, self.exact_sink)
+            k = roundtrip(self.fmt, "k", self.k[i][:end], self.bs, exact_from, self.fmt_kw)
+            v = roundtrip(self.fmt, "v", self.v[i][:end], self.bs, exact_from, self.fmt_kw)
             outs.append(reference(self.q[i][end - n:end], k, v, n))
         return torch.cat(outs)
 
@@ -122,6 +130,18 @@ def test_exact_sink_pages_equal_dense_over_decoded(fmt: str, backend: str) -> No
     d = Driver(fmt, 16, 0, [16 + 5, 2 * 16 + 3, 7], backend=backend, exact_sink=True)
     for k, written in zip(d.k, d.len):  # later sinks far from the rest: a decoder that missed
         k[-(-written // 16) * 16::16] *= 30  # the field would show it
+    for new in ([1, 1, 1], [9, 1, 30], [1, 1, 1]):
+        d.step(new)
+        torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("fmt", ["kivi2", "kivi4"])
+def test_wide_key_channels_and_symmetric_values_equal_dense_over_decoded(fmt: str, backend: str) -> None:
+    """Keys with a third (fifth) bit plane on 16 calibrated channels, values without zero-points,
+    exact sinks: read by every backend that decodes them (the kernels decline them for now)."""
+    d = Driver(fmt, 16, 0, [16 + 5, 2 * 16 + 3, 7], backend=backend, exact_sink=True, key_wide_channels=16,
+               symmetric_values=True, group_size=32)
     for new in ([1, 1, 1], [9, 1, 30], [1, 1, 1]):
         d.step(new)
         torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)

@@ -42,6 +42,17 @@ def test_two_ranks_generate_what_one_does(tiny_llm: Callable[..., LLM], fmt: str
     assert two.engine.block_manager.num_blocks >= 2 * one.engine.block_manager.num_blocks - 1
 
 
+def test_two_ranks_calibrate_wide_key_channels_as_one_does(tiny_llm: Callable[..., LLM]) -> None:
+    """Calibration runs the whole model on each rank, then each keeps its KV heads' channels."""
+    kw = {"kv_cache_dtype": "kivi2", "kv_group_size": 16, "kv_exact_sink": True, "kv_key_wide_channels": 8,
+          "kv_residual": 0}
+    one, two = tiny_llm(**kw), tiny_llm(**kw, tensor_parallel_size=2)
+    assert torch.equal(two.engine.pool.kv[1].formats[0].wide_channels, one.engine.pool.kv[1].formats[0].wide_channels[:1])
+    windows = [[(7 * i + 3 * j) % 128 for j in range(60)] for i in range(2)]
+    torch.testing.assert_close(forced_logprobs(two, windows, prefill_len=20),
+                               forced_logprobs(one, windows, prefill_len=20), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("fmt, residual", [("auto", None), ("int8", 16), ("kivi4", None)])
 def test_preemption_under_two_ranks_changes_nothing(tiny_llm: Callable[..., LLM], fmt: str, residual: int | None) -> None:
     # 9 blocks of 16 slots hold 144 tokens; the three sequences grow to 157: someone is preempted.

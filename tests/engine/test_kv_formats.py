@@ -22,13 +22,22 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 5, [9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8] *
 GROUP = 16
 
 
-def budget(fmt: str, blocks: int, residual: int, max_num_seqs: int, exact_sink: bool = False) -> str:
+def budget(fmt: str, blocks: int, residual: int, max_num_seqs: int, **fmt_kw: Any) -> str:
     """Bytes for exactly `blocks` compressed blocks plus the staging the pool will reserve."""
-    k, v = (make_format(fmt, role, group_size=GROUP, exact_sink=exact_sink) for role in "kv")
+    k, v = (make_format(fmt, role, group_size=GROUP, **fmt_kw) for role in "kv")
     block = QuantizedKVPool.bytes_per_block(16, TINY.num_kv_heads, TINY.head_dim, [(k, v)] * TINY.num_layers)
     staging = QuantizedKVPool.staging_slots(max_num_seqs, 16, residual, [(k, v)], CHUNKED_BATCHED_TOKENS["cpu"])
     dense = KVPool.bytes_per_block(TINY.num_layers, 16, TINY.num_kv_heads, TINY.head_dim, torch.float32)
     return str(blocks * block + staging * dense)
+
+
+def generates_under_pressure(llm: LLM) -> None:
+    """An engine of 9 blocks runs PROMPTS to the end: someone is preempted, a prefix is reused."""
+    assert llm.engine.block_manager.num_blocks == 9
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [24] * 3
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.prefix_stats.cached_tokens > 0
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMAT_NAMES if f != "fp32"])
@@ -37,11 +46,7 @@ def test_every_format_generates_with_prefix_caching_and_preemption(tiny_llm: Cal
     # preempted. The third prompt shares its first two blocks with the first (a prefix-cache hit).
     llm = tiny_llm(kv_cache_dtype=fmt, kv_group_size=GROUP, kv_residual=16, max_num_seqs=3,
                    kv_cache_memory=budget(fmt, 9, residual=16, max_num_seqs=3))
-    assert llm.engine.block_manager.num_blocks == 9
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [len(o.token_ids) for o in outs] == [24] * 3
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.block_manager.prefix_stats.cached_tokens > 0
+    generates_under_pressure(llm)
 
 
 def test_residual_covering_the_context_equals_the_dense_cache(tiny_llm: Callable[..., LLM]) -> None:
@@ -137,11 +142,7 @@ def test_a_mixed_plan_survives_preemption_prefix_caching_and_leaks_nothing(tiny_
                           max_num_seqs=3)
     memory = str(KVSizes.of(config, TINY).memory_for(9))
     llm = tiny_llm(kv_cache_dtype=plan, kv_group_size=GROUP, kv_residual=16, max_num_seqs=3, kv_cache_memory=memory)
-    assert llm.engine.block_manager.num_blocks == 9
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [len(o.token_ids) for o in outs] == [24] * 3
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.block_manager.prefix_stats.cached_tokens > 0
+    generates_under_pressure(llm)
 
 
 def test_a_plan_for_another_layer_count_names_the_field(tiny_llm: Callable[..., LLM], tmp_path: Any) -> None:
@@ -192,11 +193,7 @@ def test_backends_read_per_head_fp8_pages_as_the_reference_does(tiny_llm: Callab
 def test_per_head_fp8_generates_with_prefix_caching_and_preemption(tiny_llm: Callable[..., LLM]) -> None:
     llm = tiny_llm(kv_cache_dtype="fp8_e5m2", kv_fp8_scales="head", max_num_seqs=3,
                    kv_cache_memory=str(9 * 16 * TINY.num_layers * 2 * TINY.num_kv_heads * TINY.head_dim))
-    assert llm.engine.block_manager.num_blocks == 9
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [len(o.token_ids) for o in outs] == [24] * 3
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.block_manager.prefix_stats.cached_tokens > 0
+    generates_under_pressure(llm)
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -223,13 +220,51 @@ def test_exact_sink_kivi_reads_the_same_on_every_backend(tiny_llm: Callable[...,
 def test_exact_sink_kivi_generates_with_prefix_caching_and_preemption(tiny_llm: Callable[..., LLM]) -> None:
     llm = tiny_llm(kv_cache_dtype="kivi2", kv_exact_sink=True, kv_group_size=GROUP, kv_residual=16, max_num_seqs=3,
                    kv_cache_memory=budget("kivi2", 9, residual=16, max_num_seqs=3, exact_sink=True))
-    assert llm.engine.block_manager.num_blocks == 9
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [len(o.token_ids) for o in outs] == [24] * 3
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.block_manager.prefix_stats.cached_tokens > 0
+    generates_under_pressure(llm)
 
 
 def test_bad_exact_sink_names_the_field() -> None:
     with pytest.raises(ValueError, match="kv_exact_sink"):
         EngineConfig(kv_cache_dtype="kivi2", kv_exact_sink="yes")
+
+
+def test_wide_key_channels_are_calibrated_at_start_up_and_bring_pages_closer(tiny_llm: Callable[..., LLM]) -> None:
+    """kv_key_wide_channels: each layer's keys get whole RoPE pairs (d, d + D/2) per KV head,
+    chosen at start-up; the bit they add brings forced logprobs closer to dense pages (values kept
+    exact: in this random model 2-bit values' error dwarfs the keys')."""
+    windows = [[(5 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
+    common = {"max_num_seqs": 3, "kv_cache_dtype": "kivi2", "kv_cache_dtype_v": "fp32", "kv_residual": 0,
+              "kv_exact_sink": True, "kv_group_size": GROUP}
+    dense = forced_logprobs(tiny_llm(max_num_seqs=3), windows, prefill_len=30)
+    plain = forced_logprobs(tiny_llm(**common), windows, prefill_len=30)
+    llm = tiny_llm(**common, kv_key_wide_channels=8)
+    half = TINY.head_dim // 2
+    for kv in llm.engine.pool.kv:
+        chosen = kv.formats[0].wide_channels
+        assert chosen.shape == (TINY.num_kv_heads, 8)
+        for head in chosen.tolist():
+            low = [c for c in head if c < half]
+            assert [c - half for c in head if c >= half] == low and len(low) == 4
+    wide = forced_logprobs(llm, windows, prefill_len=30)
+    assert (wide - dense).abs().mean() < 0.8 * (plain - dense).abs().mean()
+
+
+def test_the_2bit_layout_generates_with_prefix_caching_and_preemption(tiny_llm: Callable[..., LLM]) -> None:
+    """Wide key channels, symmetric values rotated alone, exact sinks: the pool holds exactly the
+    blocks its bytes buy, and preemption and prefix hits run over them without a leak."""
+    fmt_kw = {"exact_sink": True, "key_wide_channels": 8, "symmetric_values": True}
+    llm = tiny_llm(kv_cache_dtype="kivi2", kv_exact_sink=True, kv_key_wide_channels=8, kv_symmetric_values=True,
+                   kv_rotation="hadamard", kv_rotate_keys=False, kv_group_size=GROUP, kv_residual=16,
+                   max_num_seqs=3, kv_cache_memory=budget("kivi2", 9, residual=16, max_num_seqs=3, **fmt_kw))
+    generates_under_pressure(llm)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"kv_key_wide_channels": 12}, "kv_key_wide_channels"),
+    ({"kv_key_wide_channels": "8"}, "kv_key_wide_channels"),
+    ({"kv_symmetric_values": "yes"}, "kv_symmetric_values"),
+    ({"kv_rotate_keys": None}, "kv_rotate_keys"),
+])
+def test_bad_2bit_layout_settings_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(kv_cache_dtype="kivi2", **kwargs)

@@ -128,7 +128,7 @@ def test_request_ids_stay_private_and_the_api_key_guards_everything(
     assert post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 401
     # A request in flight shows in the pool map as a number, not by its id.
     done = threading.Event()
-    threading.Thread(target=lambda: (post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 300,
+    threading.Thread(target=lambda: (post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 64,
                                                                    "ignore_eos": True}, headers=auth),
                                      done.set())).start()
     deadline = time.monotonic() + 30
