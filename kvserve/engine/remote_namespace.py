@@ -8,6 +8,7 @@ import hashlib
 
 import torch
 
+from kvserve.cache.kv_format import KVFormat
 from kvserve.cache.kv_remote import LAYOUT_VERSION
 from kvserve.cache.quantized_pool import LayerFormats
 from kvserve.config import EngineConfig
@@ -23,16 +24,24 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:32]
 
 
+def _layout(fmt: KVFormat) -> str:
+    """A format's name and every option that changes its bytes."""
+    options = ("group_size", "exact_sink", "wide", "symmetric")
+    return repr(fmt) + "".join(f"/{getattr(fmt, o)}" for o in options if hasattr(fmt, o))
+
+
 def remote_namespace(model: torch.nn.Module, config: EngineConfig, formats: list[LayerFormats] | None,
                      rank: int = 0, world_size: int = 1) -> str:
-    pages = "dense" if formats is None else ";".join(
-        f"{k!r}/{v!r}/{getattr(k, 'group_size', '')}/{getattr(v, 'group_size', '')}" for k, v in formats)
-    # Per-head fp8 scales are calibrated, so blocks encoded with other scales decode wrongly: their
-    # values are part of the name.
-    scales = [f.head_scale for pair in formats or [] for f in pair if getattr(f, "head_scale", None) is not None]
-    if scales:
-        pages += "@" + hashlib.sha256(torch.cat(scales).cpu().numpy().tobytes()).hexdigest()[:16]
-    rotation = config.kv_rotation if config.kv_rotation == "none" else f"{config.kv_rotation}:{config.seed}"
+    pages = "dense" if formats is None else ";".join(f"{_layout(k)}/{_layout(v)}" for k, v in formats)
+    # Per-head fp8 scales and wide key channels are calibrated, so blocks encoded with others
+    # decode wrongly: their values are part of the name.
+    calibrated = [t.float().flatten() for pair in formats or [] for f in pair
+                  for t in (getattr(f, "head_scale", None), getattr(f, "wide_channels", None)) if t is not None]
+    if calibrated:
+        pages += "@" + hashlib.sha256(torch.cat(calibrated).cpu().numpy().tobytes()).hexdigest()[:16]
+    rotation = "none"
+    if config.kv_rotation != "none":
+        rotation = f"{config.kv_rotation}:{config.seed}" + ("" if config.kv_rotate_keys else ":values")
     return (f"{model_fingerprint(model)}@{config.torch_dtype}@bs{config.block_size}@{pages}@rot={rotation}"
             f"@outliers={config.kv_outliers}@sparse={config.kv_sparse_threshold},{config.kv_sparse_capacity}"
             f"@layout{LAYOUT_VERSION}@tp{rank}/{world_size}")

@@ -1,0 +1,38 @@
+"""Two engines share a remote block only if every byte of its pages would be the same: each
+setting that shapes pages changes the namespace."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.kv_calibration import KVStats, calibrate_formats
+from kvserve.engine.remote_namespace import remote_namespace
+
+LAYERS, KV_HEADS, DIM = 2, 2, 16
+MODEL = torch.nn.Linear(2, 2)  # one model throughout: its weights are part of the name
+
+
+def namespace(sign: float = 1.0, **kw: Any) -> str:
+    """The namespace of a kivi engine with `kw` changed; `sign` -1 calibrates other wide channels."""
+    config = EngineConfig(**{"kv_cache_dtype": "kivi2", "kv_group_size": 16, **kw})
+    formats = config.kv_layer_formats(LAYERS)
+    importance = sign * torch.arange(LAYERS * KV_HEADS * DIM, dtype=torch.float32).reshape(LAYERS, KV_HEADS, DIM)
+    stats = KVStats(torch.ones(LAYERS, 2, KV_HEADS), importance)
+    return remote_namespace(MODEL, config, calibrate_formats(formats, stats))
+
+
+@pytest.mark.parametrize("change", [
+    {"kv_exact_sink": True}, {"kv_symmetric_values": True}, {"kv_key_wide_channels": 8},
+    {"kv_rotation": "hadamard"}, {"kv_group_size": 8}, {"kv_cache_dtype": "kivi4"},
+])
+def test_every_page_setting_changes_the_namespace(change: dict[str, Any]) -> None:
+    assert namespace(**change) != namespace()
+
+
+def test_rotating_values_alone_and_other_wide_channels_are_other_pages() -> None:
+    assert namespace(kv_rotation="hadamard", kv_rotate_keys=False) != namespace(kv_rotation="hadamard")
+    assert namespace(kv_key_wide_channels=8) == namespace(kv_key_wide_channels=8)
+    assert namespace(-1.0, kv_key_wide_channels=8) != namespace(kv_key_wide_channels=8)
