@@ -20,7 +20,11 @@ decoder of a pre-RoPE cache would do the same for every key it reads, every step
 per layer and KV head, the `hi` channels with the largest E[q_d^2] * E[range_d^2] (a channel's
 share of the q.k error when its step is proportional to its range) get `hi_bits`, the rest 2.
 The choice is calibrated once on another text (`--calib`, its last 8 windows) and then fixed,
-as a plan file would fix it; the channel list costs nothing per token.
+as a plan file would fix it; the channel list costs nothing per token. Post-RoPE, channels d and
+d + D/2 rotate into each other with position, so they are chosen in pairs, and the keys are left
+unrotated (a Hadamard would spread the outlier channels the ranking looks for) while the values
+are rotated; symmetric values (a scale, no zero-point) pay for more wide channels. The engine
+builds the post-RoPE layout (`kv_key_wide_channels`, `kv_symmetric_values`, `kv_rotate_keys`).
 """
 from __future__ import annotations
 
