@@ -24,9 +24,10 @@ from kvserve.kernels import cpu_extension
 
 def cpu_kind(fmt: KVFormat) -> int | None:
     """The C++ kernel's page kind for a format (`Kind` in cpu_kernels.cpp); None if it cannot
-    read it. Its grouped decoder is 4-bit only, and it has no per-channel (KIVI key) decoder."""
+    read it. Its grouped decoder is 4-bit with zero-points only, and it has no per-channel (KIVI key)
+    decoder."""
     kind = page_kind(fmt)
-    if kind == GROUPED and fmt.bits == 4:
+    if kind == GROUPED and fmt.bits == 4 and not fmt.symmetric:
         return kind
     return kind if kind in (DENSE, ABSMAX, HEAD_ABSMAX) else None
 

@@ -4,8 +4,9 @@ DENSE: values as stored. ABSMAX: int8 / fp8 codes times one scale per token and 
 GROUPED: packed `bits`-bit codes with a scale and zero-point per `group` channels of each token
 (int4, KIVI values). CHANNEL: packed codes with a scale and zero-point per block, head and
 channel (KIVI keys). HEAD_ABSMAX: fp8 codes times one fixed fp32 scale per KV head
-(`kv_fp8_scales="head"`), the scale held by the format, not the pages. Formats with no kind
-(outlier, sparse, KIVI keys with wide channels, symmetric KIVI values) are decoded by the torch
+(`kv_fp8_scales="head"`), the scale held by the format, not the pages. GROUPED codes may be
+symmetric (no zero-point) and CHANNEL codes may carry a bit plane for wide channels: a kernel
+checks those attributes too. Formats with no kind (outlier, sparse) are decoded by the torch
 backend.
 """
 from __future__ import annotations
@@ -26,7 +27,5 @@ def page_kind(fmt: KVFormat) -> int | None:
     if fmt.name in _ABSMAX_FORMATS:
         return ABSMAX
     if fmt.name in _GROUPED_FORMATS:
-        if getattr(fmt, "wide", 0) or getattr(fmt, "symmetric", False):
-            return None  # no kernel decodes a third bit plane or zero-less codes yet
         return GROUPED if fmt.per_token else CHANNEL
     return None

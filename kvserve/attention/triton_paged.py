@@ -17,6 +17,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.metadata import StepMetadata
 from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, HEAD_ABSMAX, page_kind
+from kvserve.cache.kv_format import KVFormat
 from kvserve.cache.kv_pool import KVPool
 
 
@@ -106,6 +107,19 @@ class TritonPagedBackend(AttentionBackend):
             elif kind == HEAD_ABSMAX:
                 out.append(source(kind, fields["codes"], fmt.head_scale, fields["codes"]))
             else:
-                out.append(source(kind, fields["codes"], fields["scale"], fields["zero"], bits=fmt.bits,
-                                  group=fmt.group_size if kind == GROUPED else 1, sink=fields.get("sink")))
+                symmetric = getattr(fmt, "symmetric", False)
+                out.append(source(kind, fields["codes"], fields["scale"], fields["codes"] if symmetric else fields["zero"],
+                                  bits=fmt.bits, group=fmt.group_size if kind == GROUPED else 1,
+                                  sink=fields.get("sink"), symmetric=symmetric, wide=fields.get("wide"),
+                                  wide_slot=_wide_slots(fmt, self.pool.head_dim, fields["codes"].device)))
         return tuple(out)
+
+
+def _wide_slots(fmt: KVFormat, head_dim: int, device: torch.device) -> torch.Tensor | None:
+    """[kv_heads, D] int32: each channel's bit in a wide KIVI key's extra plane, -1 where it has none."""
+    channels = getattr(fmt, "wide_channels", None)
+    if channels is None:
+        return None
+    slots = torch.full((channels.shape[0], head_dim), -1, dtype=torch.int32)
+    slots.scatter_(1, channels, torch.arange(channels.shape[1], dtype=torch.int32).expand_as(channels).contiguous())
+    return slots.to(device)

@@ -36,12 +36,17 @@ class PageSource:
     bits: int = 8
     group: int = 1
     sink: torch.Tensor | None = None  # CHANNEL with kv_exact_sink: each block's first key [blocks, kvh, D] fp16
+    symmetric: bool = False  # GROUPED midrise codes: (code - 2^(bits-1) + 1/2) * scale, no zero-point
+    # CHANNEL with wide channels: each token's extra bit plane [blocks, bs, kvh, wide / 8] and, per KV
+    # head and channel, the channel's bit in it (-1: not wide) [kvh, D] int32.
+    wide: torch.Tensor | None = None
+    wide_slot: torch.Tensor | None = None
 
 
 @triton.jit
-def _load_pages(data, scale, zero, tok, page, h, d, ok,
-                KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, H: tl.constexpr,
-                D: tl.constexpr):
+def _load_pages(data, scale, zero, wide, wide_slot, tok, page, h, d, ok,
+                KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, SYM: tl.constexpr,
+                WIDE: tl.constexpr, H: tl.constexpr, D: tl.constexpr):
     """[N, D] fp32 values of flat token slots `tok` (in blocks `page`), KV head h."""
     tok2 = tok[:, None]
     d2 = d[None, :]
@@ -59,14 +64,22 @@ def _load_pages(data, scale, zero, tok, page, h, d, ok,
     else:
         PER: tl.constexpr = 8 // BITS
         byte = tl.load(data + (tok2 * H + h) * (D // PER) + d2 // PER, mask=ok2).to(tl.int32)
-        code = ((byte >> ((d2 % PER) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        code = (byte >> ((d2 % PER) * BITS)) & ((1 << BITS) - 1)
+        if WIDE > 0:
+            slot = tl.load(wide_slot + h * D + d)[None, :]
+            has = ok2 & (slot >= 0)
+            plane = tl.load(wide + (tok2 * H + h) * (WIDE // 8) + slot // 8, mask=has, other=0).to(tl.int32)
+            code += ((plane >> (slot % 8)) & 1) << BITS
+        code = code.to(tl.float32)
         if KIND == 2:
             at = (tok2 * H + h) * (D // GROUP) + d2 // GROUP
         else:
             at = (page[:, None] * H + h) * D + d2
         s = tl.load(scale + at, mask=ok2).to(tl.float32)
-        z = tl.load(zero + at, mask=ok2).to(tl.float32)
-        x = code * s + z
+        if SYM:
+            x = (code - ((1 << (BITS - 1)) - 0.5)) * s
+        else:
+            x = code * s + tl.load(zero + at, mask=ok2).to(tl.float32)
     return tl.where(ok2, x, 0.0)
 
 
@@ -74,12 +87,13 @@ def _load_pages(data, scale, zero, tok, page, h, d, ok,
 def _paged_attention(
         q, out, part_acc, part_ml,
         tile_seq, tile_q0, query_start, context_lens, tables, table_stride,
-        k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_sink,
+        k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_sink, k_wide, k_slot, v_wide, v_slot,
         stage_of, k_stage, v_stage, sm_scale, total_tokens,
         HEADS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SINK: tl.constexpr,
-        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+        K_SYM: tl.constexpr, K_WIDE: tl.constexpr,
+        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_SYM: tl.constexpr, V_WIDE: tl.constexpr,
         STAGED: tl.constexpr, SPLITS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -119,8 +133,10 @@ def _paged_attention(
         page = tl.load(tables + b * table_stride + n // BS, mask=key_ok, other=0)
         offset = n % BS
         tok = page * BS + offset
-        kx = _load_pages(k_data, k_scale, k_zero, tok, page, h, d, key_ok, K_KIND, K_BITS, K_GROUP, H, D)
-        vx = _load_pages(v_data, v_scale, v_zero, tok, page, h, d, key_ok, V_KIND, V_BITS, V_GROUP, H, D)
+        kx = _load_pages(k_data, k_scale, k_zero, k_wide, k_slot, tok, page, h, d, key_ok,
+                         K_KIND, K_BITS, K_GROUP, K_SYM, K_WIDE, H, D)
+        vx = _load_pages(v_data, v_scale, v_zero, v_wide, v_slot, tok, page, h, d, key_ok,
+                         V_KIND, V_BITS, V_GROUP, V_SYM, V_WIDE, H, D)
         if K_SINK:
             first = key_ok & (offset == 0)
             sink = tl.load(k_sink + ((page * H + h) * D)[:, None] + d[None, :], mask=first[:, None], other=0.0)
@@ -236,6 +252,14 @@ def _splits(max_context: int, tiles: int, kv_heads: int) -> int:
     return max(1, min(-(-max_context // SPLIT_MIN_KEYS), TARGET_PROGRAMS // max(1, tiles * kv_heads)))
 
 
+def _wide_args(src: PageSource) -> tuple[torch.Tensor, torch.Tensor]:
+    return (src.data, src.data) if src.wide is None else (src.wide, src.wide_slot)
+
+
+def _wide_bits(src: PageSource) -> int:
+    return 0 if src.wide is None else src.wide.shape[-1] * 8
+
+
 def paged_attention(q: torch.Tensor, tiles: Tiles, k: PageSource, v: PageSource,
                     stage_of: torch.Tensor | None, k_stage: torch.Tensor | None, v_stage: torch.Tensor | None,
                     scale: float, block_size: int, kv_heads: int) -> torch.Tensor:
@@ -255,12 +279,12 @@ def paged_attention(q: torch.Tensor, tiles: Tiles, k: PageSource, v: PageSource,
         q, out, part_acc, part_ml, tiles.tile_seq, tiles.tile_q0, tiles.query_start, tiles.context_lens,
         tiles.tables, tiles.tables.stride(0),
         k.data, k.scale, k.zero, v.data, v.scale, v.zero, k.data if k.sink is None else k.sink,
-        stage_of if staged else tiles.tables, k_stage if staged else q, v_stage if staged else q,
+        *_wide_args(k), *_wide_args(v), stage_of if staged else tiles.tables, k_stage if staged else q, v_stage if staged else q,
         scale, total,
         HEADS=heads, H=kv_heads, D=dim, BS=block_size, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
         BLOCK_M=tiles.block_m, BLOCK_N=BLOCK_N,
-        K_KIND=k.kind, K_BITS=k.bits, K_GROUP=k.group, K_SINK=k.sink is not None,
-        V_KIND=v.kind, V_BITS=v.bits, V_GROUP=v.group,
+        K_KIND=k.kind, K_BITS=k.bits, K_GROUP=k.group, K_SINK=k.sink is not None, K_SYM=k.symmetric,
+        K_WIDE=_wide_bits(k), V_KIND=v.kind, V_BITS=v.bits, V_GROUP=v.group, V_SYM=v.symmetric, V_WIDE=_wide_bits(v),
         STAGED=staged, SPLITS=splits, DOT_FP32=q.dtype == torch.float32 or INTERPRETED,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if splits > 1:
