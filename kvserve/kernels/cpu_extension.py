@@ -2,8 +2,10 @@
 
 The extension is compiled with the machine's own instruction set, so the build directory is
 keyed by the source's hash and the CPU's feature flags: a cache copied to another CPU rebuilds
-instead of crashing. Without a C++ compiler, `load()` returns None and callers use the eager
-torch paths.
+instead of crashing. The source is compiled from a copy inside that directory: ninja rebuilds
+whenever a source's *path* changes, so compiling it where the package lies would rebuild for
+every install, virtual environment or copy of the same version that shares the cache. Without a
+C++ compiler, `load()` returns None and callers use the eager torch paths.
 """
 from __future__ import annotations
 
@@ -47,13 +49,14 @@ def load() -> ModuleType | None:
     from torch.utils import cpp_extension
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    source = _stable_copy(directory)
     fresh = not any(directory.glob("*.so"))
     if fresh:
         logger.warning("kvserve: compiling the CPU kernels once (about a minute) into %s", directory)
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
-            name="kvserve_cpu_kernels", sources=[str(SOURCE)], build_directory=str(directory),
+            name="kvserve_cpu_kernels", sources=[str(source)], build_directory=str(directory),
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError) as err:
         logger.warning("kvserve: building the CPU kernels failed (%s); eager torch ops instead", err)
@@ -61,3 +64,14 @@ def load() -> ModuleType | None:
     if fresh:
         logger.warning("kvserve: CPU kernels built in %.0f s", time.perf_counter() - start)
     return module
+
+
+def _stable_copy(directory: Path) -> Path:
+    """SOURCE copied into `directory` (named by its hash, so an existing copy is the same text);
+    written beside and renamed, so a concurrent build never reads half a file."""
+    copy = directory / SOURCE.name
+    if not copy.exists():
+        partial = directory / f".{SOURCE.name}.{os.getpid()}"
+        shutil.copyfile(SOURCE, partial)
+        os.replace(partial, copy)
+    return copy

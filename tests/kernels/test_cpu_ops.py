@@ -121,3 +121,12 @@ def test_encode_write_is_bit_identical_to_the_format(name: str, dtype: torch.dty
     untouched = torch.ones(50, dtype=torch.bool)
     untouched[slots] = False
     assert not fields["codes"][untouched].view(torch.uint8).any()
+
+
+def test_kernels_build_from_a_copy_in_their_cache_directory() -> None:
+    """ninja rebuilds when a source's path changes: builds name the cache's own copy, so another
+    install or copy of the same version reuses the build instead of compiling again."""
+    directory = cpu_extension.build_dir()
+    assert (directory / cpu_extension.SOURCE.name).read_bytes() == cpu_extension.SOURCE.read_bytes()
+    ninja = (directory / "build.ninja").read_text()
+    assert str(directory / cpu_extension.SOURCE.name) in ninja and str(cpu_extension.SOURCE) not in ninja
