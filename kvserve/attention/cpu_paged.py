@@ -2,34 +2,30 @@
 
 No dense copy of the context and no padding to the longest sequence: each (sequence, KV head,
 query tile) work item walks its own block table, decodes one block at a time into a small
-fp32 buffer (dequantizing int8 / fp8 / int4 codes there, or reading the block's full-precision
-staging slot), and keeps an online softmax. The query heads of a GQA group share every decoded
+fp32 buffer (dequantizing int8 / fp8 / int4 / KIVI codes there, or reading the block's
+full-precision staging slot), and keeps an online softmax. The query heads of a GQA group share every decoded
 block. Offloaded host blocks are read in place too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.metadata import StepMetadata
 from kvserve.attention.scores import ScorePlan
-from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, HEAD_ABSMAX, page_kind
+from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, HEAD_ABSMAX, page_kind, wide_slots
 from kvserve.cache.kv_format import KVFormat
 from kvserve.cache.kv_pool import KVPool
 from kvserve.kernels import cpu_extension
 
 
-def cpu_kind(fmt: KVFormat) -> int | None:
-    """The C++ kernel's page kind for a format (`Kind` in cpu_kernels.cpp); None if it cannot
-    read it. Its grouped decoder is 4-bit with zero-points only, and it has no per-channel (KIVI key)
-    decoder."""
-    kind = page_kind(fmt)
-    if kind == GROUPED and fmt.bits == 4 and not fmt.symmetric:
-        return kind
-    return kind if kind in (DENSE, ABSMAX, HEAD_ABSMAX) else None
+def _encodes(kind: int | None, fmt: KVFormat) -> bool:
+    """Whether the kernel's encoder writes `fmt`'s codes: int8 / fp8 per token, int4 with zero-points."""
+    return kind == ABSMAX or (kind == GROUPED and fmt.bits == 4 and not fmt.symmetric)
 
 
 @dataclass(frozen=True)
@@ -51,18 +47,18 @@ class CPUPagedBackend(AttentionBackend):
         # The kernel's per-layer arguments never change (the pool's tensors are fixed): built once.
         if self.dense:
             self.layer_args = [(DENSE, kv.k, e, e, e if kv.host_k is None else kv.host_k,
-                                DENSE, kv.v, e, e, e if kv.host_v is None else kv.host_v, 0, 0)
-                               for kv in pool.kv]
+                                DENSE, kv.v, e, e, e if kv.host_v is None else kv.host_v,
+                                0, 0, 0, 0, False, False, e, e, e, e, e, e) for kv in pool.kv]
         else:
             # Per layer (a plan may store layers apart), keys and values: their page kinds, and
             # their channel groups (kv_group_size_k / _v may differ).
-            self.kinds = [[cpu_kind(f) for f in kv.formats] for kv in pool.kv]
+            self.kinds = [[page_kind(f) for f in kv.formats] for kv in pool.kv]
             self.groups = [[f.group_size if k == GROUPED else 0 for f, k in zip(kv.formats, kinds)]
                            for kv, kinds in zip(pool.kv, self.kinds)]
             # Layers whose codes the kernel also encodes (bit for bit as kv_format does) when no token is staged.
-            self.encodes = [all(k in (ABSMAX, GROUPED) for k in kinds) for kinds in self.kinds]
-            self.layer_args = [(*self._source(kinds[0], kv.formats[0], kv.fields[0]),
-                                *self._source(kinds[1], kv.formats[1], kv.fields[1]), *groups)
+            self.encodes = [all(_encodes(k, f) for k, f in zip(kinds, kv.formats))
+                            for kv, kinds in zip(pool.kv, self.kinds)]
+            self.layer_args = [self._layer_args(kv, kinds, groups)
                                for kv, kinds, groups in zip(pool.kv, self.kinds, self.groups)]
 
     @classmethod
@@ -70,7 +66,7 @@ class CPUPagedBackend(AttentionBackend):
         if device.type != "cpu":
             return "runs on the CPU only"
         if not isinstance(pool, KVPool):
-            names = sorted({f.name for f in pool.formats if cpu_kind(f) is None})
+            names = sorted({f.name for f in pool.formats if page_kind(f) is None})
             if names:
                 return f"no in-kernel decoder for {', '.join(names)} pages"
         if cpu_extension.load() is None:
@@ -114,6 +110,19 @@ class CPUPagedBackend(AttentionBackend):
                                        score_first, scores)
         kv.seal(meta.step)
         return out
+
+    def _layer_args(self, kv: Any, kinds: list[int | None], groups: list[int]) -> tuple:
+        """Keys' and values' sources, then their groups, code widths, symmetric flags, and side
+        tables (sink, wide-channel bit plane, channel-to-bit table; empty where unused)."""
+        e = self._empty
+        sides = []
+        for fmt, fields in zip(kv.formats, kv.fields):
+            slots = wide_slots(fmt, self.pool.head_dim)
+            sides += [fields.get("sink", e), fields.get("wide", e), e if slots is None else slots]
+        return (*self._source(kinds[0], kv.formats[0], kv.fields[0]),
+                *self._source(kinds[1], kv.formats[1], kv.fields[1]), *groups,
+                *(getattr(f, "bits", 0) for f in kv.formats), *(getattr(f, "symmetric", False) for f in kv.formats),
+                *sides)
 
     def _source(self, kind: int | None, fmt: KVFormat, fields: dict[str, torch.Tensor]) -> tuple:
         e = self._empty

@@ -11,6 +11,8 @@ backend.
 """
 from __future__ import annotations
 
+import torch
+
 from kvserve.cache.kv_format import HeadScaleFormat, KVFormat
 
 DENSE, ABSMAX, GROUPED, CHANNEL, HEAD_ABSMAX = 0, 1, 2, 3, 4
@@ -29,3 +31,13 @@ def page_kind(fmt: KVFormat) -> int | None:
     if fmt.name in _GROUPED_FORMATS:
         return GROUPED if fmt.per_token else CHANNEL
     return None
+
+
+def wide_slots(fmt: KVFormat, head_dim: int) -> torch.Tensor | None:
+    """[kv_heads, D] int32 on the CPU: each channel's bit in a wide KIVI key's extra plane, -1 where
+    it has none; None for a format without wide channels."""
+    channels = getattr(fmt, "wide_channels", None)
+    if channels is None:
+        return None
+    slots = torch.full((channels.shape[0], head_dim), -1, dtype=torch.int32)
+    return slots.scatter_(1, channels, torch.arange(channels.shape[1], dtype=torch.int32).expand_as(channels).contiguous())

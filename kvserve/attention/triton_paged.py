@@ -16,8 +16,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.metadata import StepMetadata
-from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, HEAD_ABSMAX, page_kind
-from kvserve.cache.kv_format import KVFormat
+from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, HEAD_ABSMAX, page_kind, wide_slots
 from kvserve.cache.kv_pool import KVPool
 
 
@@ -111,15 +110,9 @@ class TritonPagedBackend(AttentionBackend):
                 out.append(source(kind, fields["codes"], fields["scale"], fields["codes"] if symmetric else fields["zero"],
                                   bits=fmt.bits, group=fmt.group_size if kind == GROUPED else 1,
                                   sink=fields.get("sink"), symmetric=symmetric, wide=fields.get("wide"),
-                                  wide_slot=_wide_slots(fmt, self.pool.head_dim, fields["codes"].device)))
+                                  wide_slot=_device(wide_slots(fmt, self.pool.head_dim), fields["codes"].device)))
         return tuple(out)
 
 
-def _wide_slots(fmt: KVFormat, head_dim: int, device: torch.device) -> torch.Tensor | None:
-    """[kv_heads, D] int32: each channel's bit in a wide KIVI key's extra plane, -1 where it has none."""
-    channels = getattr(fmt, "wide_channels", None)
-    if channels is None:
-        return None
-    slots = torch.full((channels.shape[0], head_dim), -1, dtype=torch.int32)
-    slots.scatter_(1, channels, torch.arange(channels.shape[1], dtype=torch.int32).expand_as(channels).contiguous())
-    return slots.to(device)
+def _device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)

@@ -30,6 +30,9 @@ PAGES = {"dense": {}, "int8": dict(kv_cache_dtype="int8"),
          "fp8-window": dict(kv_cache_dtype="fp8_e4m3", kv_residual=20),
          "int4-window": dict(kv_cache_dtype="int4", kv_group_size=16, kv_residual=20),
          "kivi4": dict(kv_cache_dtype="kivi4", kv_group_size=16, kv_residual=20),
+         "kivi2-wide-symmetric": dict(kv_cache_dtype="kivi2", kv_group_size=16, kv_residual=20, kv_exact_sink=True,
+                                      kv_key_wide_channels=8, kv_symmetric_values=True, kv_rotation="hadamard",
+                                      kv_rotate_keys=False),
          "int4-groups-per-role": dict(kv_cache_dtype="int4", kv_group_size_k=8, kv_group_size_v=16),
          "block1": dict(block_size=1), "block128": dict(block_size=128)}
 # The Triton interpreter is slow: in CI it runs the page kinds (dense, absmax, grouped, channel).
@@ -44,8 +47,6 @@ TRITON_LIGHT = ("dense", "int8", "kivi4")
 def test_forced_decoding_matches_the_reference(tiny_llm: Callable[..., LLM], fast: dict[str, Any],
                                                pages: dict[str, Any]) -> None:
     """Prefill, then 40 decode steps of three sequences, logits compared at every step."""
-    if fast["attention_backend"] == "cpu" and pages.get("kv_cache_dtype") == "kivi4":
-        pytest.skip("the cpu backend has no KIVI key decoder (auto serves KIVI with torch)")
     want = forced_logprobs(tiny_llm(max_num_seqs=3, **pages, **REFERENCE), WINDOWS, prefill_len=30)
     got = forced_logprobs(tiny_llm(max_num_seqs=3, **pages, **fast), WINDOWS, prefill_len=30)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

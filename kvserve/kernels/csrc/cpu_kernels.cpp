@@ -25,9 +25,14 @@ namespace {
 
 // Page layouts, matching kvserve.cache.kv_format: dense [blocks, bs, H, D] in the model dtype;
 // absmax codes [blocks, bs, H, D] (int8 / fp8) with an fp16 scale [blocks, bs, H]; group-wise
-// 4-bit codes [blocks, bs, H, D / 2] (first code in the low nibble) with fp16 scale and zero
-// [blocks, bs, H, D / group]; head-scaled fp8 codes [blocks, bs, H, D] with one fp32 scale [H].
-enum Kind : int64_t { kDense = 0, kAbsMax = 1, kGroup4 = 2, kHeadAbsMax = 4 };
+// 2- or 4-bit codes [blocks, bs, H, D * bits / 8] (first code in the low bits) with fp16 scale
+// and zero [blocks, bs, H, D / group] (symmetric: scale alone, code - 2^(bits-1) + 1/2 steps);
+// KIVI keys: 2- or 4-bit codes [blocks, bs, H, D * bits / 8] with fp16 scale and zero per block,
+// head and channel [blocks, H, D], optionally each block's first key in fp16 (sink [blocks, H, D])
+// and a bit plane [blocks, bs, H, W / 8] giving W wide channels one bit more (wide_slot [H, D]:
+// a channel's bit in it, -1 if none); head-scaled fp8 codes [blocks, bs, H, D] with one fp32
+// scale [H].
+enum Kind : int64_t { kDense = 0, kAbsMax = 1, kGroup = 2, kChannel = 3, kHeadAbsMax = 4 };
 
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
@@ -215,6 +220,11 @@ struct Pages {
   const at::Tensor* zero;
   const at::Tensor* host;   // dense only: offloaded blocks (ids >= num device blocks), may be undefined
   int64_t group;
+  int64_t bits = 4;         // kGroup and kChannel codes
+  bool symmetric = false;   // kGroup: no zero-point
+  const at::Tensor* sink = nullptr;       // kChannel: empty, or each block's first key
+  const at::Tensor* wide = nullptr;       // kChannel: empty, or the wide channels' bit plane
+  const at::Tensor* wide_slot = nullptr;  // kChannel with `wide`: [H, D] int32
 };
 
 // The rows of head h of a dense bf16 block, read in place; base is null when the pages hold
@@ -225,6 +235,60 @@ inline Rows<c10::BFloat16> bf16_rows(const Pages& p, int64_t block, int64_t h) {
   if (block >= src->size(0)) { block -= src->size(0); src = p.host; }
   if (src->scalar_type() != at::kBFloat16) return {nullptr, 0};
   return {src->data_ptr<c10::BFloat16>() + block * src->stride(0) + h * src->stride(2), src->stride(1)};
+}
+
+// Code d of a row of packed `bits`-bit codes (first code in the low bits).
+inline int packed_code(const uint8_t* row, int64_t d, int64_t bits) {
+  const int64_t per = 8 / bits;
+  return (row[d / per] >> ((d % per) * bits)) & ((1 << bits) - 1);
+}
+
+// Group-wise codes of any width, with or without zero-points: tokens [0, n) of `block`, head h.
+template <typename T>
+void decode_group_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D, float* out) {
+  const at::Tensor& data = *p.data;
+  const int64_t H = data.size(2), bs = data.size(1), G = D / p.group, row_bytes = D * p.bits / 8;
+  const float mid = static_cast<float>(1 << (p.bits - 1)) - 0.5f;
+  const c10::Half* scale = p.scale->data_ptr<c10::Half>();
+  const c10::Half* zero = p.symmetric ? nullptr : p.zero->data_ptr<c10::Half>();
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t tok = (block * bs + t) * H + h;
+    const uint8_t* row = data.data_ptr<uint8_t>() + tok * row_bytes;
+    float* o = out + t * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float code = static_cast<float>(packed_code(row, d, p.bits));
+      const float s = to_f(scale[tok * G + d / p.group]);
+      o[d] = through<T>(p.symmetric ? (code - mid) * s : code * s + to_f(zero[tok * G + d / p.group]));
+    }
+  }
+}
+
+// KIVI keys: tokens [0, n) of `block`, head h, with the block's per-channel scale and zero, the
+// wide channels' extra bit and the exact sink.
+template <typename T>
+void decode_channel_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D, float* out) {
+  const at::Tensor& data = *p.data;
+  const int64_t H = data.size(2), bs = data.size(1), row_bytes = D * p.bits / 8;
+  const c10::Half* scale = p.scale->data_ptr<c10::Half>() + (block * H + h) * D;
+  const c10::Half* zero = p.zero->data_ptr<c10::Half>() + (block * H + h) * D;
+  const bool wide = p.wide->numel() > 0;
+  const int64_t wide_bytes = wide ? p.wide->size(3) : 0;
+  const int32_t* slot = wide ? p.wide_slot->data_ptr<int32_t>() + h * D : nullptr;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t tok = (block * bs + t) * H + h;
+    const uint8_t* row = data.data_ptr<uint8_t>() + tok * row_bytes;
+    const uint8_t* plane = wide ? p.wide->data_ptr<uint8_t>() + tok * wide_bytes : nullptr;
+    float* o = out + t * D;
+    for (int64_t d = 0; d < D; ++d) {
+      int code = packed_code(row, d, p.bits);
+      if (wide && slot[d] >= 0) code |= ((plane[slot[d] / 8] >> (slot[d] % 8)) & 1) << p.bits;
+      o[d] = through<T>(static_cast<float>(code) * to_f(scale[d]) + to_f(zero[d]));
+    }
+  }
+  if (n > 0 && p.sink->numel() > 0) {
+    const c10::Half* sink = p.sink->data_ptr<c10::Half>() + (block * H + h) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = through<T>(to_f(sink[d]));
+  }
 }
 
 // Decodes tokens [0, n) of `block`, head `h`, into out[n][D] (fp32).
@@ -295,7 +359,15 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
     }
     return;
   }
-  TORCH_CHECK(p.kind == kGroup4, "paged_attention: unknown page kind ", p.kind);
+  if (p.kind == kChannel) {
+    decode_channel_block<T>(p, block, n, h, D, out);
+    return;
+  }
+  TORCH_CHECK(p.kind == kGroup, "paged_attention: unknown page kind ", p.kind);
+  if (p.bits != 4 || p.symmetric) {
+    decode_group_block<T>(p, block, n, h, D, out);
+    return;
+  }
   const c10::Half* scale = p.scale->data_ptr<c10::Half>();
   const uint8_t* codes = data.data_ptr<uint8_t>();
   const c10::Half* zero = p.zero->data_ptr<c10::Half>();
@@ -335,8 +407,12 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
 }
 
 Pages make_pages(int64_t kind, const at::Tensor& data, const at::Tensor& scale, const at::Tensor& zero,
-                 const at::Tensor& host, int64_t group) {
-  return Pages{kind, &data, &scale, &zero, &host, group};
+                 const at::Tensor& host, int64_t group, int64_t bits, bool symmetric, const at::Tensor& sink,
+                 const at::Tensor& wide, const at::Tensor& wide_slot) {
+  if (kind == kChannel && wide.numel())
+    TORCH_CHECK(wide_slot.scalar_type() == at::kInt && wide_slot.is_contiguous(),
+                "paged_attention: wide_slot must be [H, D] int32");
+  return Pages{kind, &data, &scale, &zero, &host, group, bits, symmetric, &sink, &wide, &wide_slot};
 }
 
 template <typename T>
@@ -520,6 +596,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
                            const at::Tensor& k_scale, const at::Tensor& k_zero, const at::Tensor& k_host,
                            int64_t v_kind, const at::Tensor& v_data, const at::Tensor& v_scale,
                            const at::Tensor& v_zero, const at::Tensor& v_host, int64_t k_group, int64_t v_group,
+                           int64_t k_bits, int64_t v_bits, bool k_symmetric, bool v_symmetric,
+                           const at::Tensor& k_sink, const at::Tensor& k_wide, const at::Tensor& k_wide_slot,
+                           const at::Tensor& v_sink, const at::Tensor& v_wide, const at::Tensor& v_wide_slot,
                            const at::Tensor& stage_of, const at::Tensor& k_staging,
                            const at::Tensor& v_staging, double scale, int64_t block_size,
                            int64_t num_kv_heads, const at::Tensor& score_first, at::Tensor scores) {
@@ -539,8 +618,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
-  const Pages kp = make_pages(k_kind, k_data, k_scale, k_zero, k_host, k_group);
-  const Pages vp = make_pages(v_kind, v_data, v_scale, v_zero, v_host, v_group);
+  const Pages kp = make_pages(k_kind, k_data, k_scale, k_zero, k_host, k_group, k_bits, k_symmetric, k_sink, k_wide,
+                              k_wide_slot);
+  const Pages vp = make_pages(v_kind, v_data, v_scale, v_zero, v_host, v_group, v_bits, v_symmetric, v_sink, v_wide,
+                              v_wide_slot);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attention_impl<scalar_t>(out, q, query_start, context_lens, block_tables, kp, vp, stage_of, k_staging,
                              v_staging, scale, block_size, num_kv_heads, score_first, scores);
@@ -621,7 +702,7 @@ void encode_write(const at::Tensor& x, const at::Tensor& slot_mapping, int64_t k
       for (int64_t i = begin; i < end; ++i) {
         const int64_t t = i / H, h = i % H, slot = slots[t] * H + h;
         const scalar_t* row = xd + t * x.stride(0) + h * x.stride(1);
-        if (kind == kGroup4) {
+        if (kind == kGroup) {
           const int64_t G = D / group;
           encode_group4(row, codes.data_ptr<uint8_t>() + slot * (D / 2), sc + slot * G,
                         zero.data_ptr<c10::Half>() + slot * G, D, group);
