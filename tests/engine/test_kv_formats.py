@@ -268,3 +268,14 @@ def test_the_2bit_layout_generates_with_prefix_caching_and_preemption(tiny_llm: 
 def test_bad_2bit_layout_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(kv_cache_dtype="kivi2", **kwargs)
+
+
+def test_the_2bit_layout_in_bf16_reads_the_same_on_the_cpu_kernel(tiny_llm: Callable[..., LLM]) -> None:
+    """The C++ kernel's 16-wide KIVI decoders round through bf16 as the reference does: the same
+    logprobs as the torch backend within bf16 attention noise."""
+    windows = [[(5 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
+    kwargs = {"dtype": "bfloat16", "max_num_seqs": 3, "kv_cache_dtype": "kivi2", "kv_residual": 0,
+              "kv_exact_sink": True, "kv_key_wide_channels": 8, "kv_symmetric_values": True, "kv_group_size": GROUP}
+    want = forced_logprobs(tiny_llm(**kwargs, attention_backend="torch"), windows, prefill_len=30)
+    got = forced_logprobs(tiny_llm(**kwargs, attention_backend="cpu"), windows, prefill_len=30)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)  # other layouts move it 0.06-0.08
