@@ -40,4 +40,5 @@ def wide_slots(fmt: KVFormat, head_dim: int) -> torch.Tensor | None:
     if channels is None:
         return None
     slots = torch.full((channels.shape[0], head_dim), -1, dtype=torch.int32)
-    return slots.scatter_(1, channels, torch.arange(channels.shape[1], dtype=torch.int32).expand_as(channels).contiguous())
+    bit = torch.arange(channels.shape[1], dtype=torch.int32).expand_as(channels).contiguous()
+    return slots.scatter_(1, channels, bit)

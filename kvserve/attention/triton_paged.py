@@ -107,9 +107,9 @@ class TritonPagedBackend(AttentionBackend):
                 out.append(source(kind, fields["codes"], fmt.head_scale, fields["codes"]))
             else:
                 symmetric = getattr(fmt, "symmetric", False)
-                out.append(source(kind, fields["codes"], fields["scale"], fields["codes"] if symmetric else fields["zero"],
-                                  bits=fmt.bits, group=fmt.group_size if kind == GROUPED else 1,
-                                  sink=fields.get("sink"), symmetric=symmetric, wide=fields.get("wide"),
+                zero = fields["codes"] if symmetric else fields["zero"]  # never read when symmetric
+                out.append(source(kind, fields["codes"], fields["scale"], zero, bits=fmt.bits,
+                                  group=fmt.group_size if kind == GROUPED else 1, sink=fields.get("sink"), symmetric=symmetric, wide=fields.get("wide"),
                                   wide_slot=_device(wide_slots(fmt, self.pool.head_dim), fields["codes"].device)))
         return tuple(out)
 

@@ -28,6 +28,10 @@ def _pool(fmt: str, num_blocks: int, block_size: int, kv_heads: int, dim: int,
 def time_backends(formats: list[str], heads: int = 9, kv_heads: int = 3, dim: int = 64, block_size: int = 16,
                   dtype: torch.dtype = torch.bfloat16, reps: int = 20) -> list[dict[str, object]]:
     """Median microseconds per layer call of every backend that serves each format."""
+    for fmt in formats:
+        if fmt != "auto" and not make_format(fmt, "k").per_token:
+            raise ValueError(f"--formats: {fmt} pages are encoded a block at a time through full-precision staging, "
+                             "which this one-layer bench does not model; time them with `kvserve bench kv-formats`")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for fmt in formats:
