@@ -130,3 +130,25 @@ def test_kernels_build_from_a_copy_in_their_cache_directory() -> None:
     assert (directory / cpu_extension.SOURCE.name).read_bytes() == cpu_extension.SOURCE.read_bytes()
     ninja = (directory / "build.ninja").read_text()
     assert str(directory / cpu_extension.SOURCE.name) in ninja and str(cpu_extension.SOURCE) not in ninja
+
+
+@pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_paged_attention_decodes_every_absmax_code_exactly(code_dtype: torch.dtype) -> None:
+    """Every byte value as a value code (NaN and infinity codes aside: never stored), one key per
+    sequence so the output is that key's value: the kernel's 16-wide widening of int8 / fp8 codes
+    equals torch's code.float() * scale bit for bit."""
+    dim, bs = 64, 16
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = raw.view(code_dtype)
+    codes = torch.where(codes.float().isfinite(), codes.float(), 0.0).to(code_dtype)
+    v_codes = torch.zeros(4, bs, 1, dim, dtype=code_dtype)
+    v_codes[:, 0, 0] = codes.view(4, dim)
+    v_scale = torch.full((4, bs, 1), 0.3717, dtype=torch.float16)
+    k_codes, k_scale = torch.zeros(4, bs, 1, dim, dtype=torch.int8), torch.ones(4, bs, 1, dtype=torch.float16)
+    e = torch.empty(0)
+    out = kernels.paged_attention(
+        torch.zeros(4, 1, dim), e, e, e, torch.arange(5), torch.ones(4, dtype=torch.long), torch.arange(4)[:, None],
+        1, k_codes, k_scale, e, e, 1, v_codes, v_scale, e, e, 0, 0, 0, 0, False, False, e, e, e, e, e, e,
+        e, e, e, 1.0, bs, 1, e, e)
+    want = v_codes[:, 0, 0].float() * v_scale[:, 0].float()
+    assert torch.equal(out[:, 0], want)

@@ -393,15 +393,30 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
         const float s = per_head ? head_scale : to_f(token_scale[s_base + t * H]);
         float* o = out + t * D;
 #if defined(__AVX512BF16__)
-        // int8 codes 16 at a time: the same one multiply and one rounding as the loop below.
+        // Codes 16 at a time: the same one multiply and one rounding as the loop below. fp8 codes
+        // widen exactly through fp16: e5m2 is an fp16's top byte; e4m3 (no infinities, and its
+        // NaN is never stored) placed in an fp16's exponent and mantissa bits reads 2^-8 of its
+        // value, subnormals included, so one exact multiply by 256 restores it.
         using code_t = std::remove_cv_t<std::remove_pointer_t<decltype(codes)>>;
-        if constexpr (std::is_same_v<code_t, int8_t> &&
+        if constexpr ((std::is_same_v<code_t, int8_t> || std::is_same_v<code_t, c10::Float8_e4m3fn> ||
+                       std::is_same_v<code_t, c10::Float8_e5m2>) &&
                       (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
           if (D % 16 == 0) {
             const __m512 sv = _mm512_set1_ps(s);
             for (int64_t d = 0; d < D; d += 16) {
               const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
-              __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), sv);
+              __m512 x;
+              if constexpr (std::is_same_v<code_t, int8_t>) {
+                x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+              } else if constexpr (std::is_same_v<code_t, c10::Float8_e5m2>) {
+                x = _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
+              } else {
+                const __m256i b = _mm256_cvtepu8_epi16(raw);
+                const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                                  _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+                x = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+              }
+              __m512 v = _mm512_mul_ps(x, sv);
               if constexpr (std::is_same_v<T, c10::BFloat16>)
                 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
               _mm512_storeu_ps(o + d, v);
