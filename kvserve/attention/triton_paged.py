@@ -109,7 +109,8 @@ class TritonPagedBackend(AttentionBackend):
                 symmetric = getattr(fmt, "symmetric", False)
                 zero = fields["codes"] if symmetric else fields["zero"]  # never read when symmetric
                 out.append(source(kind, fields["codes"], fields["scale"], zero, bits=fmt.bits,
-                                  group=fmt.group_size if kind == GROUPED else 1, sink=fields.get("sink"), symmetric=symmetric, wide=fields.get("wide"),
+                                  group=fmt.group_size if kind == GROUPED else 1, sink=fields.get("sink"),
+                                  symmetric=symmetric, wide=fields.get("wide"),
                                   wide_slot=_device(wide_slots(fmt, self.pool.head_dim), fields["codes"].device)))
         return tuple(out)
 

@@ -247,7 +247,7 @@ inline int packed_code(const uint8_t* row, int64_t d, int64_t bits) {
 #if defined(__AVX512BF16__)
 // Codes d..d+15 of a packed row (2 or 4 bits), one per 32-bit lane: 16 codes are 4 or 8 bytes.
 inline __m512i unpack16(const uint8_t* row, int64_t d, int64_t bits) {
-  static const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   if (bits == 2) {
     uint32_t w;
     std::memcpy(&w, row + d / 4, 4);
@@ -418,7 +418,7 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
               }
               __m512 v = _mm512_mul_ps(x, sv);
               if constexpr (std::is_same_v<T, c10::BFloat16>)
-                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+                v = through_bf16(v);
               _mm512_storeu_ps(o + d, v);
             }
             continue;
@@ -468,7 +468,7 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
           __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[half]));
           v = _mm512_fmadd_ps(v, _mm512_set1_ps(to_f(sc[g])), _mm512_set1_ps(to_f(ze[g])));
           if constexpr (std::is_same_v<T, c10::BFloat16>)  // round through bf16 as the reference does
-            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+            v = through_bf16(v);
           _mm512_storeu_ps(o + dd, v);
         }
       }
