@@ -79,10 +79,11 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
         engine.config.kv_cache_dtype_k is not None or engine.config.kv_cache_dtype_v is not None
     dense = make_llm(**DENSE_PAGES) if compressed else llm
     short = tokens[:max(prompt_len + 16, min(n, 96))]
-    truth = truth_short = None
+    truth = truth_short = truth_scores = None
     if engine.config.torch_dtype != torch.float32:  # half precision is judged against fp32 (see checks)
         fp32 = make_llm(dtype="float32", **DENSE_PAGES)
-        truth = checks.recomputed(fp32, tokens, prompt_len)
+        scores = checks.prompt_scores(fp32, [tokens])[0]  # causal: its first rows are `short`'s too
+        truth, truth_scores = scores[prompt_len - 1:], scores[:len(short) - 1]
         truth_short = truth[:len(short) - prompt_len]
         del fp32
     found: list[Check] = [checks.cache_vs_recompute(dense, tokens, prompt_len, "model dtype pages", truth)]
@@ -90,9 +91,9 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
         # Compressed pages: recompute reads the same codes, so the two still agree closely.
         found.append(checks.cache_vs_recompute(llm, tokens, prompt_len, "configured KV format", truth, slack=10))
     found += [checks.prefix_hit_vs_miss(llm, tokens, prompt_len, truth),
-              checks.preempted_vs_undisturbed(llm, make_llm, short, prompt_len, truth_short),
+              checks.preempted_vs_undisturbed(llm, make_llm, short, prompt_len, truth_short, 10 if compressed else 1),
               checks.mask_future_tokens(llm, short),
-              checks.batch_invariance(llm, short, [tokens[i:i + 40] for i in (5, 17, 29)]),
+              checks.batch_invariance(llm, short, [tokens[i:i + 40] for i in (5, 17, 29)], truth_scores),
               checks.beam_rescoring(llm, short[:prompt_len])]
     formats = [f for f in args.formats.split(",") if f]
     if formats:
