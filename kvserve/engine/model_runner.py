@@ -1,6 +1,7 @@
 """Runs one scheduled batch through the model and samples each sequence's next token."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
@@ -16,13 +17,16 @@ from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
+from kvserve.engine.cpu_stack import CPUDecodeStack
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.logprobs import prompt_span
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
-from kvserve.model.cpu_linear import cpu_linear_kind, replace_linears
+from kvserve.model.cpu_linear import SMALL_BATCH, cpu_linear_kind, replace_linears
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import resolve_ops
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,11 +57,14 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVPool | QuantizedKVPool, block_manager: BlockManager | None,
                  device: torch.device, backend: AttentionBackend, kernels: ModuleType | None,
                  swap: SwapSpace | None = None, rotation: KVRotation | None = None,
-                 peers: StepPeers | None = None, cuda_graphs: tuple[int, int] | None = None) -> None:
+                 peers: StepPeers | None = None, cuda_graphs: tuple[int, int] | None = None,
+                 cpu_stack: bool = False) -> None:
         """`rotation`: the rotation of q, k and v (or v alone) before the pages (attention/rotation.py);
         `peers`: the tensor-parallel ranks that run each step beside this one (rank 0's runner);
         `block_manager` is None on those ranks, which only `execute`; `cuda_graphs`: (sequences,
-        slots) up to which decode steps are replayed from CUDA graphs (engine/cuda_graphs.py)."""
+        slots) up to which decode steps are replayed from CUDA graphs (engine/cuda_graphs.py);
+        `cpu_stack`: run small steps through the decoder stack in one C++ call where the
+        configuration allows (engine/cpu_stack.py; never on a tensor-parallel rank)."""
         self.model, self.pool, self.block_manager, self.device = model, pool, block_manager, device
         self.peers = peers
         self.rotation = None if rotation is None else rotation.to(device)
@@ -67,6 +74,13 @@ class ModelRunner:
             replace_linears(model, self.linear_kind, kernels)
         self.graphs = None if cuda_graphs is None else DecodeGraphs(model, backend, self.ops, self.rotation,
                                                                     *cuda_graphs, device)
+        self.stack = None
+        if cpu_stack:
+            reason = CPUDecodeStack.unsupported(backend, self.linear_kind, self.rotation)
+            if reason is None:
+                self.stack = CPUDecodeStack(model, backend, kernels)
+            logger.info("kvserve: %s", f"steps of up to {SMALL_BATCH} tokens run the decoder stack in one C++ call"
+                        if reason is None else f"the decoder layers run one by one from Python: {reason}")
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], num_scheduled: list[int], ops: BlockOps,
@@ -128,6 +142,9 @@ class ModelRunner:
         if self.graphs is not None and step.scoring is None and self.graphs.serves(step.metadata, len(step.rows)):
             logits = self.graphs.run(step.metadata, input_ids)
             return StepResult(logits, logits[n:], None)
+        if self.stack is not None and step.scoring is None and self.stack.serves(step.metadata):
+            logits = self.stack.run(step.metadata, input_ids, step.rows)
+            return StepResult(logits[:n], logits[n:], None)
         attention = StepAttention.of(self.backend, step.metadata, step.scoring, self.rotation)
         logits = self.model(input_ids, attention, step.rows.to(self.device), self.ops)
         scores = None if attention.scoring is None else dict(zip(attention.scoring.batch_index,

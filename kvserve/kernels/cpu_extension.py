@@ -1,8 +1,8 @@
-"""Builds (once, then cached) and loads the C++ CPU kernels in `csrc/cpu_kernels.cpp`.
+"""Builds (once, then cached) and loads the C++ CPU kernels in `csrc/`.
 
 The extension is compiled with the machine's own instruction set, so the build directory is
-keyed by the source's hash and the CPU's feature flags: a cache copied to another CPU rebuilds
-instead of crashing. The source is compiled from a copy inside that directory: ninja rebuilds
+keyed by the sources' hash and the CPU's feature flags: a cache copied to another CPU rebuilds
+instead of crashing. The sources are compiled from copies inside that directory: ninja rebuilds
 whenever a source's *path* changes, so compiling it where the package lies would rebuild for
 every install, virtual environment or copy of the same version that shares the cache. Without a
 C++ compiler, `load()` returns None and callers use the eager torch paths.
@@ -22,7 +22,8 @@ from kvserve.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(sorted([*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]))
 
 
 def _cpu_flags() -> str:
@@ -36,7 +37,8 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
+    text = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(text + _cpu_flags().encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"cpu-{key}"
 
 
@@ -49,14 +51,15 @@ def load() -> ModuleType | None:
     from torch.utils import cpp_extension
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    source = _stable_copy(directory)
+    sources = [_stable_copy(directory, path) for path in SOURCES]
     fresh = not any(directory.glob("*.so"))
     if fresh:
         logger.warning("kvserve: compiling the CPU kernels once (about a minute) into %s", directory)
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
-            name="kvserve_cpu_kernels", sources=[str(source)], build_directory=str(directory),
+            name="kvserve_cpu_kernels", sources=[str(s) for s in sources if s.suffix == ".cpp"],
+            build_directory=str(directory),
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError) as err:
         logger.warning("kvserve: building the CPU kernels failed (%s); eager torch ops instead", err)
@@ -66,12 +69,12 @@ def load() -> ModuleType | None:
     return module
 
 
-def _stable_copy(directory: Path) -> Path:
-    """SOURCE copied into `directory` (named by its hash, so an existing copy is the same text);
-    written beside and renamed, so a concurrent build never reads half a file."""
-    copy = directory / SOURCE.name
+def _stable_copy(directory: Path, source: Path) -> Path:
+    """`source` copied into `directory` (named by the sources' hash, so an existing copy is the
+    same text); written beside and renamed, so a concurrent build never reads half a file."""
+    copy = directory / source.name
     if not copy.exists():
-        partial = directory / f".{SOURCE.name}.{os.getpid()}"
-        shutil.copyfile(SOURCE, partial)
+        partial = directory / f".{source.name}.{os.getpid()}"
+        shutil.copyfile(source, partial)
         os.replace(partial, copy)
     return copy

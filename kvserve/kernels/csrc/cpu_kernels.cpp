@@ -5,6 +5,8 @@
 // Every op computes in fp32 and rounds once to the output dtype, so fp32 runs match the
 // reference to rounding, and bf16 runs differ from the eager ops only by their intermediate
 // roundings.
+#include "cpu_ops.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -1014,4 +1016,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into a residual");
   m.def("rope_split", &rope_split, "RoPE in place on the q and k heads of qkv, then q, k, v views");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  bind_decoder_stack(m);
 }

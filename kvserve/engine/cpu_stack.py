@@ -1,0 +1,64 @@
+"""Small CPU steps run the whole decoder stack in one C++ call: the CPU's counterpart of the
+CUDA graphs in engine/cuda_graphs.py.
+
+The layered model calls about nine ops per layer from Python, and on a one-stream decode step
+their dispatch cost a fifth of the step beside the weights' read. `DecoderStack`
+(kernels/csrc/decoder_stack.cpp) holds the layers' weights and the pool's pages and runs the
+same kernels in the same order from C++, so a step gives the layered model's logits bit for bit.
+
+It serves what those kernels cover: bf16 weights through the small-batch linear (AVX512-BF16),
+the cpu attention backend over uncompressed pages, no KV rotation, one rank; and steps of up to
+`SMALL_BATCH` tokens (larger ones go through oneDNN's linears) that keep no attention scores.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from kvserve.attention import AttentionBackend, StepMetadata
+from kvserve.attention.cpu_paged import CPUPagedBackend
+from kvserve.attention.rotation import KVRotation
+from kvserve.model.cpu_linear import SMALL_BATCH
+from kvserve.model.llama import LlamaForCausalLM
+
+
+class CPUDecodeStack:
+    def __init__(self, model: LlamaForCausalLM, backend: CPUPagedBackend, kernels: ModuleType) -> None:
+        """`model` with its linears already replaced by `SmallBatchLinear` (model/cpu_linear.py)."""
+        self.model = model
+        inner, cfg, e = model.model, model.config, torch.empty(0)
+        weights = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += [layer.input_layernorm.weight, attn.qkv_proj.weight,
+                        e if attn.qkv_proj.bias is None else attn.qkv_proj.bias, attn.o_proj.weight,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        kv = backend.pool.kv
+        self.stack = kernels.DecoderStack(
+            weights, inner.norm.weight, inner.rotary.cos, inner.rotary.sin, [layer.k for layer in kv],
+            [layer.v for layer in kv], [e if layer.host_k is None else layer.host_k for layer in kv],
+            [e if layer.host_v is None else layer.host_v for layer in kv], cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, inner.norm.eps, inner.layers[0].self_attn.scale, backend.pool.block_size)
+
+    @staticmethod
+    def unsupported(backend: AttentionBackend, linear_kind: str | None, rotation: KVRotation | None) -> str | None:
+        """Why the stack cannot run this configuration's steps; None when it can."""
+        if linear_kind != "small-batch":
+            return "needs bf16 weights and the AVX512-BF16 small-batch linear"
+        if not isinstance(backend, CPUPagedBackend) or not backend.dense:
+            return "needs the cpu attention backend over uncompressed pages"
+        if rotation is not None:
+            return "KV rotation"
+        return None
+
+    @staticmethod
+    def serves(step: StepMetadata) -> bool:
+        return int(step.query_start[-1]) <= SMALL_BATCH
+
+    @torch.inference_mode()
+    def run(self, step: StepMetadata, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [len(rows), vocab] after the step's tokens at `rows`, as the model gives."""
+        hidden = self.stack.forward(self.model.model.embed_tokens(input_ids), step.positions, step.slot_mapping,
+                                    step.query_start, step.context_lens, step.block_tables)
+        return self.model.lm_head(hidden[rows]).float()

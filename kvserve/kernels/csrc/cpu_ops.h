@@ -1,0 +1,27 @@
+// The ops of cpu_kernels.cpp that decoder_stack.cpp composes (each documented where defined).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::Tensor> residual);
+std::vector<at::Tensor> rope_split(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                                   const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                           const at::Tensor& slot_mapping, const at::Tensor& query_start,
+                           const at::Tensor& context_lens, const at::Tensor& block_tables, int64_t k_kind,
+                           const at::Tensor& k_data, const at::Tensor& k_scale, const at::Tensor& k_zero,
+                           const at::Tensor& k_host, int64_t v_kind, const at::Tensor& v_data,
+                           const at::Tensor& v_scale, const at::Tensor& v_zero, const at::Tensor& v_host,
+                           int64_t k_group, int64_t v_group, int64_t k_bits, int64_t v_bits, bool k_symmetric,
+                           bool v_symmetric, const at::Tensor& k_sink, const at::Tensor& k_wide,
+                           const at::Tensor& k_wide_slot, const at::Tensor& v_sink, const at::Tensor& v_wide,
+                           const at::Tensor& v_wide_slot, const at::Tensor& stage_of, const at::Tensor& k_staging,
+                           const at::Tensor& v_staging, double scale, int64_t block_size, int64_t num_kv_heads,
+                           const at::Tensor& score_first, at::Tensor scores);
+
+// Registers DecoderStack (decoder_stack.cpp) on the extension module.
+void bind_decoder_stack(pybind11::module& m);
