@@ -156,10 +156,10 @@ class EngineConfig:
         choices=BACKEND_NAMES)
     cpu_kernels: bool = _opt(True, "fused C++ ops and the bf16 small-batch linear on CPU (built once, cached); "
                                    "off: eager torch")
-    cpu_fused_step: bool = _opt(True, "run small CPU steps (up to 32 tokens, 8 with AMX) through the whole "
-                                      "decoder stack in one C++ call, bit for bit the layered model (bf16 with "
-                                      "the AVX512-BF16 linear, cpu backend, uncompressed pages, no KV rotation, "
-                                      "one rank); off: layer by layer from Python")
+    cpu_fused_step: bool = _opt(True, "run CPU steps of up to 32 tokens through the whole decoder stack in one "
+                                      "C++ call, bit for bit the layered model (bf16 with the AVX512-BF16 "
+                                      "linear, cpu backend, uncompressed pages, no KV rotation, one rank); "
+                                      "off: layer by layer from Python")
     cuda_graphs: bool = _opt(True, "replay decode steps from CUDA graphs, one per batch-size bucket up to "
                                    "max_num_seqs, captured at start-up (CUDA, triton backend, uncompressed "
                                    "pages); off: every step launches its kernels eagerly")

@@ -8,8 +8,7 @@ same kernels in the same order from C++, so a step gives the layered model's log
 
 It serves what those kernels cover: bf16 weights through the small-batch linear (AVX512-BF16),
 the cpu attention backend over uncompressed pages, no KV rotation, one rank; and steps of up to
-`max_rows` tokens (`small_batch_rows`: larger ones go through oneDNN's linears) that keep no
-attention scores.
+`SMALL_BATCH` tokens (larger ones go through oneDNN's linears) that keep no attention scores.
 """
 from __future__ import annotations
 
@@ -20,14 +19,14 @@ import torch
 from kvserve.attention import AttentionBackend, StepMetadata
 from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.rotation import KVRotation
+from kvserve.model.cpu_linear import SMALL_BATCH
 from kvserve.model.llama import LlamaForCausalLM
 
 
 class CPUDecodeStack:
-    def __init__(self, model: LlamaForCausalLM, backend: CPUPagedBackend, kernels: ModuleType, max_rows: int) -> None:
-        """`model` with its linears already replaced by `SmallBatchLinear`s of `max_rows`
-        (model/cpu_linear.py)."""
-        self.model, self.max_rows = model, max_rows
+    def __init__(self, model: LlamaForCausalLM, backend: CPUPagedBackend, kernels: ModuleType) -> None:
+        """`model` with its linears already replaced by `SmallBatchLinear` (model/cpu_linear.py)."""
+        self.model = model
         inner, cfg, e = model.model, model.config, torch.empty(0)
         weights = []
         for layer in inner.layers:
@@ -53,8 +52,9 @@ class CPUDecodeStack:
             return "KV rotation"
         return None
 
-    def serves(self, step: StepMetadata) -> bool:
-        return int(step.query_start[-1]) <= self.max_rows
+    @staticmethod
+    def serves(step: StepMetadata) -> bool:
+        return int(step.query_start[-1]) <= SMALL_BATCH
 
     @torch.inference_mode()
     def run(self, step: StepMetadata, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,7 @@ from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.logprobs import prompt_span
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
-from kvserve.kernels import cpu_extension
-from kvserve.model.cpu_linear import cpu_linear_kind, replace_linears, small_batch_rows
+from kvserve.model.cpu_linear import SMALL_BATCH, cpu_linear_kind, replace_linears
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import resolve_ops
 
@@ -71,17 +70,16 @@ class ModelRunner:
         self.rotation = None if rotation is None else rotation.to(device)
         self.backend, self.ops, self.swap = backend, resolve_ops(kernels), swap
         self.linear_kind = cpu_linear_kind(device, next(model.parameters()).dtype, kernels)
-        self.small_rows = small_batch_rows(cpu_extension.cpu_flags())
         if self.linear_kind is not None:
-            replace_linears(model, self.linear_kind, kernels, self.small_rows)
+            replace_linears(model, self.linear_kind, kernels)
         self.graphs = None if cuda_graphs is None else DecodeGraphs(model, backend, self.ops, self.rotation,
                                                                     *cuda_graphs, device)
         self.stack = None
         if cpu_stack:
             reason = CPUDecodeStack.unsupported(backend, self.linear_kind, self.rotation)
             if reason is None:
-                self.stack = CPUDecodeStack(model, backend, kernels, self.small_rows)
-            logger.info("kvserve: %s", f"steps of up to {self.small_rows} tokens run the decoder stack in one C++ call"
+                self.stack = CPUDecodeStack(model, backend, kernels)
+            logger.info("kvserve: %s", f"steps of up to {SMALL_BATCH} tokens run the decoder stack in one C++ call"
                         if reason is None else f"the decoder layers run one by one from Python: {reason}")
 
     @torch.inference_mode()

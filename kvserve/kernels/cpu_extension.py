@@ -26,7 +26,7 @@ _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted([*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]))
 
 
-def cpu_flags() -> str:
+def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -38,7 +38,7 @@ def cpu_flags() -> str:
 
 def build_dir() -> Path:
     text = b"".join(path.name.encode() + path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(text + cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + _cpu_flags().encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"cpu-{key}"
 
 

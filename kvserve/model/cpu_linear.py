@@ -1,10 +1,10 @@
 """Linear layers for bf16/fp16 inference on CPU.
 
 A plain bf16 `F.linear` on CPU reformats the weight on every call. Two replacements:
-- `SmallBatchLinear` (bf16, CPUs with AVX512-BF16): up to `small_batch_rows()` rows (decode
-  steps) go through our VDPBF16PS kernel, which reads each weight once per call and is bound by
-  memory bandwidth, 1.2-3x faster than oneDNN at these sizes; larger batches (prefill) through
-  oneDNN, where its blocking wins and the on-the-fly reorder is amortised.
+- `SmallBatchLinear` (bf16, CPUs with AVX512-BF16): up to `SMALL_BATCH` rows (decode steps) go
+  through our VDPBF16PS kernel, which reads each weight once per call and is bound by memory
+  bandwidth, 1.2-3x faster than oneDNN at these sizes; larger batches (prefill) through oneDNN,
+  where its blocking wins and the on-the-fly reorder is amortised.
 - `PackedLinear` otherwise: the weight prepacked once for oneDNN (about 1.5x over `F.linear`).
 See BENCHMARKS.md for the measurements.
 """
@@ -17,9 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows up to which our kernel beats oneDNN (measured per shape, BENCHMARKS.md): 32 on CPUs
-# without AMX; with AMX-BF16 (Intel Sapphire Rapids on) oneDNN's tile kernels win from 8.
-SMALL_BATCH, SMALL_BATCH_AMX = 32, 8
+SMALL_BATCH = 32  # rows up to which our kernel beats oneDNN (measured per shape, BENCHMARKS.md)
 # oneDNN builds and caches a primitive for every row count it sees; with chunked prefill nearly
 # every step has a new one, and the cache grew the server's memory without bound (BENCHMARKS.md,
 # issue 10 item 12). A matmul runs as a multiple of this many rows plus the remainder, so the
@@ -35,20 +33,15 @@ def onednn_rows(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor])
     return torch.cat([matmul(x[:bulk]), matmul(x[bulk:])])
 
 
-def small_batch_rows(cpu_flags: str) -> int:
-    """Rows up to which `SmallBatchLinear` runs our kernel on a CPU with these /proc/cpuinfo flags."""
-    return SMALL_BATCH_AMX if "amx_bf16" in cpu_flags.split() else SMALL_BATCH
-
-
 class SmallBatchLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, kernels: ModuleType, max_rows: int) -> None:
+    def __init__(self, linear: nn.Linear, kernels: ModuleType) -> None:
         super().__init__()
-        self.kernels, self.max_rows = kernels, max_rows
+        self.kernels = kernels
         self.register_buffer("weight", linear.weight.detach().contiguous(), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_rows:
+        if x.shape[0] <= SMALL_BATCH:
             return self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
         return onednn_rows(x, lambda rows: F.linear(rows, self.weight, self.bias))
 
@@ -76,13 +69,11 @@ def cpu_linear_kind(device: torch.device, dtype: torch.dtype, kernels: ModuleTyp
     return "packed" if torch.backends.mkldnn.is_available() else None
 
 
-def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None, max_rows: int) -> None:
-    """Swaps every nn.Linear in `model` for the `kind` of CPU linear, in place (`max_rows`: see
-    `small_batch_rows`). A shared weight (tied embeddings) stays shared: the new modules hold
-    the same tensor."""
+def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None) -> None:
+    """Swaps every nn.Linear in `model` for the `kind` of CPU linear, in place. A shared weight
+    (tied embeddings) stays shared: the new modules hold the same tensor."""
     for name, child in model.named_children():
         if isinstance(child, nn.Linear):
-            setattr(model, name, SmallBatchLinear(child, kernels, max_rows) if kind == "small-batch"
-                    else PackedLinear(child))
+            setattr(model, name, SmallBatchLinear(child, kernels) if kind == "small-batch" else PackedLinear(child))
         else:
-            replace_linears(child, kind, kernels, max_rows)
+            replace_linears(child, kind, kernels)

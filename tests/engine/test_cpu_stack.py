@@ -27,7 +27,7 @@ BF16 = {"dtype": "bfloat16", "attention_backend": "cpu"}
 def test_stack_step_equals_the_layered_step(tiny_llm: Callable[..., LLM], block_size: int, qkv_bias: bool) -> None:
     """Decode rows of ragged contexts beside a prefill chunk: the stack's logits equal the layered
     model's over the same pages, and its K/V writes equal the layered model's."""
-    llm = tiny_llm(model=replace(TINY, qkv_bias=qkv_bias), block_size=block_size, max_num_batched_tokens=8,
+    llm = tiny_llm(model=replace(TINY, qkv_bias=qkv_bias), block_size=block_size, max_num_batched_tokens=16,
                    max_num_seqs=4, **BF16)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.stack is not None

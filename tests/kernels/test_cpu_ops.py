@@ -79,7 +79,9 @@ def test_rope_split_on_a_strided_view_of_a_larger_row(dtype: torch.dtype) -> Non
     torch.testing.assert_close(fused, eager, **TOL[dtype])
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 6, 30, 33])  # 5, 6, 30, 33: a last tile of 5 or 6 rows
+# 5, 6, 30, 33: a last tile of 5 or 6 rows; with AMX, 1-16 and 17-32 rows fill one or two m tiles
+# (70 weight rows: two 32-row tile blocks, then 6 by the vector path).
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 16, 17, 30, 32, 33])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_bf16_against_fp32_matmul(rows: int, bias: bool) -> None:
     if not kernels.has_bf16_gemm():
@@ -128,7 +130,8 @@ def test_kernels_build_from_a_copy_in_their_cache_directory() -> None:
     install or copy of the same version reuses the build instead of compiling again."""
     directory = cpu_extension.build_dir()
     ninja = (directory / "build.ninja").read_text()
-    assert {s.name for s in cpu_extension.SOURCES} == {"cpu_kernels.cpp", "cpu_ops.h", "decoder_stack.cpp"}
+    assert {s.name for s in cpu_extension.SOURCES} == {"cpu_kernels.cpp", "cpu_ops.h", "decoder_stack.cpp",
+                                                       "linear_amx.cpp"}
     for source in cpu_extension.SOURCES:
         assert (directory / source.name).read_bytes() == source.read_bytes()
         assert str(source) not in ninja

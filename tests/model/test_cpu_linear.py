@@ -1,13 +1,12 @@
 """The CPU linears: oneDNN calls split into bounded row counts give the rows one matmul gives; the
-small-batch linear hands rows to oneDNN past a CPU-dependent limit."""
+small-batch linear gives F.linear's rows on both sides of its row limit."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kvserve.kernels import cpu_extension
-from kvserve.model.cpu_linear import (ROW_BUCKET, SMALL_BATCH, SMALL_BATCH_AMX, PackedLinear, SmallBatchLinear,
-                                      onednn_rows, small_batch_rows)
+from kvserve.model.cpu_linear import ROW_BUCKET, SMALL_BATCH, PackedLinear, SmallBatchLinear, onednn_rows
 
 
 @pytest.mark.parametrize("rows", [1, 33, ROW_BUCKET, ROW_BUCKET + 1, 200])
@@ -35,15 +34,7 @@ def test_packed_linear_equals_f_linear(rows: int) -> None:
     torch.testing.assert_close(PackedLinear(linear)(x).float(), want, atol=2e-2, rtol=2e-2)
 
 
-def test_amx_cpus_hand_oneDNN_more_rows() -> None:
-    """oneDNN's AMX tile kernels beat ours from 8 rows on (measured, BENCHMARKS.md); the flag must
-    be a whole word of the flags line, not a prefix of another flag."""
-    assert small_batch_rows("flags : fpu avx512f avx512_bf16 amx_bf16 amx_tile") == SMALL_BATCH_AMX == 8
-    assert small_batch_rows("flags : fpu avx512f avx512_bf16") == SMALL_BATCH == 32
-    assert small_batch_rows("flags : amx_bf16x") == SMALL_BATCH
-
-
-@pytest.mark.parametrize("rows", [1, 5, 9, 40])
+@pytest.mark.parametrize("rows", [1, 5, SMALL_BATCH, SMALL_BATCH + 1])
 def test_small_batch_linear_equals_f_linear_on_both_sides_of_its_row_limit(rows: int) -> None:
     kernels = cpu_extension.load()
     if kernels is None or not kernels.has_bf16_gemm():
@@ -51,4 +42,4 @@ def test_small_batch_linear_equals_f_linear_on_both_sides_of_its_row_limit(rows:
     linear = torch.nn.Linear(64, 96, bias=True).to(torch.bfloat16)
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
-    torch.testing.assert_close(SmallBatchLinear(linear, kernels, 8)(x).float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(SmallBatchLinear(linear, kernels)(x).float(), want, atol=2e-2, rtol=2e-2)

@@ -997,7 +997,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   auto* od = out.data_ptr<c10::BFloat16>();
   constexpr int64_t NR = 4;
   const int64_t tiles = N / NR;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+  // AMX tiles first where the CPU has them (linear_amx.cpp); their columns are a multiple of NR.
+  at::parallel_for(linear_amx(x, w, bias, out) / NR, tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       gemm_rows<NR>(xd, wd + t * NR * K, bd ? bd + t * NR : nullptr, od + t * NR, M, K, N);
   });

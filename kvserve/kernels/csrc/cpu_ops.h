@@ -23,5 +23,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
                            const at::Tensor& v_staging, double scale, int64_t block_size, int64_t num_kv_heads,
                            const at::Tensor& score_first, at::Tensor scores);
 
+// linear_amx.cpp: out[:, :n] of linear_bf16 on AMX tiles, n a multiple of 32 (0: not done here,
+// without AMX, or outside 4-32 rows); returns n.
+int64_t linear_amx(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                   at::Tensor& out);
+
 // Registers DecoderStack (decoder_stack.cpp) on the extension module.
 void bind_decoder_stack(pybind11::module& m);
