@@ -119,7 +119,7 @@ class LLMEngine:
             self.model = shard_model(self.model, shard, self.tp.group)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device, self.attention_backend,
                                   kernels, self.swap, rotation, self.tp, self._graph_shape(config),
-                                  cpu_stack=config.cpu_fused_step and self.tp is None)
+                                  cpu_stack=config.cpu_fused_step and self.device.type == "cpu" and self.tp is None)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
                              else cfg.eos_token_id)
         self.tokens_computed = 0  # tokens run through the model, prefill and decode
