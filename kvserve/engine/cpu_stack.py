@@ -7,8 +7,10 @@ their dispatch cost a fifth of the step beside the weights' read. `DecoderStack`
 same kernels in the same order from C++, so a step gives the layered model's logits bit for bit.
 
 It serves what those kernels cover: bf16 weights through the small-batch linear (AVX512-BF16),
-the cpu attention backend over uncompressed pages, no KV rotation, one rank; and steps of up to
-`SMALL_BATCH` tokens (larger ones go through oneDNN's linears) that keep no attention scores.
+the cpu attention backend over uncompressed pages or over codes its kernel encodes token by
+token (int8, fp8, int4 with zero-points; no full-precision residual, so no step stages tokens
+or seals blocks from Python), no KV rotation, one rank; and steps of up to `SMALL_BATCH` tokens
+(larger ones go through oneDNN's linears) that keep no attention scores.
 """
 from __future__ import annotations
 
@@ -34,20 +36,20 @@ class CPUDecodeStack:
             weights += [layer.input_layernorm.weight, attn.qkv_proj.weight,
                         e if attn.qkv_proj.bias is None else attn.qkv_proj.bias, attn.o_proj.weight,
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
-        kv = backend.pool.kv
         self.stack = kernels.DecoderStack(
-            weights, inner.norm.weight, inner.rotary.cos, inner.rotary.sin, [layer.k for layer in kv],
-            [layer.v for layer in kv], [e if layer.host_k is None else layer.host_k for layer in kv],
-            [e if layer.host_v is None else layer.host_v for layer in kv], cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim, inner.norm.eps, inner.layers[0].self_attn.scale, backend.pool.block_size)
+            weights, inner.norm.weight, inner.rotary.cos, inner.rotary.sin, backend.layer_args, cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, inner.norm.eps, inner.layers[0].self_attn.scale, backend.pool.block_size)
 
     @staticmethod
     def unsupported(backend: AttentionBackend, linear_kind: str | None, rotation: KVRotation | None) -> str | None:
         """Why the stack cannot run this configuration's steps; None when it can."""
         if linear_kind != "small-batch":
             return "needs bf16 weights and the AVX512-BF16 small-batch linear"
-        if not isinstance(backend, CPUPagedBackend) or not backend.dense:
-            return "needs the cpu attention backend over uncompressed pages"
+        if not isinstance(backend, CPUPagedBackend):
+            return "needs the cpu attention backend"
+        if not backend.dense and (backend.pool.staged or not all(backend.encodes)):
+            return ("needs uncompressed pages, or int8 / fp8 / int4 codes the kernel encodes token by token "
+                    "with no full-precision residual")
         if rotation is not None:
             return "KV rotation"
         return None

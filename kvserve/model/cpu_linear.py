@@ -1,11 +1,13 @@
 """Linear layers for bf16/fp16 inference on CPU.
 
 A plain bf16 `F.linear` on CPU reformats the weight on every call. Two replacements:
-- `SmallBatchLinear` (bf16, CPUs with AVX512-BF16): up to `SMALL_BATCH` rows (decode steps) go
-  through our VDPBF16PS kernel, which reads each weight once per call and is bound by memory
-  bandwidth, 1.2-3x faster than oneDNN at these sizes; larger batches (prefill) through oneDNN,
-  where its blocking wins and the on-the-fly reorder is amortised.
-- `PackedLinear` otherwise: the weight prepacked once for oneDNN (about 1.5x over `F.linear`).
+- `SmallBatchLinear` (bf16, CPUs with AVX512-BF16, or AVX2 and FMA): up to `SMALL_BATCH` rows
+  (decode steps) go through our kernel (VDPBF16PS, AMX tiles, or fp32 FMAs on widened weights),
+  which reads each weight once per call and is bound by memory bandwidth, 1.2-3x faster than
+  oneDNN at these sizes; larger batches (prefill) through oneDNN, where its blocking wins and the
+  on-the-fly reorder is amortised.
+- `PackedLinear` otherwise: the weight prepacked once for oneDNN (about 1.5x over `F.linear`),
+  where oneDNN can prepack the dtype on this CPU.
 See BENCHMARKS.md for the measurements.
 """
 from __future__ import annotations
@@ -39,10 +41,16 @@ class SmallBatchLinear(nn.Module):
         self.kernels = kernels
         self.register_buffer("weight", linear.weight.detach().contiguous(), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+        # Without AVX-512, oneDNN's bf16 matmul is emulated: 2.5-4x slower than fp32 on weights
+        # widened for the call (the widening is a fixed ~0.3 ms per 1.8M weights), BENCHMARKS.md.
+        self.widen = not onednn_packs(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= SMALL_BATCH:
             return self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
+        if self.widen:
+            weight, bias = self.weight.float(), None if self.bias is None else self.bias.float()
+            return onednn_rows(x.float(), lambda rows: F.linear(rows, weight, bias)).to(x.dtype)
         return onednn_rows(x, lambda rows: F.linear(rows, self.weight, self.bias))
 
 
@@ -66,7 +74,17 @@ def cpu_linear_kind(device: torch.device, dtype: torch.dtype, kernels: ModuleTyp
         return None
     if dtype == torch.bfloat16 and kernels is not None and kernels.has_bf16_gemm():
         return "small-batch"
-    return "packed" if torch.backends.mkldnn.is_available() else None
+    return "packed" if onednn_packs(dtype) else None
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks `dtype` weights on this CPU: its bf16 / fp16 paths need AVX-512 or
+    AVX-NE-CONVERT, and elsewhere the reorder raises (an AVX2-only CPU keeps nn.Linear)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
 def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None) -> None:

@@ -17,18 +17,23 @@ from tests.conftest import TINY
 
 kernels = cpu_extension.load()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.has_bf16_gemm(),
-                                reason="needs the CPU kernels with AVX512-BF16")
+                                reason="needs the CPU kernels with AVX512-BF16 or AVX2")
 
 BF16 = {"dtype": "bfloat16", "attention_backend": "cpu"}
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qwen2-bias"])
-def test_stack_step_equals_the_layered_step(tiny_llm: Callable[..., LLM], block_size: int, qkv_bias: bool) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3", "int4"])
+def test_stack_step_equals_the_layered_step(tiny_llm: Callable[..., LLM], block_size: int, qkv_bias: bool,
+                                            kv_cache_dtype: str) -> None:
     """Decode rows of ragged contexts beside a prefill chunk: the stack's logits equal the layered
-    model's over the same pages, and its K/V writes equal the layered model's."""
+    model's over the same pages, and its K/V writes (codes and scales, for compressed pages) equal
+    the layered model's."""
+    if kv_cache_dtype == "int4" and block_size == 1:
+        pytest.skip("one block size is enough for the int4 encoder")
     llm = tiny_llm(model=replace(TINY, qkv_bias=qkv_bias), block_size=block_size, max_num_batched_tokens=16,
-                   max_num_seqs=4, **BF16)
+                   max_num_seqs=4, kv_cache_dtype=kv_cache_dtype, kv_group_size=8, **BF16)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.stack is not None
     ids = [engine.add_request(list(range(5, 5 + n)), SamplingParams(max_tokens=30, ignore_eos=True))
@@ -62,7 +67,9 @@ def test_stack_step_equals_the_layered_step(tiny_llm: Callable[..., LLM], block_
     {"kv_cache_memory": "48KiB", "preemption_mode": "recompute"},
     {"kv_cache_memory": "48KiB", "preemption_mode": "swap"},
     {"kv_cache_memory": "32KiB", "offload_memory": "1MiB", "enable_prefix_caching": False},
-], ids=["plain", "prefix-cache", "recompute", "swap", "offload"])
+    {"kv_cache_dtype": "int8", "kv_cache_memory": "24KiB", "preemption_mode": "recompute"},
+    {"kv_cache_dtype": "int4", "kv_group_size": 8, "enable_prefix_caching": True, "block_size": 4},
+], ids=["plain", "prefix-cache", "recompute", "swap", "offload", "int8-recompute", "int4-prefix-cache"])
 def test_engine_gives_the_layered_tokens(tiny_llm: Callable[..., LLM], options: dict) -> None:
     """Greedy, seeded, n > 1 and beam requests sharing a prefix, under preemption and offload:
     the same tokens and log-probabilities with the stack as without."""
@@ -86,10 +93,11 @@ def test_engine_gives_the_layered_tokens(tiny_llm: Callable[..., LLM], options: 
 
 @pytest.mark.parametrize("options,reason", [
     ({"dtype": "float32"}, "bf16"),
-    ({"kv_cache_dtype": "int8"}, "uncompressed"),
-    ({"attention_backend": "torch"}, "cpu attention backend"),
+    ({"kv_cache_dtype": "int8", "kv_residual": 16}, "no full-precision residual"),
+    ({"kv_cache_dtype": "kivi4", "kv_group_size": 8}, "no full-precision residual"),
+    ({"attention_backend": "torch"}, "the cpu attention backend"),
     ({"kv_rotation": "hadamard"}, "rotation"),
-], ids=["fp32", "int8-pages", "torch-backend", "rotation"])
+], ids=["fp32", "int8-residual", "kivi-pages", "torch-backend", "rotation"])
 def test_configurations_the_stack_cannot_run_stay_layered(tiny_llm: Callable[..., LLM], options: dict,
                                                           reason: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="kvserve.engine.model_runner"):

@@ -85,7 +85,7 @@ def test_rope_split_on_a_strided_view_of_a_larger_row(dtype: torch.dtype) -> Non
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_bf16_against_fp32_matmul(rows: int, bias: bool) -> None:
     if not kernels.has_bf16_gemm():
-        pytest.skip("built without AVX512-BF16")
+        pytest.skip("built without AVX512-BF16 or AVX2")
     x, w = rand(rows, 96, dtype=torch.bfloat16, seed=9), rand(70, 96, dtype=torch.bfloat16, seed=10)
     b = rand(70, dtype=torch.bfloat16, seed=11) if bias else None
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
@@ -131,7 +131,7 @@ def test_kernels_build_from_a_copy_in_their_cache_directory() -> None:
     directory = cpu_extension.build_dir()
     ninja = (directory / "build.ninja").read_text()
     assert {s.name for s in cpu_extension.SOURCES} == {"cpu_kernels.cpp", "cpu_ops.h", "decoder_stack.cpp",
-                                                       "linear_amx.cpp"}
+                                                       "linear_amx.cpp", "linear_avx2.cpp"}
     for source in cpu_extension.SOURCES:
         assert (directory / source.name).read_bytes() == source.read_bytes()
         assert str(source) not in ninja

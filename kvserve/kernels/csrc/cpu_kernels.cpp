@@ -62,6 +62,32 @@ inline __m512 exp_neg(__m512 x) {
   p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same on 8 lanes; without scalef, 2^n is built in the exponent bits (n >= -126 here).
+inline __m256 exp_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  const __m256 rr = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, rr, _mm256_set1_ps(1.f));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+}
+
+// Lane i of the result: the sum of v[i]'s 8 lanes.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 #endif
 
 // s[t] = exp(s[t] - mx) for t < n; returns their sum.
@@ -84,6 +110,17 @@ inline float exp_sub_sum(float* s, int64_t n, float mx) {
     t = n;
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 m = _mm256_set1_ps(mx);
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float lane : lanes) sum += lane;
 #endif
   for (; t < n; ++t) {
     s[t] = std::exp(s[t] - mx);
@@ -122,6 +159,12 @@ inline __m512 load16(const c10::BFloat16* x) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
 #endif
 
 // s[t] = q . k[t] for t < n (n >= 1); returns their max. With D % 16 == 0, 16 keys at a time;
@@ -148,6 +191,25 @@ inline float dots(const float* q, Rows<R> k, int64_t n, int64_t D, float* s) {
     }
     return _mm512_reduce_max_ps(mx);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      const int64_t left = std::min<int64_t>(8, n - t0);
+      const R* row[8];
+      for (int t = 0; t < 8; ++t) row[t] = k.base + (t0 + std::min<int64_t>(t, left - 1)) * k.stride;
+      __m256 acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, load8(row[t] + d), acc[t]);
+      }
+      alignas(32) float st[8];
+      _mm256_store_ps(st, hsum8(acc));
+      for (int64_t t = 0; t < left; ++t) mx = std::max(mx, s[t0 + t] = st[t]);
+    }
+    return mx;
+  }
 #endif
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < n; ++t) {
@@ -172,6 +234,18 @@ inline void scale_accumulate_tile(float* a, float c, const float* p, Rows<R> v, 
   }
   for (int j = 0; j < C; ++j) _mm512_storeu_ps(a + 16 * j, acc[j]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+template <int C, typename R>
+inline void scale_accumulate_tile(float* a, float c, const float* p, Rows<R> v, int64_t n) {
+  __m256 acc[C];
+  const __m256 cv = _mm256_set1_ps(c);
+  for (int j = 0; j < C; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(a + 8 * j), cv);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 pt = _mm256_set1_ps(p[t]);
+    for (int j = 0; j < C; ++j) acc[j] = _mm256_fmadd_ps(pt, load8(v.base + t * v.stride + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < C; ++j) _mm256_storeu_ps(a + 8 * j, acc[j]);
+}
 #endif
 
 // a = a * c + sum_t p[t] * v[t]  over n rows of v.
@@ -183,6 +257,13 @@ inline void scale_accumulate(float* a, float c, const float* p, Rows<R> v, int64
     case 64: return scale_accumulate_tile<4>(a, c, p, v, n);
     case 96: return scale_accumulate_tile<6>(a, c, p, v, n);
     case 128: return scale_accumulate_tile<8>(a, c, p, v, n);
+    default: break;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  switch (D) {
+    case 32: return scale_accumulate_tile<4>(a, c, p, v, n);
+    case 64: return scale_accumulate_tile<8>(a, c, p, v, n);
+    case 96: return scale_accumulate_tile<12>(a, c, p, v, n);
     default: break;
   }
 #endif
@@ -973,7 +1054,7 @@ void gemm_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat
 #endif
 
 bool has_bf16_gemm() {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
   return true;
 #else
   return false;
@@ -984,7 +1065,7 @@ bool has_bf16_gemm() {
 // M of decode steps, where a GEMM library's packing and blocking cost more than the weights'
 // read from memory, which is all a decode step's matmul should cost.
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(has_bf16_gemm(), "linear_bf16: built without AVX512-BF16");
+  TORCH_CHECK(has_bf16_gemm(), "linear_bf16: built without AVX512-BF16 or AVX2");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "linear_bf16: contiguous [M, K] and [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -1004,6 +1085,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   });
   for (int64_t n = tiles * NR; n < N; ++n)
     gemm_rows<1>(xd, wd + n * K, bd ? bd + n : nullptr, od + n, M, K, N);
+#elif defined(__AVX2__) && defined(__FMA__)
+  linear_avx2(x, w, bias, out);
 #endif
   return out;
 }

@@ -22,11 +22,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
                            const at::Tensor& v_wide_slot, const at::Tensor& stage_of, const at::Tensor& k_staging,
                            const at::Tensor& v_staging, double scale, int64_t block_size, int64_t num_kv_heads,
                            const at::Tensor& score_first, at::Tensor scores);
+void encode_write(const at::Tensor& x, const at::Tensor& slot_mapping, int64_t kind, const at::Tensor& codes,
+                  const at::Tensor& scale, const at::Tensor& zero, int64_t group);
 
 // linear_amx.cpp: out[:, :n] of linear_bf16 on AMX tiles, n a multiple of 32 (0: not done here,
 // without AMX, or outside 4-32 rows); returns n.
 int64_t linear_amx(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                    at::Tensor& out);
+
+// linear_avx2.cpp: linear_bf16 on CPUs with AVX2 and FMA but no AVX512-BF16, into out [M, N].
+void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& out);
 
 // Registers DecoderStack (decoder_stack.cpp) on the extension module.
 void bind_decoder_stack(pybind11::module& m);

@@ -1,4 +1,5 @@
-// The whole decoder stack of a small step (bf16, dense pages) in one call from Python.
+// The whole decoder stack of a small step (bf16 weights; dense pages, or pages whose codes the
+// kernels encode token by token) in one call from Python.
 //
 // The layered model calls about nine ops per layer from Python; on a one-stream CPU decode step
 // their dispatch (module calls, argument parsing, allocations) cost ~20% of the step beside the
@@ -18,19 +19,41 @@ constexpr int64_t kDensePages = 0;  // cpu_kernels.cpp's kDense
 // gate_up weight, down weight.
 constexpr int64_t kPerLayer = 7;
 
+// One layer's pages as paged_attention reads them: the tuple the cpu backend passes it
+// (attention/cpu_paged.py, CPUPagedBackend.layer_args), so both callers read the same pages.
+struct LayerPages {
+  int64_t k_kind, v_kind;
+  at::Tensor k_data, k_scale, k_zero, k_host, v_data, v_scale, v_zero, v_host;
+  int64_t k_group, v_group, k_bits, v_bits;
+  bool k_symmetric, v_symmetric;
+  at::Tensor k_sink, k_wide, k_wide_slot, v_sink, v_wide, v_wide_slot;
+
+  explicit LayerPages(const pybind11::tuple& a) {
+    TORCH_CHECK(a.size() == 22, "DecoderStack: a layer's pages are the 22 arguments of paged_attention");
+    auto t = [&](size_t i) { return a[i].cast<at::Tensor>(); };
+    auto n = [&](size_t i) { return a[i].cast<int64_t>(); };
+    k_kind = n(0), k_data = t(1), k_scale = t(2), k_zero = t(3), k_host = t(4);
+    v_kind = n(5), v_data = t(6), v_scale = t(7), v_zero = t(8), v_host = t(9);
+    k_group = n(10), v_group = n(11), k_bits = n(12), v_bits = n(13);
+    k_symmetric = a[14].cast<bool>(), v_symmetric = a[15].cast<bool>();
+    k_sink = t(16), k_wide = t(17), k_wide_slot = t(18), v_sink = t(19), v_wide = t(20), v_wide_slot = t(21);
+    TORCH_CHECK((k_kind == kDensePages) == (v_kind == kDensePages),
+                "DecoderStack: keys and values are both dense or both encoded");
+  }
+
+  bool dense() const { return k_kind == kDensePages; }
+};
+
 class DecoderStack {
  public:
   DecoderStack(std::vector<at::Tensor> layers, at::Tensor final_norm, at::Tensor cos, at::Tensor sin,
-               std::vector<at::Tensor> k_pages, std::vector<at::Tensor> v_pages, std::vector<at::Tensor> k_host,
-               std::vector<at::Tensor> v_host, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-               double scale, int64_t block_size)
+               const std::vector<pybind11::tuple>& pages, int64_t heads, int64_t kv_heads, int64_t head_dim,
+               double eps, double scale, int64_t block_size)
       : layers_(std::move(layers)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
-        sin_(std::move(sin)), k_pages_(std::move(k_pages)), v_pages_(std::move(v_pages)),
-        k_host_(std::move(k_host)), v_host_(std::move(v_host)), heads_(heads), kv_heads_(kv_heads),
+        sin_(std::move(sin)), pages_(pages.begin(), pages.end()), heads_(heads), kv_heads_(kv_heads),
         head_dim_(head_dim), eps_(eps), scale_(scale), block_size_(block_size) {
-    const size_t n = k_pages_.size();
-    TORCH_CHECK(n > 0 && layers_.size() == kPerLayer * n && v_pages_.size() == n && k_host_.size() == n &&
-                v_host_.size() == n, "DecoderStack: 7 tensors and K/V pages (device and host) per layer");
+    TORCH_CHECK(!pages_.empty() && layers_.size() == kPerLayer * pages_.size(),
+                "DecoderStack: 7 tensors and one pages tuple per layer");
   }
 
   // hidden [T, C]: the step's embedded tokens, used as the residual stream (updated in place);
@@ -39,21 +62,31 @@ class DecoderStack {
                      const at::Tensor& query_start, const at::Tensor& context_lens,
                      const at::Tensor& block_tables) const {
     const at::Tensor e = at::empty({0});
-    const int64_t num_layers = static_cast<int64_t>(k_pages_.size());
+    const int64_t num_layers = static_cast<int64_t>(pages_.size());
     at::Tensor normed = rms_norm(hidden, layers_[0], eps_, c10::nullopt);
     for (int64_t i = 0; i < num_layers; ++i) {
       const at::Tensor* w = layers_.data() + kPerLayer * i;
       const c10::optional<at::Tensor> qkv_bias = w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt;
       const std::vector<at::Tensor> qkv = rope_split(linear_bf16(normed, w[1], qkv_bias), positions, cos_, sin_,
                                                      heads_, kv_heads_, head_dim_);
+      const LayerPages& p = pages_[i];
       at::Tensor attn;
       {
         // The doctor splits a profiled step by this label, as the layered model's.
         RECORD_FUNCTION("kvserve.attention", std::vector<c10::IValue>());
-        attn = paged_attention(qkv[0], qkv[1], qkv[2], slot_mapping, query_start, context_lens, block_tables,
-                               kDensePages, k_pages_[i], e, e, k_host_[i], kDensePages, v_pages_[i], e, e,
-                               v_host_[i], 0, 0, 0, 0, false, false, e, e, e, e, e, e, e, e, e, scale_,
-                               block_size_, kv_heads_, e, e);
+        // Dense pages are written by paged_attention itself; codes are encoded into their slots
+        // first, as the cpu backend does when no token is staged.
+        if (!p.dense()) {
+          encode_write(qkv[1], slot_mapping, p.k_kind, p.k_data, p.k_scale, p.k_zero, p.k_group);
+          encode_write(qkv[2], slot_mapping, p.v_kind, p.v_data, p.v_scale, p.v_zero, p.v_group);
+        }
+        const bool write = p.dense();
+        attn = paged_attention(qkv[0], write ? qkv[1] : e, write ? qkv[2] : e, write ? slot_mapping : e,
+                               query_start, context_lens, block_tables, p.k_kind, p.k_data, p.k_scale,
+                               p.k_zero, p.k_host, p.v_kind, p.v_data, p.v_scale, p.v_zero, p.v_host, p.k_group,
+                               p.v_group, p.k_bits, p.v_bits, p.k_symmetric, p.v_symmetric, p.k_sink, p.k_wide,
+                               p.k_wide_slot, p.v_sink, p.v_wide, p.v_wide_slot, e, e, e, scale_, block_size_,
+                               kv_heads_, e, e);
       }
       normed = rms_norm(linear_bf16(attn.view({attn.size(0), -1}), w[3], c10::nullopt), w[4], eps_, hidden);
       const at::Tensor mlp = linear_bf16(silu_mul(linear_bf16(normed, w[5], c10::nullopt)), w[6], c10::nullopt);
@@ -65,7 +98,7 @@ class DecoderStack {
  private:
   std::vector<at::Tensor> layers_;
   at::Tensor final_norm_, cos_, sin_;
-  std::vector<at::Tensor> k_pages_, v_pages_, k_host_, v_host_;
+  std::vector<LayerPages> pages_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   int64_t block_size_;
@@ -75,12 +108,11 @@ class DecoderStack {
 
 void bind_decoder_stack(pybind11::module& m) {
   pybind11::class_<DecoderStack>(m, "DecoderStack")
-      .def(pybind11::init<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t,
-                          int64_t, int64_t, double, double, int64_t>(),
+      .def(pybind11::init<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor,
+                          const std::vector<pybind11::tuple>&, int64_t, int64_t, int64_t, double, double, int64_t>(),
            "per layer (input norm, qkv weight, qkv bias or empty, o weight, post-attention norm, gate_up, "
-           "down), final norm, RoPE cos and sin, K/V pages and host pages per layer, heads, kv heads, "
-           "head dim, eps, attention scale, block size")
+           "down), final norm, RoPE cos and sin, per layer the pages as paged_attention reads them, heads, "
+           "kv heads, head dim, eps, attention scale, block size")
       .def("forward", &DecoderStack::forward, "the stack over a step's embedded tokens (updated in place)",
            pybind11::arg("hidden"), pybind11::arg("positions"), pybind11::arg("slot_mapping"),
            pybind11::arg("query_start"), pybind11::arg("context_lens"), pybind11::arg("block_tables"));

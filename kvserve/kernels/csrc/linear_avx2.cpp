@@ -1,0 +1,108 @@
+// The small-batch bf16 linear on CPUs with AVX2 and FMA but no AVX512-BF16 (AMD Zen 2 and 3,
+// Intel before Cooper Lake).
+//
+// Such CPUs have no bf16 arithmetic, and oneDNN's bf16 matmul there is far slower than the
+// weights' read (BENCHMARKS.md). Widening bf16 to fp32 is a shift: 16 weights load as eight
+// 32-bit lanes whose low halves (the even-indexed weights) shift up and whose high halves (the
+// odd-indexed ones) are masked, so x is rearranged once per call into the same even / odd order.
+// Every output sums its products in one order whatever the tile shape, so a row's result does not
+// depend on how many rows ride with it.
+#include "cpu_ops.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+namespace {
+
+inline void widen(const c10::BFloat16* p, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// MR rows of x (fp32, even / odd order) against NR weight rows. Each sum takes its 8 even, then
+// its 8 odd products of every 16 weights: the same order in every tile shape.
+template <int MR, int NR>
+inline void tile(const float* xs, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
+                 int64_t K, int64_t N) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    // The rows ~64 ahead into L2, as the AVX512 kernel does: enough misses in flight.
+    if ((k & 31) == 0)
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (64 + j) * K + k), _MM_HINT_T1);
+    __m256 we[NR], wo[NR];
+    for (int j = 0; j < NR; ++j) widen(w + j * K + k, we[j], wo[j]);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xe = _mm256_loadu_ps(xs + i * K + k), xo = _mm256_loadu_ps(xs + i * K + k + 8);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xo, wo[j], _mm256_fmadd_ps(xe, we[j], acc[i][j]));
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const float b = bias ? static_cast<float>(bias[j]) : 0.f;
+      out[i * N + j] = static_cast<c10::BFloat16>(hsum(acc[i][j]) + b);
+    }
+}
+
+// Every row of x against the weight rows [n, n + cols), cols 4 or 1; those rows stay in L1
+// across the row tiles. Tiles of 4 x 2 keep eight sums in flight (the FMA units' latency times
+// their width); a last one to three rows take 2 x 2 and 1 x 4 tiles.
+void columns(const float* xs, const c10::BFloat16* w, const c10::BFloat16* b, c10::BFloat16* out, int64_t M,
+             int64_t K, int64_t N, int64_t cols) {
+  int64_t m = 0;
+  if (cols == 1) {
+    for (; m < M; ++m) tile<1, 1>(xs + m * K, w, b, out + m * N, K, N);
+    return;
+  }
+  for (; m + 4 <= M; m += 4)
+    for (int64_t j = 0; j < 4; j += 2) tile<4, 2>(xs + m * K, w + j * K, b ? b + j : b, out + m * N + j, K, N);
+  if (M - m >= 2) {
+    for (int64_t j = 0; j < 4; j += 2) tile<2, 2>(xs + m * K, w + j * K, b ? b + j : b, out + m * N + j, K, N);
+    m += 2;
+  }
+  if (m < M) tile<1, 4>(xs + m * K, w, b, out + m * N, K, N);
+}
+
+}  // namespace
+
+void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const auto* xd = x.data_ptr<c10::BFloat16>();
+  std::vector<float> xs(M * K);
+  for (int64_t i = 0; i < M * K; i += 16) {
+    __m256 even, odd;
+    widen(xd + i, even, odd);
+    _mm256_storeu_ps(xs.data() + i, even);
+    _mm256_storeu_ps(xs.data() + i + 8, odd);
+  }
+  const auto* wd = w.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bd = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  auto* od = out.data_ptr<c10::BFloat16>();
+  const int64_t tiles = N / 4;
+  // Rows in blocks whose fp32 copy stays in L2 while every column tile passes over it.
+  constexpr int64_t kRowBlock = 64;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, M - m0);
+    const float* xb = xs.data() + m0 * K;
+    c10::BFloat16* ob = od + m0 * N;
+    at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        columns(xb, wd + t * 4 * K, bd ? bd + t * 4 : nullptr, ob + t * 4, rows, K, N, 4);
+    });
+    for (int64_t n = tiles * 4; n < N; ++n) columns(xb, wd + n * K, bd ? bd + n : nullptr, ob + n, rows, K, N, 1);
+  }
+}
+#endif
