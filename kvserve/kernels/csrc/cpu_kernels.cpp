@@ -349,6 +349,24 @@ inline __m512i unpack16(const uint8_t* row, int64_t d, int64_t bits) {
 inline __m512 through_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// Codes d..d+7 of a packed row (2 or 4 bits), one per 32-bit lane: 8 codes are 2 or 4 bytes.
+inline __m256i unpack8(const uint8_t* row, int64_t d, int64_t bits) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  uint32_t w = 0;
+  std::memcpy(&w, row + d * bits / 8, bits);  // 8 codes of `bits` bits: `bits` bytes
+  const __m256i shift = bits == 2 ? _mm256_slli_epi32(lane, 1) : _mm256_slli_epi32(lane, 2);
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shift),
+                          _mm256_set1_epi32((1 << bits) - 1));
+}
+
+// v rounded to bf16 (to nearest, ties to even; finite values) and widened back.
+inline __m256 through_bf16(__m256 v) {
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 #endif
 
 // Group-wise codes of any width, with or without zero-points: tokens [0, n) of `block`, head h.
@@ -373,6 +391,19 @@ void decode_group_block(const Pages& p, int64_t block, int64_t n, int64_t h, int
                                : _mm512_add_ps(_mm512_mul_ps(code, s), _mm512_set1_ps(to_f(zero[g])));
         if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
         _mm512_storeu_ps(o + d, v);
+      }
+      continue;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0 && p.group % 8 == 0 && (p.bits == 2 || p.bits == 4) &&
+        (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
+      for (int64_t d = 0; d < D; d += 8) {
+        const int64_t g = tok * G + d / p.group;
+        const __m256 code = _mm256_cvtepi32_ps(unpack8(row, d, p.bits)), s = _mm256_set1_ps(to_f(scale[g]));
+        __m256 v = p.symmetric ? _mm256_mul_ps(_mm256_sub_ps(code, _mm256_set1_ps(mid)), s)
+                               : _mm256_add_ps(_mm256_mul_ps(code, s), _mm256_set1_ps(to_f(zero[g])));
+        if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
+        _mm256_storeu_ps(o + d, v);
       }
       continue;
     }
@@ -507,6 +538,20 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
             continue;
           }
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        using code_t = std::remove_cv_t<std::remove_pointer_t<decltype(codes)>>;
+        if constexpr (std::is_same_v<code_t, int8_t> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
+          if (D % 8 == 0) {
+            const __m256 sv = _mm256_set1_ps(s);
+            for (int64_t d = 0; d < D; d += 8) {
+              const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+              __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), sv);
+              if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
+              _mm256_storeu_ps(o + d, v);
+            }
+            continue;
+          }
+        }
 #endif
         for (int64_t d = 0; d < D; ++d) o[d] = through<T>(to_f(row[d]) * s);
       }
@@ -553,6 +598,25 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
           if constexpr (std::is_same_v<T, c10::BFloat16>)  // round through bf16 as the reference does
             v = through_bf16(v);
           _mm512_storeu_ps(o + dd, v);
+        }
+      }
+      continue;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    // 16 codes (8 bytes) at a time, the same one FMA and rounding as the loop below.
+    if (D % 16 == 0 && p.group % 8 == 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d / 2));
+        const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        const __m128i ordered = _mm_unpacklo_epi8(lo, hi);
+        const __m128i halves[2] = {ordered, _mm_srli_si128(ordered, 8)};
+        for (int half = 0; half < 2; ++half) {
+          const int64_t dd = d + 8 * half, g = dd / p.group;
+          __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[half]));
+          v = _mm256_fmadd_ps(v, _mm256_set1_ps(to_f(sc[g])), _mm256_set1_ps(to_f(ze[g])));
+          if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
+          _mm256_storeu_ps(o + dd, v);
         }
       }
       continue;
