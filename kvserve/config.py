@@ -15,6 +15,7 @@ from kvserve.cache.kv_format import FORMAT_NAMES, FP8_SCALES, KVFormat, make_for
 from kvserve.cache.kv_plan import KVPlan, plan_path
 from kvserve.eviction.policy import POLICY_NAMES, EvictionPolicy
 from kvserve.model.config import ModelConfig
+from kvserve.model.cpu_linear import SMALL_BATCH
 from kvserve.validate import is_int
 
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -156,9 +157,10 @@ class EngineConfig:
         choices=BACKEND_NAMES)
     cpu_kernels: bool = _opt(True, "fused C++ ops and the bf16 small-batch linear on CPU (built once, cached); "
                                    "off: eager torch")
-    cpu_fused_step: bool = _opt(True, "run CPU steps of up to 32 tokens through the whole decoder stack in one "
-                                      "C++ call, bit for bit the layered model (bf16 with the AVX512-BF16 "
-                                      "linear, cpu backend, uncompressed pages, no KV rotation, one rank); "
+    cpu_fused_step: bool = _opt(True, f"run CPU steps of up to {SMALL_BATCH} tokens through the whole decoder "
+                                      "stack in one C++ call, bit for bit the layered model (bf16 with the "
+                                      "small-batch linear: AVX512-BF16 or AVX2; cpu backend; uncompressed pages "
+                                      "or int8 / fp8 / int4 codes with no residual; no KV rotation; one rank); "
                                       "off: layer by layer from Python")
     cuda_graphs: bool = _opt(True, "replay decode steps from CUDA graphs, one per batch-size bucket up to "
                                    "max_num_seqs, captured at start-up (CUDA, triton backend, uncompressed "
