@@ -26,8 +26,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # Built on the CPU even under the loader's meta device: there these ops would run torch's
+        # Python references, whose first use imports torch._dynamo (~2 s of every start-up).
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=cpu), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
@@ -84,7 +87,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An empty table: the weights come from a checkpoint or the loader's random init, and
+        # nn.Embedding's own init on the meta device imports torch._dynamo, as RotaryEmbedding says.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)

@@ -214,7 +214,9 @@ def test_exact_sink_kivi_reads_the_same_on_every_backend(tiny_llm: Callable[...,
     got = forced_logprobs(tiny_llm(**kwargs, attention_backend=backend), windows, prefill_len=30)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     plain = forced_logprobs(tiny_llm(**{**kwargs, "kv_exact_sink": False}), windows, prefill_len=30)
-    assert (got - plain).abs().max() > 1e-3  # the sinks are read, not ignored
+    # The sinks are read, not ignored: ignored, the same codes would give the same logprobs; read,
+    # they move them by more than the backends differ (the tolerance above).
+    assert (got - plain).abs().max() > 1e-4
 
 
 def test_exact_sink_kivi_generates_with_prefix_caching_and_preemption(tiny_llm: Callable[..., LLM]) -> None:
