@@ -118,6 +118,31 @@ def test_the_openai_client_works_unchanged(served: Served) -> None:
     assert second["replica"] == state["replicas"][1] and len(second["states"]) == second["num_blocks"]
 
 
+def test_abort_stops_the_replica_generating_for_a_client_that_left(served: Served) -> None:
+    """A client gone after its first tokens: the front cancels the stream and the replica aborts
+    the request, so it computes a few of its 500 tokens, not all of them."""
+    prompt = SHARED[:10]
+
+    async def first_tokens_then_abort() -> str:
+        ids, sink = await served.front.submit([prompt], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True),
+                                              f"gone-{time.monotonic_ns()}")
+        await sink.get()
+        served.front.abort(ids)
+        return served.front.served_by[ids[0]].replica
+
+    def computed(replica: str) -> int:
+        return served.counters()[replica]["tokens_computed"]
+
+    before = {tag: c["tokens_computed"] for tag, c in served.counters().items()}
+    replica = served.run(first_tokens_then_abort())
+    settled, previous = computed(replica), -1
+    while settled != previous:  # until the replica stops computing
+        time.sleep(0.5)
+        previous, settled = settled, computed(replica)
+    assert settled - before[replica] < len(prompt) + 250
+    assert not served.front._pumps
+
+
 def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_the_next_request_succeeds(
         served: Served) -> None:
     import json
@@ -137,3 +162,4 @@ def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_the_next
         reply = httpx.post(f"http://127.0.0.1:{served.port}/v1/completions",
                            json={"prompt": SHARED[:12], "max_tokens": 3}, timeout=60)
         assert reply.status_code == 200, reply.text
+
