@@ -11,7 +11,7 @@ import torch
 
 from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.attention.rotation import ROTATIONS
-from kvserve.cache.kv_format import FORMAT_NAMES, FP8_SCALES, KVFormat, make_format
+from kvserve.cache.kv_format import FORMAT_NAMES, FP8_SCALES, KVFormat, check_format_options, make_format
 from kvserve.cache.kv_plan import KVPlan, plan_path
 from kvserve.eviction.policy import POLICY_NAMES, EvictionPolicy
 from kvserve.model.config import ModelConfig
@@ -263,13 +263,11 @@ class EngineConfig:
             if value is not None and value != "auto" and value not in FORMAT_NAMES:
                 raise ValueError(f"EngineConfig.{name} must be 'auto' or one of {', '.join(FORMAT_NAMES)}, "
                                  f"got {value!r}")
-        if self.kv_fp8_scales not in FP8_SCALES:
-            raise ValueError(f"EngineConfig.kv_fp8_scales must be one of {', '.join(FP8_SCALES)}, got "
-                             f"{self.kv_fp8_scales!r}")
-        if not (is_int(self.kv_key_wide_channels) and self.kv_key_wide_channels >= 0
-                and self.kv_key_wide_channels % 8 == 0):
-            raise ValueError("EngineConfig.kv_key_wide_channels must be a multiple of 8 (whole bytes of its bit "
-                             f"plane, whole RoPE pairs), got {self.kv_key_wide_channels!r}")
+        try:
+            check_format_options(self.kv_group_size, self.kv_outliers, self.kv_sparse_threshold,
+                                 self.kv_sparse_capacity, self.kv_fp8_scales, self.kv_key_wide_channels)
+        except ValueError as err:
+            raise ValueError(f"EngineConfig.{err}") from None
         for flag in ("kv_exact_sink", "kv_rotate_keys", "kv_symmetric_values"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"EngineConfig.{flag} must be true or false, got {getattr(self, flag)!r}")

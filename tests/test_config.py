@@ -44,6 +44,13 @@ from kvserve.sampling_params import SamplingParams
     # Matches the number pattern [0-9.]+ but is not a number: float() fails inside parse_bytes.
     ("kv_cache_memory", "1.2.3GiB"),
     ("kv_cache_memory", ".GiB"),
+    # The KV format settings are checked whatever the formats (here the default, uncompressed).
+    ("kv_group_size", 3),
+    ("kv_outliers", 0),
+    ("kv_sparse_threshold", "high"),
+    ("kv_sparse_capacity", 1.5),
+    ("kv_fp8_scales", "tensor"),
+    ("kv_key_wide_channels", 12),
 ])
 def test_engine_config_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):

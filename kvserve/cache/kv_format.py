@@ -429,6 +429,26 @@ class _SparseFormat(_PerTokenFormat):
         return torch.count_nonzero(val).item() / entries
 
 
+def check_format_options(group_size: int, outliers: int, sparse_threshold: float, sparse_capacity: float,
+                         fp8_scales: str, key_wide_channels: int) -> None:
+    """The format settings' own ranges, named as the engine's fields (EngineConfig checks them too,
+    whatever its formats)."""
+    if not (isinstance(group_size, int) and 4 <= group_size <= 128):
+        raise ValueError("kv_group_size must be an integer from 4 to 128 that divides head_dim, "
+                         f"got {group_size!r}")
+    if not (isinstance(outliers, int) and outliers >= 1):
+        raise ValueError(f"kv_outliers must be an integer >= 1, got {outliers!r}")
+    if not (isinstance(sparse_threshold, (int, float)) and sparse_threshold >= 0):
+        raise ValueError(f"kv_sparse_threshold must be >= 0, got {sparse_threshold!r}")
+    if not (isinstance(sparse_capacity, (int, float)) and 0 < sparse_capacity <= 1):
+        raise ValueError(f"kv_sparse_capacity must be in (0, 1], got {sparse_capacity!r}")
+    if fp8_scales not in FP8_SCALES:
+        raise ValueError(f"kv_fp8_scales must be one of {', '.join(FP8_SCALES)}, got {fp8_scales!r}")
+    if not (isinstance(key_wide_channels, int) and key_wide_channels >= 0 and key_wide_channels % 8 == 0):
+        raise ValueError("kv_key_wide_channels must be a multiple of 8 (whole bytes of its bit plane, whole RoPE "
+                         f"pairs), got {key_wide_channels!r}")
+
+
 def make_format(name: str, role: str, *, group_size: int = 32, outliers: int = 4,
                 sparse_threshold: float = 0.5, sparse_capacity: float = 0.5, fp8_scales: str = "token",
                 exact_sink: bool = False, key_wide_channels: int = 0, symmetric_values: bool = False) -> KVFormat:
@@ -443,20 +463,7 @@ def make_format(name: str, role: str, *, group_size: int = 32, outliers: int = 4
         raise ValueError(f'kv_cache_dtype: unknown format "{name}"; choose one of {", ".join(FORMAT_NAMES)}')
     if role not in ("k", "v"):
         raise ValueError(f'role: must be "k" or "v", got {role!r}')
-    if not (isinstance(group_size, int) and 4 <= group_size <= 128):
-        raise ValueError("kv_group_size must be an integer from 4 to 128 that divides head_dim, "
-                         f"got {group_size!r}")
-    if not (isinstance(outliers, int) and outliers >= 1):
-        raise ValueError(f"kv_outliers must be an integer >= 1, got {outliers!r}")
-    if not sparse_threshold >= 0:
-        raise ValueError(f"kv_sparse_threshold must be >= 0, got {sparse_threshold}")
-    if not 0 < sparse_capacity <= 1:
-        raise ValueError(f"kv_sparse_capacity must be in (0, 1], got {sparse_capacity}")
-    if fp8_scales not in FP8_SCALES:
-        raise ValueError(f"kv_fp8_scales must be one of {', '.join(FP8_SCALES)}, got {fp8_scales!r}")
-    if not (isinstance(key_wide_channels, int) and key_wide_channels >= 0 and key_wide_channels % 8 == 0):
-        raise ValueError("kv_key_wide_channels must be a multiple of 8 (whole bytes of its bit plane, whole RoPE "
-                         f"pairs), got {key_wide_channels!r}")
+    check_format_options(group_size, outliers, sparse_threshold, sparse_capacity, fp8_scales, key_wide_channels)
 
     plain = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     absmax = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
