@@ -51,6 +51,8 @@ from kvserve.sampling_params import SamplingParams
     ("kv_sparse_capacity", 1.5),
     ("kv_fp8_scales", "tensor"),
     ("kv_key_wide_channels", 12),
+    ("kv_key_wide_channels", False),  # a flag is no count
+    ("kv_outliers", True),
 ])
 def test_engine_config_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):

@@ -16,6 +16,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kvserve.validate import is_int
+
 FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 Fields = dict[str, torch.Tensor]
 
@@ -433,10 +435,10 @@ def check_format_options(group_size: int, outliers: int, sparse_threshold: float
                          fp8_scales: str, key_wide_channels: int) -> None:
     """The format settings' own ranges, named as the engine's fields (EngineConfig checks them too,
     whatever its formats)."""
-    if not (isinstance(group_size, int) and 4 <= group_size <= 128):
+    if not (is_int(group_size) and 4 <= group_size <= 128):
         raise ValueError("kv_group_size must be an integer from 4 to 128 that divides head_dim, "
                          f"got {group_size!r}")
-    if not (isinstance(outliers, int) and outliers >= 1):
+    if not (is_int(outliers) and outliers >= 1):
         raise ValueError(f"kv_outliers must be an integer >= 1, got {outliers!r}")
     if not (isinstance(sparse_threshold, (int, float)) and sparse_threshold >= 0):
         raise ValueError(f"kv_sparse_threshold must be >= 0, got {sparse_threshold!r}")
@@ -444,7 +446,7 @@ def check_format_options(group_size: int, outliers: int, sparse_threshold: float
         raise ValueError(f"kv_sparse_capacity must be in (0, 1], got {sparse_capacity!r}")
     if fp8_scales not in FP8_SCALES:
         raise ValueError(f"kv_fp8_scales must be one of {', '.join(FP8_SCALES)}, got {fp8_scales!r}")
-    if not (isinstance(key_wide_channels, int) and key_wide_channels >= 0 and key_wide_channels % 8 == 0):
+    if not (is_int(key_wide_channels) and key_wide_channels >= 0 and key_wide_channels % 8 == 0):
         raise ValueError("kv_key_wide_channels must be a multiple of 8 (whole bytes of its bit plane, whole RoPE "
                          f"pairs), got {key_wide_channels!r}")
 

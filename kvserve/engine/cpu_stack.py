@@ -6,7 +6,7 @@ their dispatch cost a fifth of the step beside the weights' read. `DecoderStack`
 (kernels/csrc/decoder_stack.cpp) holds the layers' weights and the pool's pages and runs the
 same kernels in the same order from C++, so a step gives the layered model's logits bit for bit.
 
-It serves what those kernels cover: bf16 weights through the small-batch linear (AVX512-BF16),
+It serves what those kernels cover: bf16 weights through the small-batch linear (AVX512-BF16 or AVX2),
 the cpu attention backend over uncompressed pages or over codes its kernel encodes token by
 token (int8, fp8, int4 with zero-points; no full-precision residual, so no step stages tokens
 or seals blocks from Python), no KV rotation, one rank; and steps of up to `SMALL_BATCH` tokens
@@ -44,7 +44,7 @@ class CPUDecodeStack:
     def unsupported(backend: AttentionBackend, linear_kind: str | None, rotation: KVRotation | None) -> str | None:
         """Why the stack cannot run this configuration's steps; None when it can."""
         if linear_kind != "small-batch":
-            return "needs bf16 weights and the AVX512-BF16 small-batch linear"
+            return "needs bf16 weights and the small-batch linear (AVX512-BF16 or AVX2)"
         if not isinstance(backend, CPUPagedBackend):
             return "needs the cpu attention backend"
         if not backend.dense and (backend.pool.staged or not all(backend.encodes)):
