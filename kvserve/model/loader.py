@@ -124,9 +124,30 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> Loaded
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _with_fp32_rope(model, cfg)
+    return LoadedModel(model.to(device).eval(), cfg, load_tokenizer(path), path.name)
+
+
+# The classes AutoTokenizer maps to the `tokenizers` library's backend (transformers 5).
+_TOKENIZERS_BACKEND = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    """The directory's Hugging Face tokenizer; None without a tokenizer_config.json. A tokenizer
+    that names the `tokenizers` backend loads through that class directly: AutoTokenizer would
+    pick the same class, but its lookup imports transformers' model registry, ~3 s of every
+    start-up."""
+    config_file = path / "tokenizer_config.json"
+    if not config_file.exists():
+        return None
+    try:
+        named = json.loads(config_file.read_text()).get("tokenizer_class")
+    except ValueError as err:
+        raise ValueError(f"model: {config_file} is not valid JSON ({err})") from err
+    if named in _TOKENIZERS_BACKEND and (path / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
-    return LoadedModel(model.to(device).eval(), cfg, tokenizer, path.name)
+    return AutoTokenizer.from_pretrained(path)
 
 
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

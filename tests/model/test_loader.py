@@ -14,7 +14,7 @@ from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.cache.kv_pool import KVPool
 from kvserve.model.ops import EagerOps
 from kvserve.model.config import ModelConfig
-from kvserve.model.loader import convert_gguf, default_model_path, hf_state_dict, load_model
+from kvserve.model.loader import convert_gguf, default_model_path, hf_state_dict, load_model, load_tokenizer
 
 CPU = torch.device("cpu")
 
@@ -68,6 +68,33 @@ def test_gguf_conversion_is_cached() -> None:
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rope_theta"]) == (9, 3, 100000.0)
     assert cfg["tie_word_embeddings"] is True
     assert (first / "tokenizer.json").exists()
+
+
+@pytest.mark.model
+def test_the_tokenizer_loads_as_autotokenizer_would() -> None:
+    """The direct load skips AutoTokenizer's class lookup; the tokenizer must be the same."""
+    from transformers import AutoTokenizer
+    directory = convert_gguf(default_model_path())
+    ours, auto = load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
+    assert type(ours) is type(auto)
+    texts = ["The capital of France is", "  def f(x):\n\treturn x ** 2  ", "naïve café 東京 🙂",
+             "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        assert ours(text).input_ids == auto(text).input_ids
+        assert ours.decode(auto(text).input_ids) == auto.decode(auto(text).input_ids)
+    chat = [{"role": "user", "content": "Hello"}]
+    assert (ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+    assert (ours.all_special_ids, ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (
+        auto.all_special_ids, auto.eos_token_id, auto.bos_token_id, auto.pad_token_id)
+
+
+def test_a_damaged_tokenizer_config_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").unlink()
+    assert load_tokenizer(tmp_path) is None
 
 
 def test_random_presets_with_fewer_layers() -> None:
