@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import os
+import copy
 import time
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_model
 from tqdm import tqdm
 from transformers import (
     AutoModelForCausalLM,
@@ -18,18 +20,40 @@ from transformers import (
 
 from kvserve.bench.metrics import RequestTiming
 from kvserve.bench.workload import WorkloadRequest
+from kvserve.model.loader import cached_conversion, convert_gguf, publish
 
 
 def load_hf_model(
     gguf_path: str, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    # HF dequantizes the GGUF into plain `dtype` weights (and needs `accelerate`
-    # installed to do so); local_files_only keeps it from touching the Hub.
-    directory, filename = os.path.split(os.path.abspath(gguf_path))
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=filename, dtype=dtype, local_files_only=True
-    )
+    """HF transformers' own reading of a GGUF, independent of kvserve's conversion (the parity
+    tests and eval's HF rows check ours against it). Transformers parses the file three times
+    (config, tokenizer, weights) and dequantizes in numpy, ~35 s for the bundled model, so its
+    result is saved once per file as an HF directory in the cache and later loads read that."""
+    path = Path(gguf_path).resolve()
+    out = cached_conversion(path, prefix="hf-")
+    if not (out / "config.json").exists():
+        # local_files_only keeps transformers from touching the Hub.
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                     local_files_only=True)
+
+        def write(tmp: Path) -> None:
+            # The weights are dequantized already (transformers' save_pretrained refuses a model
+            # loaded from GGUF): the plain tensors and the config without its GGUF marker.
+            config = copy.deepcopy(model.config)
+            del config.quantization_config
+            config.save_pretrained(tmp)
+            save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            tokenizer.save_pretrained(tmp)
+
+        publish(out, write)
+    return load_hf_dir(out, dtype)
+
+
+def load_hf_dir(directory: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
     model.eval()
     return model, tokenizer
 
@@ -39,14 +63,7 @@ def load_hf_bench_model(source: str, dtype: torch.dtype) -> tuple[PreTrainedMode
     one-time conversion to an HF directory (dequantized), so both engines multiply the same bf16
     tensors; transformers' GGUF loader would keep them packed and dequantize in every matmul.
     (The parity tests load the GGUF with HF's loader instead, to check that conversion.)"""
-    from pathlib import Path
-
-    from kvserve.model.loader import convert_gguf
-    directory = convert_gguf(Path(source)) if source.endswith(".gguf") else Path(source)
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
-    model.eval()
-    return model, tokenizer
+    return load_hf_dir(convert_gguf(Path(source)) if source.endswith(".gguf") else Path(source), dtype)
 
 
 class _StepClock(StoppingCriteria):

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -217,11 +218,33 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def convert_gguf(path: Path) -> Path:
-    """Dequantize a Llama-family GGUF into a cached HF directory; returns that directory."""
+def cached_conversion(path: Path, prefix: str = "") -> Path:
+    """Where a conversion of the file `path` lives in the cache: keyed by the file's place, size and
+    time, so a changed file converts again."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_root() / f"{path.stem}-{key}"
+    return cache_root() / f"{prefix}{path.stem}-{key}"
+
+
+def publish(out: Path, write: Callable[[Path], None]) -> Path:
+    """Has `write` fill a temporary sibling of `out`, then renames it into place: no reader sees
+    half a directory, and of two processes converting at once the first one's stays."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        write(tmp)
+        tmp.rename(out)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantize a Llama-family GGUF into a cached HF directory; returns that directory."""
+    out = cached_conversion(path)
     if (out / "config.json").exists():
         return out
     import gguf
@@ -262,14 +285,11 @@ def convert_gguf(path: Path) -> Path:
             w = _unpermute_rope(w, heads if rest.startswith("attn_q.") else kv_heads)
         state[f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"] = w
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-    from transformers import AutoTokenizer
-    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
-    try:
-        tmp.rename(out)
-    except OSError:  # another process converted it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    def write(tmp: Path) -> None:
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+
+    return publish(out, write)

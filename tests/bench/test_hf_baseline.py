@@ -29,3 +29,16 @@ def test_static_batches_timings_are_ordered() -> None:
     # The second batch only starts once the first has run all 5 steps.
     assert timings[2].first_token > timings[1].finish
     assert wall_s >= timings[2].finish - t0
+
+
+@pytest.mark.slow
+def test_the_cached_hf_reading_of_the_gguf_equals_transformers_reading_it_again() -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    cached, _ = load_hf_model(str(path), torch.float32)
+    direct = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                  local_files_only=True)
+    want, got = direct.state_dict(), cached.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert cached.lm_head.weight is cached.model.embed_tokens.weight

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.cache.kv_pool import KVPool
 from kvserve.model.ops import EagerOps
 from kvserve.model.config import ModelConfig
-from kvserve.model.loader import convert_gguf, default_model_path, hf_state_dict, load_model, load_tokenizer
+from kvserve.model.loader import (convert_gguf, default_model_path, hf_state_dict, load_model, load_tokenizer,
+                                  publish)
 
 CPU = torch.device("cpu")
 
@@ -95,6 +97,26 @@ def test_a_damaged_tokenizer_config_is_a_clear_error(tmp_path: Path) -> None:
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").unlink()
     assert load_tokenizer(tmp_path) is None
+
+
+def test_a_published_directory_appears_whole_and_the_first_one_stays(tmp_path: Path) -> None:
+    out = tmp_path / "cache" / "converted"
+
+    def write(text: str) -> Callable[[Path], None]:
+        def fill(tmp: Path) -> None:
+            (tmp / "config.json").write_text(text)
+        return fill
+
+    def fail(tmp: Path) -> None:
+        (tmp / "config.json").write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        publish(out, fail)
+    assert not out.exists() and [p.name for p in out.parent.iterdir()] == []  # no half directory, no debris
+    assert publish(out, write("first")) == out
+    assert publish(out, write("second")) == out  # a process that lost the race keeps the winner's
+    assert (out / "config.json").read_text() == "first" and [p.name for p in out.parent.iterdir()] == ["converted"]
 
 
 def test_random_presets_with_fewer_layers() -> None:
