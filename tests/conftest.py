@@ -15,6 +15,11 @@ import torch
 # anything imports triton, which reads it when a kernel is defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Parallel workers (pytest -n): one thread each, in the processes their tests start too, or
+    # OpenMP threads spinning at their barriers would fight the other workers for the cores.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
     from triton.runtime import interpreter
     # Compiled for a GPU, Triton checks integer overflow only in debug mode; its interpreter

@@ -159,3 +159,21 @@ def test_paged_attention_decodes_every_absmax_code_exactly(code_dtype: torch.dty
         e, e, e, 1.0, bs, 1, e, e)
     want = v_codes[:, 0, 0].float() * v_scale[:, 0].float()
     assert torch.equal(out[:, 0], want)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 33, 70])
+def test_linear_bf16_gives_the_same_bits_on_any_thread_count(rows: int) -> None:
+    """Parallel test workers run one thread each: here the kernel's split of the output columns
+    across threads is checked (1030 columns: full tiles on both threads and a tail)."""
+    if not kernels.has_bf16_gemm():
+        pytest.skip("built without AVX512-BF16 or AVX2")
+    x, w = rand(rows, 256, dtype=torch.bfloat16, seed=12), rand(1030, 256, dtype=torch.bfloat16, seed=13)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(kernels.linear_bf16(x, w, None))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
