@@ -35,21 +35,43 @@ def onednn_rows(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor])
     return torch.cat([matmul(x[:bulk]), matmul(x[bulk:])])
 
 
+def interleave_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N / 8, K / 16, 8, 16]: each group of eight rows in blocks of 16 weights, side by
+    side, so the AVX2 kernel reads a group's rows as one stream (linear_avx2.cpp)."""
+    n, k = weight.shape
+    return weight.view(n // 8, 8, k // 16, 16).transpose(1, 2).contiguous()
+
+
+def widened_rows(weight: torch.Tensor) -> torch.Tensor:
+    """The fp32 [N, K] of a [N, K] or interleaved weight, in one pass."""
+    if weight.dim() == 2:
+        return weight.float()
+    groups, blocks = weight.shape[:2]
+    out = torch.empty(groups * 8, blocks * 16)
+    out.view(groups, 8, blocks, 16).copy_(weight.transpose(1, 2))
+    return out
+
+
 class SmallBatchLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, kernels: ModuleType) -> None:
+    def __init__(self, linear: nn.Linear, kernels: ModuleType, shared: bool = False) -> None:
+        """`shared`: the weight is another module's too (tied embeddings): kept as [N, K] rows."""
         super().__init__()
         self.kernels = kernels
-        self.register_buffer("weight", linear.weight.detach().contiguous(), persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
         # Without AVX-512, oneDNN's bf16 matmul is emulated: 2.5-4x slower than fp32 on weights
         # widened for the call (the widening is a fixed ~0.3 ms per 1.8M weights), BENCHMARKS.md.
         self.widen = not onednn_packs(torch.bfloat16)
+        weight = linear.weight.detach().contiguous()
+        n, k = weight.shape
+        if self.widen and kernels.interleaves_bf16_weights() and not shared and n % 8 == 0 and k % 16 == 0:
+            weight = interleave_rows(weight)
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= SMALL_BATCH:
             return self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
         if self.widen:
-            weight, bias = self.weight.float(), None if self.bias is None else self.bias.float()
+            weight, bias = widened_rows(self.weight), None if self.bias is None else self.bias.float()
             return onednn_rows(x.float(), lambda rows: F.linear(rows, weight, bias)).to(x.dtype)
         return onednn_rows(x, lambda rows: F.linear(rows, self.weight, self.bias))
 
@@ -90,8 +112,14 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None) -> None:
     """Swaps every nn.Linear in `model` for the `kind` of CPU linear, in place. A shared weight
     (tied embeddings) stays shared: the new modules hold the same tensor."""
+    others = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    _replace(model, kind, kernels, others)
+
+
+def _replace(model: nn.Module, kind: str, kernels: ModuleType | None, others: set[int]) -> None:
     for name, child in model.named_children():
         if isinstance(child, nn.Linear):
-            setattr(model, name, SmallBatchLinear(child, kernels) if kind == "small-batch" else PackedLinear(child))
+            setattr(model, name, SmallBatchLinear(child, kernels, id(child.weight) in others)
+                    if kind == "small-batch" else PackedLinear(child))
         else:
-            replace_linears(child, kind, kernels)
+            _replace(child, kind, kernels, others)

@@ -7,7 +7,9 @@ import torch
 
 from kvserve.kernels import cpu_extension
 from kvserve.model.cpu_linear import (ROW_BUCKET, SMALL_BATCH, PackedLinear, SmallBatchLinear, cpu_linear_kind,
-                                      onednn_packs, onednn_rows)
+                                      interleave_rows, onednn_packs, onednn_rows, replace_linears, widened_rows)
+from kvserve.model.config import ModelConfig
+from kvserve.model.llama import LlamaForCausalLM
 
 
 @pytest.mark.parametrize("rows", [1, 33, ROW_BUCKET, ROW_BUCKET + 1, 200])
@@ -44,6 +46,47 @@ def test_small_batch_linear_equals_f_linear_on_both_sides_of_its_row_limit(rows:
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
     torch.testing.assert_close(SmallBatchLinear(linear, kernels)(x).float(), want, atol=2e-2, rtol=2e-2)
+
+
+def interleaving_kernels() -> object:
+    kernels = cpu_extension.load()
+    if kernels is None or not kernels.interleaves_bf16_weights() or onednn_packs(torch.bfloat16):
+        pytest.skip("needs the AVX2 kernel (a CPU without AVX512-BF16)")
+    return kernels
+
+
+def test_interleaved_rows_put_each_group_of_eight_rows_side_by_side() -> None:
+    w = torch.arange(16 * 32, dtype=torch.float32).view(16, 32)
+    packed = interleave_rows(w)
+    assert packed.shape == (2, 2, 8, 16)
+    # Group g, block b, row j: weights [16 b, 16 b + 16) of row 8 g + j, worked by hand for one.
+    assert torch.equal(packed[1, 1, 3], w[11, 16:32])
+    assert torch.equal(widened_rows(packed.bfloat16()), w.bfloat16().float())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 33, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_avx2_kernel_gives_the_same_bits_on_interleaved_weights(rows: int, bias: bool) -> None:
+    kernels = interleaving_kernels()
+    w = torch.randn(1032, 96).bfloat16()  # 129 groups of eight: both threads' groups and an odd count
+    b = torch.randn(1032).bfloat16() if bias else None
+    x = torch.randn(rows, 96).bfloat16()
+    assert torch.equal(kernels.linear_bf16(x, interleave_rows(w), b), kernels.linear_bf16(x, w, b))
+
+
+def test_small_batch_linears_interleave_all_weights_but_a_tied_one() -> None:
+    kernels = interleaving_kernels()
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position=64, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    want = model.model.layers[0].mlp.gate_up_proj.weight.detach().clone()
+    replace_linears(model, "small-batch", kernels)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still one copy
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    assert gate_up.weight.dim() == 4 and torch.equal(widened_rows(gate_up.weight), want.float())
+    x = torch.randn(SMALL_BATCH + 5, 64, dtype=torch.bfloat16)  # the widened fp32 path
+    torch.testing.assert_close(gate_up(x).float(), x.float() @ want.float().T, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

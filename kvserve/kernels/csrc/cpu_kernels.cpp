@@ -1128,12 +1128,24 @@ bool has_bf16_gemm() {
 // out [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, fp32 accumulation. For the small
 // M of decode steps, where a GEMM library's packing and blocking cost more than the weights'
 // read from memory, which is all a decode step's matmul should cost.
+bool interleaves_bf16_weights() {
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_bf16_gemm(), "linear_bf16: built without AVX512-BF16 or AVX2");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "linear_bf16: contiguous [M, K] and [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K % 32 == 0, "linear_bf16: K must match and be a multiple of 32");
+  const bool interleaved = w.dim() == 4;
+  TORCH_CHECK(!interleaved || (interleaves_bf16_weights() && w.size(2) == 8 && w.size(3) == 16),
+              "linear_bf16: interleaved weights are [N / 8, K / 16, 8, 16], and only the AVX2 kernel reads them");
+  const int64_t M = x.size(0), K = x.size(1), N = interleaved ? w.size(0) * 8 : w.size(0);
+  TORCH_CHECK((interleaved ? w.size(1) * 16 : w.size(1)) == K && K % 32 == 0,
+              "linear_bf16: K must match and be a multiple of 32");
   at::Tensor out = at::empty({M, N}, x.options());
 #ifdef __AVX512BF16__
   const auto* xd = x.data_ptr<c10::BFloat16>();
@@ -1158,7 +1170,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "bf16 x @ w^T for small M (decode)", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
-  m.def("has_bf16_gemm", &has_bf16_gemm, "whether linear_bf16 was built (AVX512-BF16)");
+  m.def("has_bf16_gemm", &has_bf16_gemm, "whether linear_bf16 was built (AVX512-BF16 or AVX2)");
+  m.def("interleaves_bf16_weights", &interleaves_bf16_weights,
+        "whether linear_bf16 reads weights interleaved in groups of eight rows (the AVX2 kernel)");
   m.def("paged_attention", &paged_attention, "attention over paged KV, pages read in place");
   m.def("encode_write", &encode_write, "encode K or V rows into int8 / fp8 / int4 page fields");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into a residual");

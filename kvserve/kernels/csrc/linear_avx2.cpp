@@ -7,6 +7,12 @@
 // odd-indexed ones) are masked, so x is rearranged once per call into the same even / odd order.
 // Every output sums its products in one order whatever the tile shape, so a row's result does not
 // depend on how many rows ride with it.
+//
+// Weights come as [N, K] rows or interleaved, [N / 8, K / 16, 8, 16] (cpu_linear.py stores them
+// so): each group of eight rows in blocks of 16 weights, the eight rows' blocks side by side. A
+// one-row step reads eight rows at once; in rows of a few KB that is eight short streams, which
+// the hardware prefetchers follow poorly (~18 GB/s of the ~30 two cores read), where the
+// interleaved group is one stream (~23 GB/s; BENCHMARKS.md).
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
@@ -31,20 +37,27 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Where row j's 16 weights from k on sit, from the first row of its group: rows [N, K] (rs = K,
+// ks = 16) or interleaved (rs = 16, ks = 128).
+struct Layout {
+  int64_t rs, ks;
+  const c10::BFloat16* at(const c10::BFloat16* w, int64_t j, int64_t k) const { return w + j * rs + k / 16 * ks; }
+};
+
 // MR rows of x (fp32, even / odd order) against NR weight rows. Each sum takes its 8 even, then
-// its 8 odd products of every 16 weights: the same order in every tile shape.
+// its 8 odd products of every 16 weights: the same order in every tile shape and layout.
 template <int MR, int NR>
-inline void tile(const float* xs, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
+inline void tile(const float* xs, const c10::BFloat16* w, Layout L, const c10::BFloat16* bias, c10::BFloat16* out,
                  int64_t K, int64_t N) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
-    // The rows ~64 ahead into L2, as the AVX512 kernel does: enough misses in flight.
+    // The rows 64 ahead into L2, as the AVX512 kernel does: enough misses in flight.
     if ((k & 31) == 0)
-      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (64 + j) * K + k), _MM_HINT_T1);
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(L.at(w + 64 * K, j, k)), _MM_HINT_T1);
     __m256 we[NR], wo[NR];
-    for (int j = 0; j < NR; ++j) widen(w + j * K + k, we[j], wo[j]);
+    for (int j = 0; j < NR; ++j) widen(L.at(w, j, k), we[j], wo[j]);
     for (int i = 0; i < MR; ++i) {
       const __m256 xe = _mm256_loadu_ps(xs + i * K + k), xo = _mm256_loadu_ps(xs + i * K + k + 8);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xo, wo[j], _mm256_fmadd_ps(xe, we[j], acc[i][j]));
@@ -57,29 +70,39 @@ inline void tile(const float* xs, const c10::BFloat16* w, const c10::BFloat16* b
     }
 }
 
-// Every row of x against the weight rows [n, n + cols), cols 4 or 1; those rows stay in L1
-// across the row tiles. Tiles of 4 x 2 keep eight sums in flight (the FMA units' latency times
-// their width); a last one to three rows take 2 x 2 and 1 x 4 tiles.
-void columns(const float* xs, const c10::BFloat16* w, const c10::BFloat16* b, c10::BFloat16* out, int64_t M,
-             int64_t K, int64_t N, int64_t cols) {
+// Every row of x against the weight rows [n, n + cols) from w (row n's first weight), cols 8, 4
+// or 1; those rows stay in L1 across the row tiles. Tiles of 4 x 2 keep eight sums in flight (the
+// FMA units' latency times their width); a last two or three rows take 2 x 2 tiles, and a last
+// one row a 1 x cols tile: at one row (a decode step) eight weight rows stream at once.
+void columns(const float* xs, const c10::BFloat16* w, Layout L, const c10::BFloat16* b, c10::BFloat16* out,
+             int64_t M, int64_t K, int64_t N, int64_t cols) {
   int64_t m = 0;
   if (cols == 1) {
-    for (; m < M; ++m) tile<1, 1>(xs + m * K, w, b, out + m * N, K, N);
+    for (; m < M; ++m) tile<1, 1>(xs + m * K, w, L, b, out + m * N, K, N);
     return;
   }
   for (; m + 4 <= M; m += 4)
-    for (int64_t j = 0; j < 4; j += 2) tile<4, 2>(xs + m * K, w + j * K, b ? b + j : b, out + m * N + j, K, N);
+    for (int64_t j = 0; j < cols; j += 2)
+      tile<4, 2>(xs + m * K, L.at(w, j, 0), L, b ? b + j : b, out + m * N + j, K, N);
   if (M - m >= 2) {
-    for (int64_t j = 0; j < 4; j += 2) tile<2, 2>(xs + m * K, w + j * K, b ? b + j : b, out + m * N + j, K, N);
+    for (int64_t j = 0; j < cols; j += 2)
+      tile<2, 2>(xs + m * K, L.at(w, j, 0), L, b ? b + j : b, out + m * N + j, K, N);
     m += 2;
   }
-  if (m < M) tile<1, 4>(xs + m * K, w, b, out + m * N, K, N);
+  if (m < M) {
+    if (cols == 8)
+      tile<1, 8>(xs + m * K, w, L, b, out + m * N, K, N);
+    else
+      tile<1, 4>(xs + m * K, w, L, b, out + m * N, K, N);
+  }
 }
 
 }  // namespace
 
 void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const bool interleaved = w.dim() == 4;
+  const Layout L = interleaved ? Layout{16, 128} : Layout{K, 16};
   const auto* xd = x.data_ptr<c10::BFloat16>();
   std::vector<float> xs(M * K);
   for (int64_t i = 0; i < M * K; i += 16) {
@@ -91,18 +114,23 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   const auto* wd = w.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bd = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   auto* od = out.data_ptr<c10::BFloat16>();
-  const int64_t tiles = N / 4;
-  // Rows in blocks whose fp32 copy stays in L2 while every column tile passes over it.
+  const int64_t groups = N / 8;
+  // Rows in blocks whose fp32 copy stays in L2 while every column group passes over it.
   constexpr int64_t kRowBlock = 64;
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, M - m0);
     const float* xb = xs.data() + m0 * K;
     c10::BFloat16* ob = od + m0 * N;
-    at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        columns(xb, wd + t * 4 * K, bd ? bd + t * 4 : nullptr, ob + t * 4, rows, K, N, 4);
+    // A group of eight rows takes 8 * K weights in either layout.
+    auto run = [&](int64_t n, int64_t cols) {
+      columns(xb, wd + n * K, L, bd ? bd + n : nullptr, ob + n, rows, K, N, cols);
+    };
+    at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) run(g * 8, 8);
     });
-    for (int64_t n = tiles * 4; n < N; ++n) columns(xb, wd + n * K, bd ? bd + n : nullptr, ob + n, rows, K, N, 1);
+    int64_t n = groups * 8;  // interleaved weights have no rows past the groups
+    if (N - n >= 4) run(n, 4), n += 4;
+    for (; n < N; ++n) run(n, 1);
   }
 }
 #endif
