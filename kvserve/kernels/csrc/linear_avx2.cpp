@@ -44,7 +44,7 @@ struct Layout {
   const c10::BFloat16* at(const c10::BFloat16* w, int64_t j, int64_t k) const { return w + j * rs + k / 16 * ks; }
 };
 
-// Adds to acc the products of weights [k0, k1): MR rows of x (fp32, even / odd order) against NR
+// Adds to sums the products of weights [k0, k1): MR rows of x (fp32, even / odd order) against NR
 // weight rows. Each sum takes its 8 even, then its 8 odd products of every 16 weights, k in
 // order: the same order in every tile shape, layout and pass, so a row's result does not depend
 // on the rows beside it.
@@ -127,9 +127,9 @@ void columns(const float* xs, const c10::BFloat16* w, Layout L, const c10::BFloa
     return;
   }
   for (; m + 4 <= M; m += 4)
-    for (int64_t j = 0; j < cols; j += 2) tile<4, 2>(xs + m * K, w + j * K, L, b ? b + j : b, out + m * N + j, K, N);
+    for (int64_t j = 0; j < cols; j += 2) tile<4, 2>(xs + m * K, L.at(w, j, 0), L, b ? b + j : b, out + m * N + j, K, N);
   if (M - m >= 2) {
-    for (int64_t j = 0; j < cols; j += 2) tile<2, 2>(xs + m * K, w + j * K, L, b ? b + j : b, out + m * N + j, K, N);
+    for (int64_t j = 0; j < cols; j += 2) tile<2, 2>(xs + m * K, L.at(w, j, 0), L, b ? b + j : b, out + m * N + j, K, N);
     m += 2;
   }
   if (m < M) tile<1, 4>(xs + m * K, w, L, b, out + m * N, K, N);
