@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors.torch import save_model
 from tqdm import tqdm
 from transformers import (
@@ -29,9 +30,10 @@ def load_hf_model(
     """HF transformers' own reading of a GGUF, independent of kvserve's conversion (the parity
     tests and eval's HF rows check ours against it). Transformers parses the file three times
     (config, tokenizer, weights) and dequantizes in numpy, ~35 s for the bundled model, so its
-    result is saved once per file as an HF directory in the cache and later loads read that."""
+    result is saved once per file and transformers version as an HF directory in the cache, and
+    later loads read that."""
     path = Path(gguf_path).resolve()
-    out = cached_conversion(path, prefix="hf-")
+    out = cached_conversion(path, prefix=f"hf-{transformers.__version__}-")
     if not (out / "config.json").exists():
         # local_files_only keeps transformers from touching the Hub.
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
