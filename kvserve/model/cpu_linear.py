@@ -62,6 +62,8 @@ class SmallBatchLinear(nn.Module):
         self.widen = not onednn_packs(torch.bfloat16)
         weight = linear.weight.detach().contiguous()
         n, k = weight.shape
+        # Only where rows past SMALL_BATCH are widened (which un-interleaves them in the same
+        # pass): oneDNN's own bf16 matmul needs [N, K] rows.
         if self.widen and kernels.interleaves_bf16_weights() and not shared and n % 8 == 0 and k % 16 == 0:
             weight = interleave_rows(weight)
         self.register_buffer("weight", weight, persistent=False)

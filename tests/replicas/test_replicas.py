@@ -162,4 +162,3 @@ def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_the_next
         reply = httpx.post(f"http://127.0.0.1:{served.port}/v1/completions",
                            json={"prompt": SHARED[:12], "max_tokens": 3}, timeout=60)
         assert reply.status_code == 200, reply.text
-

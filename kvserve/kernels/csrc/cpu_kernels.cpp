@@ -1125,9 +1125,6 @@ bool has_bf16_gemm() {
 #endif
 }
 
-// out [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, fp32 accumulation. For the small
-// M of decode steps, where a GEMM library's packing and blocking cost more than the weights'
-// read from memory, which is all a decode step's matmul should cost.
 bool interleaves_bf16_weights() {
 #if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
   return true;
@@ -1136,6 +1133,9 @@ bool interleaves_bf16_weights() {
 #endif
 }
 
+// out [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, fp32 accumulation. For the small
+// M of decode steps, where a GEMM library's packing and blocking cost more than the weights'
+// read from memory, which is all a decode step's matmul should cost.
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_bf16_gemm(), "linear_bf16: built without AVX512-BF16 or AVX2");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");

@@ -42,6 +42,7 @@ inline float hsum(__m256 v) {
 struct Layout {
   int64_t rs, ks;
   const c10::BFloat16* at(const c10::BFloat16* w, int64_t j, int64_t k) const { return w + j * rs + k / 16 * ks; }
+  bool interleaved() const { return rs == 16; }
 };
 
 // Adds to sums the products of weights [k0, k1): MR rows of x (fp32, even / odd order) against NR
@@ -95,7 +96,7 @@ inline void tile(const float* xs, const c10::BFloat16* w, Layout L, const c10::B
 template <int MR>
 inline void tiles_of_eight(const float* xs, const c10::BFloat16* w, Layout L, const c10::BFloat16* b,
                            c10::BFloat16* out, int64_t K, int64_t N, bool first) {
-  const int64_t chunk = L.rs == 16 && first ? 128 : K;  // weights of a row per turn
+  const int64_t chunk = L.interleaved() && first ? 128 : K;  // weights of a row per turn
   __m256 sums[4][MR][2];
   for (int t = 0; t < 4; ++t)
     for (int i = 0; i < MR; ++i)
