@@ -20,6 +20,7 @@ from kvserve.attention import StepMetadata
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import BACKENDS
 from kvserve.cache.kv_pool import KVPool
+from tests.torch_threads import torch_threads
 
 HEAD_DIM = 32
 ATOL = RTOL = 1e-5
@@ -53,10 +54,8 @@ def attend(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch
 def one_thread() -> Iterator[None]:
     # These tensors are tiny; on a 2-core machine shared with other work, torch's intra-op
     # threads spin against each other and a 10 ms case takes 400 ms. One thread is faster here.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @dataclass

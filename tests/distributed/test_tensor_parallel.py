@@ -13,6 +13,7 @@ from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import shard_of
 from kvserve.eval.quality import forced_logprobs
 from tests.conftest import TINY
+from tests.torch_threads import torch_threads
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 5, [9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8] * 5 + [12, 13]]
@@ -123,13 +124,9 @@ def test_splitting_the_bundled_model_changes_no_more_than_a_thread_count_does(fm
     one = LLM(**kwargs)
     ids = one.tokenizer.encode(load_text("python-docs").text[:20_000])
     windows = [ids[i * 160:(i + 1) * 160] for i in range(3)]
-    threads = torch.get_num_threads()
     reference = forced_logprobs(one, windows, prefill_len=64)
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         other_threads = forced_logprobs(LLM(**kwargs), windows, prefill_len=64)
-    finally:
-        torch.set_num_threads(threads)
     two_llm = LLM(**kwargs, tensor_parallel_size=2)
     two = forced_logprobs(two_llm, windows, prefill_len=64)
     two_llm.engine.close()

@@ -13,6 +13,7 @@ from kvserve.attention.selector import BACKENDS
 from kvserve.eval.quality import forced_logprobs
 from kvserve.model.config import ModelConfig
 from tests.backend_cases import NO_TRITON, heavy_case
+from tests.torch_threads import torch_threads
 
 WINDOWS = [[(7 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
 FAST = [dict(attention_backend=name, cpu_kernels=True) for name in BACKENDS if name != "torch"]
@@ -97,16 +98,12 @@ def test_bf16_steps_give_the_same_logprobs_on_any_thread_count(pages: str) -> No
     to split, through the fused step and the layered one."""
     wide = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
                        num_kv_heads=2, head_dim=32, max_position=512)
-    before = torch.get_num_threads()
     runs = []
-    try:
-        for threads, fused in ((1, True), (2, True), (2, False)):
-            torch.set_num_threads(threads)
+    for threads, fused in ((1, True), (2, True), (2, False)):
+        with torch_threads(threads):
             llm = LLM(model=wide, dtype="bfloat16", device="cpu", kv_cache_memory="4MiB", max_model_len=256,
                       max_num_seqs=3, cpu_fused_step=fused, **PAGES[pages])
             runs.append(forced_logprobs(llm, [[t * 5 % 512 for t in w] for w in WINDOWS], prefill_len=30))
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
 
 

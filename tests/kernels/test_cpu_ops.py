@@ -6,6 +6,7 @@ import torch
 
 from kvserve.kernels import cpu_extension
 from kvserve.model.ops import EagerOps
+from tests.torch_threads import torch_threads
 
 kernels = cpu_extension.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels could not be built here")
@@ -168,12 +169,8 @@ def test_linear_bf16_gives_the_same_bits_on_any_thread_count(rows: int) -> None:
     if not kernels.has_bf16_gemm():
         pytest.skip("built without AVX512-BF16 or AVX2")
     x, w = rand(rows, 256, dtype=torch.bfloat16, seed=12), rand(1030, 256, dtype=torch.bfloat16, seed=13)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    outs = []
+    for threads in (1, 2, 3):
+        with torch_threads(threads):
             outs.append(kernels.linear_bf16(x, w, None))
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
