@@ -21,7 +21,7 @@ import torch
 from kvserve.attention import AttentionBackend, StepMetadata
 from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.rotation import KVRotation
-from kvserve.model.cpu_linear import SMALL_BATCH
+from kvserve.model.cpu_linear import SMALL_BATCH, SmallBatchLinear
 from kvserve.model.llama import LlamaForCausalLM
 
 
@@ -41,10 +41,13 @@ class CPUDecodeStack:
             cfg.num_kv_heads, cfg.head_dim, inner.norm.eps, inner.layers[0].self_attn.scale, backend.pool.block_size)
 
     @staticmethod
-    def unsupported(backend: AttentionBackend, linear_kind: str | None, rotation: KVRotation | None) -> str | None:
+    def unsupported(model: LlamaForCausalLM, backend: AttentionBackend, linear_kind: str | None,
+                    rotation: KVRotation | None) -> str | None:
         """Why the stack cannot run this configuration's steps; None when it can."""
         if linear_kind != "small-batch":
             return "needs bf16 weights and the small-batch linear (AVX512-BF16 or AVX2)"
+        if any(isinstance(m, SmallBatchLinear) and m.padded for m in model.model.layers.modules()):
+            return "a layer's output size is not a multiple of 8 (the AVX2 linear pads those)"
         if not isinstance(backend, CPUPagedBackend):
             return "needs the cpu attention backend"
         if not backend.dense and (backend.pool.staged or not all(backend.encodes)):

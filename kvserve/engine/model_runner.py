@@ -76,7 +76,7 @@ class ModelRunner:
                                                                     *cuda_graphs, device)
         self.stack = None
         if cpu_stack:
-            reason = CPUDecodeStack.unsupported(backend, self.linear_kind, self.rotation)
+            reason = CPUDecodeStack.unsupported(model, backend, self.linear_kind, self.rotation)
             if reason is None:
                 self.stack = CPUDecodeStack(model, backend, kernels)
             logger.info("kvserve: %s", f"steps of up to {SMALL_BATCH} tokens run the decoder stack in one C++ call"

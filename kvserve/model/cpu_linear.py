@@ -36,46 +36,68 @@ def onednn_rows(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor])
 
 
 def interleave_rows(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N / 8, K / 16, 8, 16]: each group of eight rows in blocks of 16 weights, side by
-    side, so the AVX2 kernel reads a group's rows as one stream (linear_avx2.cpp)."""
+    """[N, K] -> [ceil(N / 8), K / 2, 8, 2]: each group of eight rows in pairs of k, so one load of
+    the AVX2 kernel holds eight rows' weights at k and k + 1 and a group is one stream
+    (linear_avx2.cpp). Zero rows pad N to a multiple of eight."""
     n, k = weight.shape
-    return weight.view(n // 8, 8, k // 16, 16).transpose(1, 2).contiguous()
+    padded = torch.cat([weight, weight.new_zeros(-n % 8, k)]) if n % 8 else weight
+    return padded.view(-1, 8, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def kernel_layout(weight: torch.Tensor, kernels: ModuleType) -> torch.Tensor:
+    """The [N, K] weight as `kernels.linear_bf16` reads it: interleaved for the AVX2 kernel (whose
+    output then has N rounded up to a multiple of eight), [N, K] for the others."""
+    return interleave_rows(weight) if kernels.interleaves_bf16_weights() else weight.contiguous()
 
 
 def widened_rows(weight: torch.Tensor) -> torch.Tensor:
-    """The fp32 [N, K] of a [N, K] or interleaved weight, in one pass."""
+    """The fp32 [N, K] of a [N, K] or interleaved weight (N padded as the weight is), in one pass."""
     if weight.dim() == 2:
         return weight.float()
-    groups, blocks = weight.shape[:2]
-    out = torch.empty(groups * 8, blocks * 16)
-    out.view(groups, 8, blocks, 16).copy_(weight.transpose(1, 2))
+    groups, pairs = weight.shape[:2]
+    out = torch.empty(groups * 8, pairs * 2)
+    out.view(groups, 8, pairs, 2).copy_(weight.transpose(1, 2))
     return out
 
 
 class SmallBatchLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, kernels: ModuleType, shared: bool = False) -> None:
-        """`shared`: the weight is another module's too (tied embeddings): kept as [N, K] rows."""
+    def __init__(self, linear: nn.Linear, kernels: ModuleType) -> None:
         super().__init__()
         self.kernels = kernels
+        self.out_features = linear.out_features
         # Without AVX-512, oneDNN's bf16 matmul is emulated: 2.5-4x slower than fp32 on weights
         # widened for the call (the widening is a fixed ~0.3 ms per 1.8M weights), BENCHMARKS.md.
         self.widen = not onednn_packs(torch.bfloat16)
-        weight = linear.weight.detach().contiguous()
-        n, k = weight.shape
-        # Only where rows past SMALL_BATCH are widened (which un-interleaves them in the same
-        # pass): oneDNN's own bf16 matmul needs [N, K] rows.
-        if self.widen and kernels.interleaves_bf16_weights() and not shared and n % 8 == 0 and k % 16 == 0:
-            weight = interleave_rows(weight)
-        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("weight", kernel_layout(linear.weight.detach(), kernels), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+
+    @property
+    def padded(self) -> bool:
+        """Whether the kernel's output has zero columns past out_features (interleaved weights)."""
+        return self.weight.dim() == 4 and self.out_features % 8 != 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= SMALL_BATCH:
-            return self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
-        if self.widen:
-            weight, bias = widened_rows(self.weight), None if self.bias is None else self.bias.float()
+            out = self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
+        elif self.widen:
+            weight = widened_rows(self.weight)[:self.out_features]
+            bias = None if self.bias is None else self.bias.float()
             return onednn_rows(x.float(), lambda rows: F.linear(rows, weight, bias)).to(x.dtype)
-        return onednn_rows(x, lambda rows: F.linear(rows, self.weight, self.bias))
+        else:
+            return onednn_rows(x, lambda rows: F.linear(rows, self.weight, self.bias))
+        return out[:, :self.out_features].contiguous() if self.padded else out
+
+
+class InterleavedEmbedding(nn.Module):
+    """The token embedding of a model whose LM head shares its weight, read from that head's
+    interleaved weight (one copy of the table)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.transpose(1, 2)[input_ids // 8, input_ids % 8].flatten(-2)
 
 
 class PackedLinear(nn.Module):
@@ -113,15 +135,17 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None) -> None:
     """Swaps every nn.Linear in `model` for the `kind` of CPU linear, in place. A shared weight
-    (tied embeddings) stays shared: the new modules hold the same tensor."""
-    others = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
-    _replace(model, kind, kernels, others)
-
-
-def _replace(model: nn.Module, kind: str, kernels: ModuleType | None, others: set[int]) -> None:
-    for name, child in model.named_children():
-        if isinstance(child, nn.Linear):
-            setattr(model, name, SmallBatchLinear(child, kernels, id(child.weight) in others)
-                    if kind == "small-batch" else PackedLinear(child))
-        else:
-            _replace(child, kind, kernels, others)
+    (tied embeddings) stays one tensor: an embedding that shares a weight the kernel reads
+    interleaved becomes an `InterleavedEmbedding` of it."""
+    replaced: dict[int, nn.Module] = {}
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                new = SmallBatchLinear(child, kernels) if kind == "small-batch" else PackedLinear(child)
+                replaced[id(child.weight)] = new
+                setattr(parent, name, new)
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            head = replaced.get(id(child.weight)) if isinstance(child, nn.Embedding) else None
+            if isinstance(head, SmallBatchLinear) and head.weight.dim() == 4:
+                setattr(parent, name, InterleavedEmbedding(head.weight))

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kvserve.kernels import cpu_extension
-from kvserve.model.cpu_linear import (ROW_BUCKET, SMALL_BATCH, PackedLinear, SmallBatchLinear, cpu_linear_kind,
-                                      interleave_rows, onednn_packs, onednn_rows, replace_linears, widened_rows)
+from kvserve.model.cpu_linear import (ROW_BUCKET, SMALL_BATCH, InterleavedEmbedding, PackedLinear, SmallBatchLinear,
+                                      cpu_linear_kind, interleave_rows, onednn_packs, onednn_rows, replace_linears,
+                                      widened_rows)
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaForCausalLM
 
@@ -38,14 +39,17 @@ def test_packed_linear_equals_f_linear(rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, SMALL_BATCH, SMALL_BATCH + 1])
-def test_small_batch_linear_equals_f_linear_on_both_sides_of_its_row_limit(rows: int) -> None:
+@pytest.mark.parametrize("out_features", [96, 100])  # 100: the AVX2 kernel's weight padded to 104 rows
+def test_small_batch_linear_equals_f_linear_on_both_sides_of_its_row_limit(rows: int, out_features: int) -> None:
     kernels = cpu_extension.load()
     if kernels is None or not kernels.has_bf16_gemm():
         pytest.skip("needs the CPU kernels with AVX512-BF16 or AVX2")
-    linear = torch.nn.Linear(64, 96, bias=True).to(torch.bfloat16)
+    linear = torch.nn.Linear(64, out_features, bias=True).to(torch.bfloat16)
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
-    torch.testing.assert_close(SmallBatchLinear(linear, kernels)(x).float(), want, atol=2e-2, rtol=2e-2)
+    got = SmallBatchLinear(linear, kernels)(x)
+    assert got.shape == (rows, out_features) and got.is_contiguous()
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
 def interleaving_kernels() -> object:
@@ -55,34 +59,48 @@ def interleaving_kernels() -> object:
     return kernels
 
 
-def test_interleaved_rows_put_each_group_of_eight_rows_side_by_side() -> None:
-    w = torch.arange(16 * 32, dtype=torch.float32).view(16, 32)
+def test_interleaved_rows_put_each_group_of_eight_rows_side_by_side_in_pairs_of_k() -> None:
+    w = torch.arange(13 * 32, dtype=torch.float32).view(13, 32)
     packed = interleave_rows(w)
-    assert packed.shape == (2, 2, 8, 16)
-    # Group g, block b, row j: weights [16 b, 16 b + 16) of row 8 g + j, worked by hand for one.
-    assert torch.equal(packed[1, 1, 3], w[11, 16:32])
-    assert torch.equal(widened_rows(packed.bfloat16()), w.bfloat16().float())
+    assert packed.shape == (2, 16, 8, 2)
+    # Group g, pair p, row j: weights [2 p, 2 p + 2) of row 8 g + j, worked by hand for one;
+    # rows 13-15 are zeros.
+    assert torch.equal(packed[1, 5, 3], w[11, 10:12])
+    assert not packed[1, :, 5:].any()
+    assert torch.equal(widened_rows(packed.bfloat16())[:13], w.bfloat16().float())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 33, 70])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_avx2_kernel_gives_the_same_bits_on_interleaved_weights(rows: int, bias: bool) -> None:
+def test_each_row_of_the_avx2_kernel_is_the_same_bits_alone_or_with_any_other_rows(bias: bool) -> None:
+    """Batch invariance: every tile shape (4, 3, 2, 1 rows; 3, 2, 1 groups of eight) sums a row's
+    products in one order."""
     kernels = interleaving_kernels()
-    w = torch.randn(1032, 96).bfloat16()  # 129 groups of eight: both threads' groups and an odd count
-    b = torch.randn(1032).bfloat16() if bias else None
-    x = torch.randn(rows, 96).bfloat16()
-    assert torch.equal(kernels.linear_bf16(x, interleave_rows(w), b), kernels.linear_bf16(x, w, b))
+    w = torch.randn(1040, 96).bfloat16()  # 130 groups of eight: tiles of 3 and a last one of 1
+    b = torch.randn(1040).bfloat16() if bias else None
+    x = torch.randn(70, 96).bfloat16()
+    packed = interleave_rows(w)
+    alone = torch.cat([kernels.linear_bf16(x[i:i + 1], packed, b) for i in range(70)])
+    for rows in (2, 3, 4, 7, 33, 70):
+        assert torch.equal(kernels.linear_bf16(x[:rows], packed, b), alone[:rows])
+    torch.testing.assert_close(alone.float(), torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()),
+                               atol=1e-2, rtol=8e-3)
 
 
-def test_small_batch_linears_interleave_all_weights_but_a_tied_one() -> None:
+def test_a_tied_lm_head_is_interleaved_once_and_the_embedding_reads_it() -> None:
     kernels = interleaving_kernels()
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+    cfg = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position=64, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.lm_head.weight = model.model.embed_tokens.weight
+    table = model.model.embed_tokens.weight.detach().clone()
     want = model.model.layers[0].mlp.gate_up_proj.weight.detach().clone()
     replace_linears(model, "small-batch", kernels)
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still one copy
+    embed = model.model.embed_tokens
+    assert isinstance(embed, InterleavedEmbedding) and embed.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    ids = torch.tensor([[0, 7, 8, 99], [42, 3, 3, 64]])
+    assert torch.equal(embed(ids), table[ids])
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(model.lm_head(x).float(), x.float() @ table.float().T, atol=2e-2, rtol=2e-2)
     gate_up = model.model.layers[0].mlp.gate_up_proj
     assert gate_up.weight.dim() == 4 and torch.equal(widened_rows(gate_up.weight), want.float())
     x = torch.randn(SMALL_BATCH + 5, 64, dtype=torch.bfloat16)  # the widened fp32 path

@@ -1141,11 +1141,13 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "linear_bf16: contiguous [M, K] and [N, K]");
   const bool interleaved = w.dim() == 4;
-  TORCH_CHECK(!interleaved || (interleaves_bf16_weights() && w.size(2) == 8 && w.size(3) == 16),
-              "linear_bf16: interleaved weights are [N / 8, K / 16, 8, 16], and only the AVX2 kernel reads them");
+  TORCH_CHECK(interleaved == interleaves_bf16_weights() && (!interleaved || (w.size(2) == 8 && w.size(3) == 2)),
+              "linear_bf16: the AVX2 kernel reads weights as [N / 8, K / 2, 8, 2] (cpu_linear.kernel_layout), the others as [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = interleaved ? w.size(0) * 8 : w.size(0);
-  TORCH_CHECK((interleaved ? w.size(1) * 16 : w.size(1)) == K && K % 32 == 0,
+  TORCH_CHECK((interleaved ? w.size(1) * 2 : w.size(1)) == K && K % 32 == 0,
               "linear_bf16: K must match and be a multiple of 32");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() <= N && bias->numel() > N - (interleaved ? 8 : 1)),
+              "linear_bf16: bias needs an entry per output (zero rows padding interleaved weights need none)");
   at::Tensor out = at::empty({M, N}, x.options());
 #ifdef __AVX512BF16__
   const auto* xd = x.data_ptr<c10::BFloat16>();
