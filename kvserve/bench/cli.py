@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvserve.bench.metrics import format_table, ratio
+from kvserve.config import DTYPES
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
 from kvserve.texts import DATA_HELP
 
@@ -35,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--max-prompt-len", type=int, default=1024)
     tp.add_argument("--max-output-len", type=int, default=512)
     tp.add_argument("--skip-hf", action="store_true", help="leave out HF transformers (static and continuous)")
+    _hf_dtype_arg(tp)
     tp.add_argument("--skip-llama-cpp", action="store_true",
                     help="leave out llama.cpp (llama-cpp-python, one request at a time: its Python API serves one)")
     tp.add_argument("--skip-contiguous", action="store_true", help="skip the contiguous baseline")
@@ -107,10 +109,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--prompt-len", type=int, default=32)
     sc.add_argument("--num-tokens", type=int, default=512)
     sc.add_argument("--skip-hf", action="store_true", help="leave out HF transformers' cached decoding")
+    _hf_dtype_arg(sc)
     sc.add_argument("--skip-llama-cpp", action="store_true", help="leave out llama.cpp (bf16 GGUF)")
     sc.add_argument("--out", default="bench_out")
     add_engine_args(sc)
     sc.set_defaults(func=run)
+
+
+def _hf_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hf-dtype", choices=sorted(DTYPES), default=None,
+                   help="dtype HF transformers runs in (default: --dtype). On a CPU without AVX512-BF16 "
+                        "its bf16 matmuls are emulated, several times slower than float32: there float32 "
+                        "is HF's fastest, the fair peer of kvserve in bf16")
+
+
+def _hf_dtype(args: argparse.Namespace) -> torch.dtype:
+    return DTYPES[args.hf_dtype or args.dtype]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -196,7 +210,7 @@ def run_throughput(args: argparse.Namespace, out: Path) -> None:
     if not args.skip_hf:
         from kvserve.bench.hf_baseline import load_hf_bench_model, run_hf_continuous_batching, run_hf_static_batches
 
-        model, tok = load_hf_bench_model(source, getattr(torch, args.dtype))
+        model, tok = load_hf_bench_model(source, _hf_dtype(args))
         timings, wall = run_hf_static_batches(model, requests, args.max_num_seqs, tok.pad_token_id or 0)
         summaries.append(summarize("hf-static-batches", timings, wall))
         timings, wall = run_hf_continuous_batching(model, requests, args.max_num_seqs)
@@ -208,15 +222,15 @@ def run_throughput(args: argparse.Namespace, out: Path) -> None:
         lc = load_llama_cpp(Path(source), args.max_model_len, torch.get_num_threads())
         timings, wall = run_llama_cpp_sequential(lc, requests)
         summaries.append(summarize("llama.cpp-bf16-sequential", timings, wall))
-    machine = measure_machine(getattr(torch, args.dtype))
+    machine = measure_machine(DTYPES[args.dtype])
     flops = workload_flops(model_config, [(len(r.prompt_token_ids), r.max_tokens) for r in requests])
     for summary in summaries:
         summary.extra["pct_compute_roofline"] = pct_of_compute(flops, summary.wall_s, machine)
     table = format_table(summaries)
     report = [f"workload: {len(requests)} requests, seed {args.seed}, prompt median "
               f"{args.prompt_len_median}, output median {args.output_len_median}, sigma {args.sigma}; "
-              f"dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, attention backend {backend}, torch threads "
-              f"{torch.get_num_threads()}",
+              f"dtype {args.dtype} (HF: {_hf_dtype(args)}), max_num_seqs {args.max_num_seqs}, attention backend "
+              f"{backend}, torch threads {torch.get_num_threads()}",
               f"machine, measured now: read {machine.read_gb_s:.1f} GB/s, {args.dtype} matmul "
               f"{machine.matmul_gflop_s:.0f} GFLOP/s; workload {flops / 1e12:.2f} TFLOP useful "
               f"(compute roofline {flops / machine.matmul_gflop_s / 1e9:.1f} s)", "", table, ""]
@@ -251,9 +265,9 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
     if not args.skip_hf:
         from kvserve.bench.hf_baseline import hf_step_times, load_hf_bench_model
 
-        model, _ = load_hf_bench_model(source, getattr(torch, args.dtype))
+        model, _ = load_hf_bench_model(source, _hf_dtype(args))
         hf_step_times(model, prompt, 8, 0)  # warm-up, as kvserve's first run warms its kernels
-        series["HF transformers (DynamicCache)"] = hf_step_times(model, prompt, args.num_tokens, 0)
+        series[f"HF transformers (DynamicCache, {_hf_dtype(args)})"] = hf_step_times(model, prompt, args.num_tokens, 0)
         del model
     if not args.skip_llama_cpp and source.endswith(".gguf"):
         from kvserve.bench.llama_cpp import llama_cpp_step_times, load_llama_cpp
@@ -261,11 +275,11 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
         lc = load_llama_cpp(Path(source), args.max_model_len + 8, torch.get_num_threads())
         llama_cpp_step_times(lc, prompt, 8, "warm-up")
         series["llama.cpp (bf16 GGUF)"] = llama_cpp_step_times(lc, prompt, args.num_tokens)
-    machine = measure_machine(getattr(torch, args.dtype))
+    machine = measure_machine(DTYPES[args.dtype])
     # Mean decode step (the first token includes the prefill) and the bytes it must read at the
     # mean context length, against the read bandwidth measured now.
     mean_ctx = args.prompt_len + args.num_tokens / 2
-    bytes_per_step = decode_step_bytes(model_config, getattr(torch, args.dtype), int(mean_ctx), kv_bytes)
+    bytes_per_step = decode_step_bytes(model_config, DTYPES[args.dtype], int(mean_ctx), kv_bytes)
     lines = [f"one stream, prompt {args.prompt_len}, {args.num_tokens} tokens, {args.dtype}, attention backend "
              f"{backend}, torch threads {torch.get_num_threads()}; machine now: read {machine.read_gb_s:.1f} GB/s; "
              f"a decode step reads >= {bytes_per_step / 1e6:.0f} MB", "",

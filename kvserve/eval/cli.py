@@ -206,7 +206,7 @@ def _hf_rows(args: argparse.Namespace, windows: list[list[int]], prefill: int, b
     from kvserve.eval.hf_quantized import hf_decode_nll, perplexity
     from kvserve.model.loader import default_model_path
 
-    model, _ = load_hf_model(str(args.model or default_model_path()), getattr(torch, args.dtype))
+    model, _ = load_hf_model(str(args.model or default_model_path()), DTYPES[args.dtype])
     window_tensor = torch.tensor(windows)
     full, full_argmax = hf_decode_nll(model, window_tensor, prefill, "dynamic")
     rows = []

@@ -40,7 +40,7 @@ def interleave_rows(weight: torch.Tensor) -> torch.Tensor:
     the AVX2 kernel holds eight rows' weights at k and k + 1 and a group is one stream
     (linear_avx2.cpp). Zero rows pad N to a multiple of eight."""
     n, k = weight.shape
-    padded = torch.cat([weight, weight.new_zeros(-n % 8, k)]) if n % 8 else weight
+    padded = torch.cat([weight, weight.new_zeros(-n % 8, k)]) if n % 8 else weight.contiguous()
     return padded.view(-1, 8, k // 2, 2).transpose(1, 2).contiguous()
 
 
@@ -51,9 +51,7 @@ def kernel_layout(weight: torch.Tensor, kernels: ModuleType) -> torch.Tensor:
 
 
 def widened_rows(weight: torch.Tensor) -> torch.Tensor:
-    """The fp32 [N, K] of a [N, K] or interleaved weight (N padded as the weight is)."""
-    if weight.dim() == 2:
-        return weight.float()
+    """The fp32 [N, K] of an interleaved weight (N padded as the weight is)."""
     groups, pairs = weight.shape[:2]
     # A pair of bf16 moves as one int32: a copy with 2-byte elements took 10x as long (BENCHMARKS.md).
     rows = weight.view(torch.int32).view(groups, pairs, 8).transpose(1, 2).contiguous()
@@ -65,9 +63,6 @@ class SmallBatchLinear(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.out_features = linear.out_features
-        # Without AVX-512, oneDNN's bf16 matmul is emulated: 2.5-4x slower than fp32 on weights
-        # widened for the call (the widening is a fixed ~0.3 ms per 1.8M weights), BENCHMARKS.md.
-        self.widen = not onednn_packs(torch.bfloat16)
         self.register_buffer("weight", kernel_layout(linear.weight.detach(), kernels), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
@@ -79,7 +74,10 @@ class SmallBatchLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= SMALL_BATCH:
             out = self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
-        elif self.widen:
+        elif self.weight.dim() == 4:
+            # oneDNN cannot read the interleaved weight; where the AVX2 kernel runs, its bf16
+            # matmul is emulated or converts to fp32 anyway, 2.5-4x slower than fp32 on weights
+            # widened for the call (a fixed ~0.3 ms per 1.8M weights), BENCHMARKS.md.
             weight = widened_rows(self.weight)[:self.out_features]
             bias = None if self.bias is None else self.bias.float()
             return onednn_rows(x.float(), lambda rows: F.linear(rows, weight, bias)).to(x.dtype)
@@ -137,13 +135,17 @@ def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None) -> 
     """Swaps every nn.Linear in `model` for the `kind` of CPU linear, in place. A shared weight
     (tied embeddings) stays one tensor: an embedding that shares a weight the kernel reads
     interleaved becomes an `InterleavedEmbedding` of it."""
+    # Names, not modules: each old linear is freed as it is replaced, so the weights are never all
+    # held twice.
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear)]
     replaced: dict[int, nn.Module] = {}
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                new = SmallBatchLinear(child, kernels) if kind == "small-batch" else PackedLinear(child)
-                replaced[id(child.weight)] = new
-                setattr(parent, name, new)
+    for parent, name in targets:
+        linear = getattr(parent, name)
+        new = SmallBatchLinear(linear, kernels) if kind == "small-batch" else PackedLinear(linear)
+        replaced[id(linear.weight)] = new
+        setattr(parent, name, new)
+        del linear
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             head = replaced.get(id(child.weight)) if isinstance(child, nn.Embedding) else None

@@ -1139,7 +1139,7 @@ bool interleaves_bf16_weights() {
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_bf16_gemm(), "linear_bf16: built without AVX512-BF16 or AVX2");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "linear_bf16: contiguous [M, K] and [N, K]");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "linear_bf16: contiguous x [M, K] and w (cpu_linear.kernel_layout)");
   const bool interleaved = w.dim() == 4;
   TORCH_CHECK(interleaved == interleaves_bf16_weights() && (!interleaved || (w.size(2) == 8 && w.size(3) == 2)),
               "linear_bf16: the AVX2 kernel reads weights as [N / 8, K / 2, 8, 2] (cpu_linear.kernel_layout), the others as [N, K]");

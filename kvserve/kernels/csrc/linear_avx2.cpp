@@ -3,7 +3,7 @@
 //
 // Such CPUs have no bf16 arithmetic, and oneDNN's bf16 matmul there is far slower than the
 // weights' read (BENCHMARKS.md). Widening bf16 to fp32 is a shift or a mask: weights are stored
-// interleaved, [N / 8, K / 2, 8, 2] (cpu_linear.py stores them so), each group of eight rows in
+// interleaved, [ceil(N / 8), K / 2, 8, 2] (cpu_linear.py stores them so, zero rows padding N), each group of eight rows in
 // pairs of k, so one 32-byte load holds eight rows' weights at k and k + 1; a shift gives the
 // eight at k as fp32, a mask the eight at k + 1. Each is multiplied by x[m, k] broadcast, as a
 // GEMM micro-kernel does: every output lane sums its products in k order, with no horizontal
@@ -79,8 +79,8 @@ void tile_groups(int64_t groups, const float* x, const c10::BFloat16* w, const c
 void rows(const float* x, const c10::BFloat16* w, const c10::BFloat16* bias, int64_t nb, c10::BFloat16* out,
           int64_t M, int64_t K, int64_t N, int64_t groups) {
   int64_t m = 0;
-  if (M >= 4) tile_groups<4, true>(groups, x, w, bias, nb, out, K, N), m = 4;
-  for (; m + 4 <= M; m += 4) tile_groups<4, false>(groups, x + m * K, w, bias, nb, out + m * N, K, N);
+  for (; m + 4 <= M; m += 4)
+    (m == 0 ? tile_groups<4, true> : tile_groups<4, false>)(groups, x + m * K, w, bias, nb, out + m * N, K, N);
   const int64_t left = M - m;
   const bool first = m == 0;
   if (left == 3) (first ? tile_groups<3, true> : tile_groups<3, false>)(groups, x + m * K, w, bias, nb, out + m * N, K, N);
