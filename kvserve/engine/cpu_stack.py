@@ -47,7 +47,7 @@ class CPUDecodeStack:
         if linear_kind != "small-batch":
             return "needs bf16 weights and the small-batch linear (AVX512-BF16 or AVX2)"
         if any(isinstance(m, SmallBatchLinear) and m.padded for m in model.model.layers.modules()):
-            return "a layer's output size is not a multiple of 8 (the AVX2 linear pads those)"
+            return "a layer's output size is not a multiple of 16 (the AVX2 linear pads those)"
         if not isinstance(backend, CPUPagedBackend):
             return "needs the cpu attention backend"
         if not backend.dense and (backend.pool.staged or not all(backend.encodes)):

@@ -25,6 +25,7 @@ SMALL_BATCH = 32  # rows up to which our kernel beats oneDNN (measured per shape
 # issue 10 item 12). A matmul runs as a multiple of this many rows plus the remainder, so the
 # row counts it sees are bounded: padding the rows instead cost ~6% of mixed throughput.
 ROW_BUCKET = 64
+GROUP = 16  # weight rows the AVX2 kernel interleaves (interleave_rows)
 
 
 def onednn_rows(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -36,17 +37,17 @@ def onednn_rows(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor])
 
 
 def interleave_rows(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 8), K / 2, 8, 2]: each group of eight rows in pairs of k, so one load of
-    the AVX2 kernel holds eight rows' weights at k and k + 1 and a group is one stream
-    (linear_avx2.cpp). Zero rows pad N to a multiple of eight."""
+    """[N, K] -> [ceil(N / GROUP), K / 2, GROUP, 2]: each group of 16 rows in pairs of k, so a
+    cache line holds the group's weights at k and k + 1 and a group is one stream for the AVX2
+    kernel (linear_avx2.cpp). Zero rows pad N to a multiple of 16."""
     n, k = weight.shape
-    padded = torch.cat([weight, weight.new_zeros(-n % 8, k)]) if n % 8 else weight.contiguous()
-    return padded.view(-1, 8, k // 2, 2).transpose(1, 2).contiguous()
+    padded = torch.cat([weight, weight.new_zeros(-n % GROUP, k)]) if n % GROUP else weight.contiguous()
+    return padded.view(-1, GROUP, k // 2, 2).transpose(1, 2).contiguous()
 
 
 def kernel_layout(weight: torch.Tensor, kernels: ModuleType) -> torch.Tensor:
     """The [N, K] weight as `kernels.linear_bf16` reads it: interleaved for the AVX2 kernel (whose
-    output then has N rounded up to a multiple of eight), [N, K] for the others."""
+    output then has N rounded up to a multiple of GROUP), [N, K] for the others."""
     return interleave_rows(weight) if kernels.interleaves_bf16_weights() else weight.contiguous()
 
 
@@ -54,8 +55,8 @@ def widened_rows(weight: torch.Tensor) -> torch.Tensor:
     """The fp32 [N, K] of an interleaved weight (N padded as the weight is)."""
     groups, pairs = weight.shape[:2]
     # A pair of bf16 moves as one int32: a copy with 2-byte elements took 10x as long (BENCHMARKS.md).
-    rows = weight.view(torch.int32).view(groups, pairs, 8).transpose(1, 2).contiguous()
-    return rows.view(torch.bfloat16).view(groups * 8, pairs * 2).float()
+    rows = weight.view(torch.int32).view(groups, pairs, GROUP).transpose(1, 2).contiguous()
+    return rows.view(torch.bfloat16).view(groups * GROUP, pairs * 2).float()
 
 
 class SmallBatchLinear(nn.Module):
@@ -69,7 +70,7 @@ class SmallBatchLinear(nn.Module):
     @property
     def padded(self) -> bool:
         """Whether the kernel's output has zero columns past out_features (interleaved weights)."""
-        return self.weight.dim() == 4 and self.out_features % 8 != 0
+        return self.weight.dim() == 4 and self.out_features % GROUP != 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= SMALL_BATCH:
@@ -95,7 +96,7 @@ class InterleavedEmbedding(nn.Module):
         self.register_buffer("weight", weight, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.transpose(1, 2)[input_ids // 8, input_ids % 8].flatten(-2)
+        return self.weight.transpose(1, 2)[input_ids // GROUP, input_ids % GROUP].flatten(-2)
 
 
 class PackedLinear(nn.Module):

@@ -112,11 +112,11 @@ def test_a_layer_whose_outputs_the_avx2_kernel_pads_stays_layered(tiny_llm: Call
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     if not kernels.interleaves_bf16_weights():
         pytest.skip("only the AVX2 kernel pads weights")
-    # q, k and v of 16 + 1 + 1 heads of size 2: 36 outputs, which the kernel pads to 40.
+    # q, k and v of 16 + 1 + 1 heads of size 2: 36 outputs, which the kernel pads to 48.
     model = replace(TINY, num_heads=16, num_kv_heads=1, head_dim=2)
     with caplog.at_level("INFO", logger="kvserve.engine.model_runner"):
         llm = tiny_llm(model=model, **BF16)
     assert llm.engine.runner.stack is None
-    assert "not a multiple of 8" in caplog.text
+    assert "not a multiple of 16" in caplog.text
     out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4

@@ -39,7 +39,7 @@ def test_packed_linear_equals_f_linear(rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, SMALL_BATCH, SMALL_BATCH + 1])
-@pytest.mark.parametrize("out_features", [96, 100])  # 100: the AVX2 kernel's weight padded to 104 rows
+@pytest.mark.parametrize("out_features", [96, 100])  # 100: the AVX2 kernel's weight padded to 112 rows
 def test_small_batch_linear_equals_f_linear_on_both_sides_of_its_row_limit(rows: int, out_features: int) -> None:
     kernels = cpu_extension.load()
     if kernels is None or not kernels.has_bf16_gemm():
@@ -59,23 +59,22 @@ def interleaving_kernels() -> object:
     return kernels
 
 
-def test_interleaved_rows_put_each_group_of_eight_rows_side_by_side_in_pairs_of_k() -> None:
-    w = torch.arange(13 * 32, dtype=torch.float32).view(13, 32)
+def test_interleaved_rows_put_each_group_of_16_rows_side_by_side_in_pairs_of_k() -> None:
+    w = torch.arange(29 * 32, dtype=torch.float32).view(29, 32)
     packed = interleave_rows(w)
-    assert packed.shape == (2, 16, 8, 2)
-    # Group g, pair p, row j: weights [2 p, 2 p + 2) of row 8 g + j, worked by hand for one;
-    # rows 13-15 are zeros.
-    assert torch.equal(packed[1, 5, 3], w[11, 10:12])
-    assert not packed[1, :, 5:].any()
-    assert torch.equal(widened_rows(packed.bfloat16())[:13], w.bfloat16().float())
+    assert packed.shape == (2, 16, 16, 2)
+    # Group g, pair p, row j: weights [2 p, 2 p + 2) of row 16 g + j, worked by hand for one;
+    # rows 29-31 are zeros.
+    assert torch.equal(packed[1, 5, 11], w[27, 10:12])
+    assert not packed[1, :, 13:].any()
+    assert torch.equal(widened_rows(packed.bfloat16())[:29], w.bfloat16().float())
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_each_row_of_the_avx2_kernel_is_the_same_bits_alone_or_with_any_other_rows(bias: bool) -> None:
-    """Batch invariance: every tile shape (4, 3, 2, 1 rows; 2 and 1 groups of eight) sums a row's
-    products in one order."""
+    """Batch invariance: every tile shape (4, 3, 2 and 1 rows) sums a row's products in one order."""
     kernels = interleaving_kernels()
-    w = torch.randn(1028, 96).bfloat16()  # 129 groups of eight (the last padded): tiles of 2, a last one of 1
+    w = torch.randn(1028, 96).bfloat16()  # 65 groups of 16, the last padded: both threads' groups
     b = torch.randn(1028).bfloat16() if bias else None
     x = torch.randn(70, 96).bfloat16()
     packed = interleave_rows(w)

@@ -1141,12 +1141,12 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous(), "linear_bf16: contiguous x [M, K] and w (cpu_linear.kernel_layout)");
   const bool interleaved = w.dim() == 4;
-  TORCH_CHECK(interleaved == interleaves_bf16_weights() && (!interleaved || (w.size(2) == 8 && w.size(3) == 2)),
-              "linear_bf16: the AVX2 kernel reads weights as [N / 8, K / 2, 8, 2] (cpu_linear.kernel_layout), the others as [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = interleaved ? w.size(0) * 8 : w.size(0);
+  TORCH_CHECK(interleaved == interleaves_bf16_weights() && (!interleaved || (w.size(2) == 16 && w.size(3) == 2)),
+              "linear_bf16: the AVX2 kernel reads weights as [N / 16, K / 2, 16, 2] (cpu_linear.kernel_layout), the others as [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = interleaved ? w.size(0) * 16 : w.size(0);
   TORCH_CHECK((interleaved ? w.size(1) * 2 : w.size(1)) == K && K % 32 == 0,
               "linear_bf16: K must match and be a multiple of 32");
-  TORCH_CHECK(!bias.has_value() || (bias->numel() <= N && bias->numel() > N - (interleaved ? 8 : 1)),
+  TORCH_CHECK(!bias.has_value() || (bias->numel() <= N && bias->numel() > N - (interleaved ? 16 : 1)),
               "linear_bf16: bias needs an entry per output (zero rows padding interleaved weights need none)");
   at::Tensor out = at::empty({M, N}, x.options());
 #ifdef __AVX512BF16__
@@ -1174,7 +1174,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none());
   m.def("has_bf16_gemm", &has_bf16_gemm, "whether linear_bf16 was built (AVX512-BF16 or AVX2)");
   m.def("interleaves_bf16_weights", &interleaves_bf16_weights,
-        "whether linear_bf16 reads weights interleaved in groups of eight rows (the AVX2 kernel)");
+        "whether linear_bf16 reads weights interleaved in groups of 16 rows (the AVX2 kernel)");
   m.def("paged_attention", &paged_attention, "attention over paged KV, pages read in place");
   m.def("encode_write", &encode_write, "encode K or V rows into int8 / fp8 / int4 page fields");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into a residual");

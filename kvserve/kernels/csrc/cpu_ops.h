@@ -31,7 +31,7 @@ int64_t linear_amx(const at::Tensor& x, const at::Tensor& w, const c10::optional
                    at::Tensor& out);
 
 // linear_avx2.cpp: linear_bf16 on CPUs with AVX2 and FMA but no AVX512-BF16, into out [M, N];
-// w is interleaved, [ceil(N / 8), K / 2, 8, 2], and out [M, 8 * w.size(0)].
+// w is interleaved, [ceil(N / 16), K / 2, 16, 2], and out [M, 16 * w.size(0)].
 void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& out);
 
 // Registers DecoderStack (decoder_stack.cpp) on the extension module.
