@@ -1133,7 +1133,8 @@ bool interleaves_bf16_weights() {
 #endif
 }
 
-// out [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, fp32 accumulation. For the small
+// out [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, fp32 accumulation (on the AVX2
+// kernel N is padded to a multiple of 16 with zero columns, as its weight is). For the small
 // M of decode steps, where a GEMM library's packing and blocking cost more than the weights'
 // read from memory, which is all a decode step's matmul should cost.
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {

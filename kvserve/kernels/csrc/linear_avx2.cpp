@@ -12,8 +12,9 @@
 //
 // Why this shape (BENCHMARKS.md): dot products along k with 8-lane partial sums reached ~38
 // GFLOP/s of a core's ~96 at 8-32 rows (two dependent FMAs per sum and a horizontal sum per
-// output); 4-row tiles of broadcasts against a group reach ~60. At one row a group is one
-// contiguous stream, which the prefetchers follow (eight separate rows of 1-3 KB they did not).
+// output); 4-row tiles of broadcasts against a group reach ~78. A group is one contiguous
+// stream, which the prefetchers follow (separate weight rows of 1-3 KB they did not); a one-row
+// step reads two groups at a time.
 #include "cpu_ops.h"
 
 #include <ATen/Parallel.h>
@@ -26,8 +27,8 @@ namespace {
 
 // The sums of up to 4 rows against a group's two halves (or of one row against two groups),
 // named: GCC kept an array of them in memory and stored every sum on every k (a third of the
-// speed). With the two weights, x and the mask they fill 12 of the 16 registers; 4 rows x 3
-// halves spilled (~45 GFLOP/s a core against ~63).
+// speed). With the two weights, x and the mask they fill 12 of the 16 registers; 4 rows x 24
+// outputs spilled.
 struct Sums {
   __m256 s00, s01, s10, s11, s20, s21, s30, s31;
 };
