@@ -146,7 +146,6 @@ def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None) -> 
         new = SmallBatchLinear(linear, kernels) if kind == "small-batch" else PackedLinear(linear)
         replaced[id(linear.weight)] = new
         setattr(parent, name, new)
-        del linear
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             head = replaced.get(id(child.weight)) if isinstance(child, nn.Embedding) else None
