@@ -9,19 +9,22 @@ same kernels in the same order from C++, so a step gives the layered model's log
 It serves what those kernels cover: bf16 weights through the small-batch linear (AVX512-BF16 or AVX2),
 the cpu attention backend over uncompressed pages or over codes its kernel encodes token by
 token (int8, fp8, int4 with zero-points; no full-precision residual, so no step stages tokens
-or seals blocks from Python), no KV rotation, one rank; and steps of up to `SMALL_BATCH` tokens
-(larger ones go through oneDNN's linears) that keep no attention scores.
+or seals blocks from Python), no KV rotation, one rank, every layer's linears in the kernel (input
+sizes a multiple of 32); and steps of up to `SMALL_BATCH` tokens that keep no attention scores
+(larger ones run layered: through oneDNN's linears on AVX-512; on AVX2 the same kernel, where
+serving them here measured no faster).
 """
 from __future__ import annotations
 
 from types import ModuleType
 
 import torch
+from torch import nn
 
 from kvserve.attention import AttentionBackend, StepMetadata
 from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.rotation import KVRotation
-from kvserve.model.cpu_linear import SMALL_BATCH, SmallBatchLinear
+from kvserve.model.cpu_linear import K_STEP, SMALL_BATCH, PackedLinear, SmallBatchLinear
 from kvserve.model.llama import LlamaForCausalLM
 
 
@@ -46,6 +49,8 @@ class CPUDecodeStack:
         """Why the stack cannot run this configuration's steps; None when it can."""
         if linear_kind != "small-batch":
             return "needs bf16 weights and the small-batch linear (AVX512-BF16 or AVX2)"
+        if any(isinstance(m, (nn.Linear, PackedLinear)) for m in model.model.layers.modules()):
+            return f"a layer's input size is not a multiple of {K_STEP} (the small-batch linear's step)"
         if any(isinstance(m, SmallBatchLinear) and m.padded for m in model.model.layers.modules()):
             return "a layer's output size is not a multiple of 16 (the AVX2 linear pads those)"
         if not isinstance(backend, CPUPagedBackend):

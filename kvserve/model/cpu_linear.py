@@ -5,7 +5,8 @@ A plain bf16 `F.linear` on CPU reformats the weight on every call. Two replaceme
   (decode steps) go through our kernel (VDPBF16PS, AMX tiles, or fp32 FMAs on widened weights),
   which reads each weight once per call and is bound by memory bandwidth, 1.2-3x faster than
   oneDNN at these sizes; larger batches (prefill) through oneDNN, where its blocking wins and the
-  on-the-fly reorder is amortised.
+  on-the-fly reorder is amortised; except on AVX2, where oneDNN has no bf16 matmul faster than our
+  kernel and every batch goes through the kernel.
 - `PackedLinear` otherwise: the weight prepacked once for oneDNN (about 1.5x over `F.linear`),
   where oneDNN can prepack the dtype on this CPU.
 See BENCHMARKS.md for the measurements.
@@ -26,6 +27,7 @@ SMALL_BATCH = 32  # rows up to which our kernel beats oneDNN (measured per shape
 # row counts it sees are bounded: padding the rows instead cost ~6% of mixed throughput.
 ROW_BUCKET = 64
 GROUP = 16  # weight rows the AVX2 kernel interleaves (interleave_rows)
+K_STEP = 32  # linear_bf16's kernels read k in steps of 32: in_features must be a multiple
 
 
 def onednn_rows(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -51,14 +53,6 @@ def kernel_layout(weight: torch.Tensor, kernels: ModuleType) -> torch.Tensor:
     return interleave_rows(weight) if kernels.interleaves_bf16_weights() else weight.contiguous()
 
 
-def widened_rows(weight: torch.Tensor) -> torch.Tensor:
-    """The fp32 [N, K] of an interleaved weight (N padded as the weight is)."""
-    groups, pairs = weight.shape[:2]
-    # A pair of bf16 moves as one int32: a copy with 2-byte elements took 10x as long (BENCHMARKS.md).
-    rows = weight.view(torch.int32).view(groups, pairs, GROUP).transpose(1, 2).contiguous()
-    return rows.view(torch.bfloat16).view(groups * GROUP, pairs * 2).float()
-
-
 class SmallBatchLinear(nn.Module):
     def __init__(self, linear: nn.Linear, kernels: ModuleType) -> None:
         super().__init__()
@@ -73,17 +67,12 @@ class SmallBatchLinear(nn.Module):
         return self.weight.dim() == 4 and self.out_features % GROUP != 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= SMALL_BATCH:
-            out = self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
-        elif self.weight.dim() == 4:
-            # oneDNN cannot read the interleaved weight; where the AVX2 kernel runs, its bf16
-            # matmul is emulated or converts to fp32 anyway, 2.5-4x slower than fp32 on weights
-            # widened for the call (a fixed ~0.3 ms per 1.8M weights), BENCHMARKS.md.
-            weight = widened_rows(self.weight)[:self.out_features]
-            bias = None if self.bias is None else self.bias.float()
-            return onednn_rows(x.float(), lambda rows: F.linear(rows, weight, bias)).to(x.dtype)
-        else:
+        # On AVX2 (interleaved weights) the kernel takes every batch: oneDNN's bf16 matmul there is
+        # emulated, and an fp32 one on weights widened per call was 1.3-3x slower at 33-128 rows and
+        # no faster above (BENCHMARKS.md). A row's bits then never depend on its batch.
+        if x.shape[0] > SMALL_BATCH and self.weight.dim() == 2:
             return onednn_rows(x, lambda rows: F.linear(rows, self.weight, self.bias))
+        out = self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
         return out[:, :self.out_features].contiguous() if self.padded else out
 
 
@@ -132,10 +121,20 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
+def cpu_linear(linear: nn.Linear, kind: str, kernels: ModuleType | None) -> nn.Module:
+    """`linear` as the `kind` of CPU linear; a layer the small-batch kernel cannot read (in_features
+    not a multiple of K_STEP) as oneDNN's packed linear where it packs bf16, else unchanged."""
+    if kind == "small-batch" and linear.in_features % K_STEP == 0:
+        return SmallBatchLinear(linear, kernels)
+    if kind == "packed" or onednn_packs(linear.weight.dtype):
+        return PackedLinear(linear)
+    return linear
+
+
 def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None) -> None:
-    """Swaps every nn.Linear in `model` for the `kind` of CPU linear, in place. A shared weight
-    (tied embeddings) stays one tensor: an embedding that shares a weight the kernel reads
-    interleaved becomes an `InterleavedEmbedding` of it."""
+    """Swaps every nn.Linear in `model` for the `kind` of CPU linear (`cpu_linear`), in place. A
+    shared weight (tied embeddings) stays one tensor: an embedding that shares a weight the kernel
+    reads interleaved becomes an `InterleavedEmbedding` of it."""
     # Names, not modules: each old linear is freed as it is replaced, so the weights are never all
     # held twice.
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
@@ -143,7 +142,7 @@ def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None) -> 
     replaced: dict[int, nn.Module] = {}
     for parent, name in targets:
         linear = getattr(parent, name)
-        new = SmallBatchLinear(linear, kernels) if kind == "small-batch" else PackedLinear(linear)
+        new = cpu_linear(linear, kind, kernels)
         replaced[id(linear.weight)] = new
         setattr(parent, name, new)
     for parent in list(model.modules()):

@@ -120,3 +120,16 @@ def test_a_layer_whose_outputs_the_avx2_kernel_pads_stays_layered(tiny_llm: Call
     assert "not a multiple of 16" in caplog.text
     out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+
+
+def test_a_model_whose_layers_the_kernel_cannot_read_runs_layered(tiny_llm: Callable[..., LLM],
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Hidden size 48 is not a multiple of the kernel's k step (32): those linears fall back and
+    the model runs layered instead of failing at its first step."""
+    model = replace(TINY, hidden_size=48, num_heads=3, num_kv_heads=1, intermediate_size=96)
+    with caplog.at_level("INFO", logger="kvserve.engine.model_runner"):
+        llm = tiny_llm(model=model, **BF16)
+    assert llm.engine.runner.stack is None
+    assert "not a multiple of 32" in caplog.text
+    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvserve.kernels import cpu_extension
-from kvserve.model.cpu_linear import (ROW_BUCKET, SMALL_BATCH, InterleavedEmbedding, PackedLinear, SmallBatchLinear,
-                                      cpu_linear_kind, interleave_rows, onednn_packs, onednn_rows, replace_linears,
-                                      widened_rows)
+from kvserve.model.cpu_linear import (GROUP, ROW_BUCKET, SMALL_BATCH, InterleavedEmbedding, PackedLinear,
+                                      SmallBatchLinear, cpu_linear, cpu_linear_kind, interleave_rows, onednn_packs,
+                                      onednn_rows, replace_linears)
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaForCausalLM
 
@@ -52,6 +52,18 @@ def test_small_batch_linear_equals_f_linear_on_both_sides_of_its_row_limit(rows:
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
+def test_a_linear_the_kernel_cannot_read_keeps_a_path_that_can() -> None:
+    kernels = cpu_extension.load()
+    if kernels is None or not kernels.has_bf16_gemm():
+        pytest.skip("needs the CPU kernels with AVX512-BF16 or AVX2")
+    linear = torch.nn.Linear(48, 64, bias=True).to(torch.bfloat16)  # 48: not a multiple of 32
+    new = cpu_linear(linear, "small-batch", kernels)
+    assert not isinstance(new, SmallBatchLinear)
+    x = torch.randn(3, 48, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    torch.testing.assert_close(new(x).float(), want, atol=2e-2, rtol=2e-2)
+
+
 def interleaving_kernels() -> object:
     kernels = cpu_extension.load()
     if kernels is None or not kernels.interleaves_bf16_weights():
@@ -67,7 +79,13 @@ def test_interleaved_rows_put_each_group_of_16_rows_side_by_side_in_pairs_of_k()
     # rows 29-31 are zeros.
     assert torch.equal(packed[1, 5, 11], w[27, 10:12])
     assert not packed[1, :, 13:].any()
-    assert torch.equal(widened_rows(packed.bfloat16())[:29], w.bfloat16().float())
+    assert torch.equal(rows_of(packed)[:29], w)
+
+
+def rows_of(interleaved: torch.Tensor) -> torch.Tensor:
+    """The [N, K] weight back from its interleaved layout (N padded as it is)."""
+    groups, pairs = interleaved.shape[:2]
+    return interleaved.transpose(1, 2).reshape(groups * GROUP, pairs * 2)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -81,7 +99,7 @@ def test_each_row_of_the_avx2_kernel_is_the_same_bits_alone_or_with_any_other_ro
     x = torch.randn(70, 96).bfloat16()
     packed = interleave_rows(w)
     alone = torch.cat([kernels.linear_bf16(x[i:i + 1], packed, b) for i in range(70)])
-    for rows in (2, 3, 4, 7, 33, 70):
+    for rows in (2, 3, 4, 7, 33, 70):  # past SMALL_BATCH too: the kernel takes every batch
         assert torch.equal(kernels.linear_bf16(x[:rows], packed, b), alone[:rows])
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     torch.testing.assert_close(alone[:, :n].float(), want, atol=1e-2, rtol=8e-3)
@@ -104,9 +122,7 @@ def test_a_tied_lm_head_is_interleaved_once_and_the_embedding_reads_it() -> None
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(model.lm_head(x).float(), x.float() @ table.float().T, atol=2e-2, rtol=2e-2)
     gate_up = model.model.layers[0].mlp.gate_up_proj
-    assert gate_up.weight.dim() == 4 and torch.equal(widened_rows(gate_up.weight), want.float())
-    x = torch.randn(SMALL_BATCH + 5, 64, dtype=torch.bfloat16)  # the widened fp32 path
-    torch.testing.assert_close(gate_up(x).float(), x.float() @ want.float().T, atol=2e-2, rtol=2e-2)
+    assert gate_up.weight.dim() == 4 and torch.equal(rows_of(gate_up.weight), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

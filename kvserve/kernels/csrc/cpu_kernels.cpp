@@ -1136,7 +1136,8 @@ bool interleaves_bf16_weights() {
 // out [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, fp32 accumulation (on the AVX2
 // kernel N is padded to a multiple of 16 with zero columns, as its weight is). For the small
 // M of decode steps, where a GEMM library's packing and blocking cost more than the weights'
-// read from memory, which is all a decode step's matmul should cost.
+// read from memory, which is all a decode step's matmul should cost; on the AVX2 kernel for
+// every M (where no library has a bf16 matmul faster than it, BENCHMARKS.md).
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_bf16_gemm(), "linear_bf16: built without AVX512-BF16 or AVX2");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
@@ -1149,6 +1150,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
               "linear_bf16: K must match and be a multiple of 32");
   TORCH_CHECK(!bias.has_value() || (bias->numel() <= N && bias->numel() > N - (interleaved ? 16 : 1)),
               "linear_bf16: bias needs an entry per output (zero rows padding interleaved weights need none)");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()),
+              "linear_bf16: the bias must be a contiguous bf16 vector");
   at::Tensor out = at::empty({M, N}, x.options());
 #ifdef __AVX512BF16__
   const auto* xd = x.data_ptr<c10::BFloat16>();

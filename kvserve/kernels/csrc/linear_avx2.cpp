@@ -111,7 +111,9 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), G = w.size(0);
   const auto* xd = x.data_ptr<c10::BFloat16>();
   std::vector<float> xs(M * K);
-  for (int64_t i = 0; i < M * K; ++i) xs[i] = static_cast<float>(xd[i]);
+  at::parallel_for(0, M * K, 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) xs[i] = static_cast<float>(xd[i]);
+  });
   const auto* wd = w.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bd = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   const int64_t nb = bias.has_value() ? bias->numel() : 0;
