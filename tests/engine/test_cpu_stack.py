@@ -12,7 +12,9 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention import StepAttention
+from kvserve.engine.cpu_stack import CPUDecodeStack
 from kvserve.kernels import cpu_extension
+from kvserve.model.cpu_linear import kernel_layout
 from tests.conftest import TINY
 
 kernels = cpu_extension.load()
@@ -120,6 +122,19 @@ def test_a_layer_whose_outputs_the_avx2_kernel_pads_stays_layered(tiny_llm: Call
     assert "not a multiple of 16" in caplog.text
     out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+
+
+def test_the_stack_refuses_a_weight_whose_outputs_do_not_match_its_layer(tiny_llm: Callable[..., LLM]) -> None:
+    """Its own check, past Python's: 4 more q/k/v outputs than the layer has (on AVX2 padded to
+    a whole group) would flow into RoPE and attention as extra heads' rows."""
+    llm = tiny_llm(**BF16)
+    runner = llm.engine.runner
+    qkv = runner.model.model.layers[1].self_attn.qkv_proj
+    rows, hidden = qkv.out_features, TINY.hidden_size
+    qkv.weight = kernel_layout(torch.zeros(rows + 4, hidden, dtype=torch.bfloat16), kernels)
+    with pytest.raises(RuntimeError, match=f"qkv weight reads {hidden} inputs into .* the layer needs "
+                                           f"{hidden} into {rows}"):
+        CPUDecodeStack(runner.model, runner.backend, kernels)
 
 
 def test_a_model_whose_layers_the_kernel_cannot_read_runs_layered(tiny_llm: Callable[..., LLM],

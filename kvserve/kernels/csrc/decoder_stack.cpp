@@ -54,6 +54,15 @@ class DecoderStack {
         head_dim_(head_dim), eps_(eps), scale_(scale), block_size_(block_size) {
     TORCH_CHECK(!pages_.empty() && layers_.size() == kPerLayer * pages_.size(),
                 "DecoderStack: 7 tensors and one pages tuple per layer");
+    const int64_t hidden = final_norm_.numel(), qkv = (heads + 2 * kv_heads) * head_dim;
+    const int64_t inter = layers_[6].dim() == 4 ? layers_[6].size(1) * 2 : layers_[6].size(1);
+    for (size_t i = 0; i < pages_.size(); ++i) {
+      const at::Tensor* w = layers_.data() + kPerLayer * i;
+      check_weight(w[1], qkv, hidden, "qkv");
+      check_weight(w[3], hidden, heads * head_dim, "o");
+      check_weight(w[5], 2 * inter, hidden, "gate_up");
+      check_weight(w[6], hidden, inter, "down");
+    }
   }
 
   // hidden [T, C]: the step's embedded tokens, used as the residual stream (updated in place);
@@ -96,6 +105,15 @@ class DecoderStack {
   }
 
  private:
+  // A weight as linear_bf16 reads it gives exactly `outputs` columns: the rows of a weight
+  // interleaved by 16 are padded, and the padding would flow into the next op's rows.
+  static void check_weight(const at::Tensor& w, int64_t outputs, int64_t inputs, const char* name) {
+    const bool interleaved = w.dim() == 4;
+    const int64_t n = interleaved ? w.size(0) * 16 : w.size(0), k = interleaved ? w.size(1) * 2 : w.size(1);
+    TORCH_CHECK(n == outputs && k == inputs, "DecoderStack: the ", name, " weight reads ", k, " inputs into ", n,
+                " outputs, the layer needs ", inputs, " into ", outputs);
+  }
+
   std::vector<at::Tensor> layers_;
   at::Tensor final_norm_, cos_, sin_;
   std::vector<LayerPages> pages_;
