@@ -99,27 +99,21 @@ def test_engine_gives_the_layered_tokens(tiny_llm: Callable[..., LLM], options: 
     ({"kv_cache_dtype": "kivi4", "kv_group_size": 8}, "no full-precision residual"),
     ({"attention_backend": "torch"}, "the cpu attention backend"),
     ({"kv_rotation": "hadamard"}, "rotation"),
-], ids=["fp32", "int8-residual", "kivi-pages", "torch-backend", "rotation"])
+    # q, k and v of 16 + 1 + 1 heads of size 2: 36 outputs, which the AVX2 kernel pads to 48.
+    ({"model": replace(TINY, num_heads=16, num_kv_heads=1, head_dim=2)}, "not a multiple of 16"),
+    # Hidden size 48 is not a multiple of the kernels' k step (32): those linears fall back (the
+    # stack was built and failed at the first step before).
+    ({"model": replace(TINY, hidden_size=48, num_heads=3, num_kv_heads=1, intermediate_size=96)},
+     "not a multiple of 32"),
+], ids=["fp32", "int8-residual", "kivi-pages", "torch-backend", "rotation", "padded-outputs", "hidden-48"])
 def test_configurations_the_stack_cannot_run_stay_layered(tiny_llm: Callable[..., LLM], options: dict,
                                                           reason: str, caplog: pytest.LogCaptureFixture) -> None:
+    if reason == "not a multiple of 16" and not kernels.interleaves_bf16_weights():
+        pytest.skip("only the AVX2 kernel pads weights")
     with caplog.at_level("INFO", logger="kvserve.engine.model_runner"):
         llm = tiny_llm(**{**BF16, **options})
     assert llm.engine.runner.stack is None
     assert reason in caplog.text
-    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].token_ids) == 4
-
-
-def test_a_layer_whose_outputs_the_avx2_kernel_pads_stays_layered(tiny_llm: Callable[..., LLM],
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    if not kernels.interleaves_bf16_weights():
-        pytest.skip("only the AVX2 kernel pads weights")
-    # q, k and v of 16 + 1 + 1 heads of size 2: 36 outputs, which the kernel pads to 48.
-    model = replace(TINY, num_heads=16, num_kv_heads=1, head_dim=2)
-    with caplog.at_level("INFO", logger="kvserve.engine.model_runner"):
-        llm = tiny_llm(model=model, **BF16)
-    assert llm.engine.runner.stack is None
-    assert "not a multiple of 16" in caplog.text
     out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
 
@@ -135,16 +129,3 @@ def test_the_stack_refuses_a_weight_whose_outputs_do_not_match_its_layer(tiny_ll
     with pytest.raises(RuntimeError, match=f"qkv weight reads {hidden} inputs into .* the layer needs "
                                            f"{hidden} into {rows}"):
         CPUDecodeStack(runner.model, runner.backend, kernels)
-
-
-def test_a_model_whose_layers_the_kernel_cannot_read_runs_layered(tiny_llm: Callable[..., LLM],
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """Hidden size 48 is not a multiple of the kernel's k step (32): those linears fall back and
-    the model runs layered instead of failing at its first step."""
-    model = replace(TINY, hidden_size=48, num_heads=3, num_kv_heads=1, intermediate_size=96)
-    with caplog.at_level("INFO", logger="kvserve.engine.model_runner"):
-        llm = tiny_llm(model=model, **BF16)
-    assert llm.engine.runner.stack is None
-    assert "not a multiple of 32" in caplog.text
-    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].token_ids) == 4
