@@ -245,11 +245,13 @@ def test_permuted_table_changes_result(backend: str) -> None:
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dim", [64, 80])
-def test_bf16_dense_pages_match_the_dense_reference(block_size: int, dim: int) -> None:
+@pytest.mark.parametrize("kv_heads", [2, 4, 3])  # GQA groups of 4, 2 and 3 query heads (of 8, 8, 9)
+def test_bf16_dense_pages_match_the_dense_reference(block_size: int, dim: int, kv_heads: int) -> None:
     """bf16 pages, which the cpu kernel's decode items read in place instead of decoding them
-    first (64 through its register tiles, 80 through the plain loops); block 1 ends every 16-key
-    tile early, so its padding must not read past the block."""
-    heads, kv_heads, bf16 = 8, 2, torch.bfloat16
+    first (64 through its register tiles, on AVX2 a group's rows accumulated 3, 2 or 1 at a time;
+    80 through the plain loops); block 1 ends every 16-key tile early, so its padding must not
+    read past the block."""
+    heads, bf16 = 3 * kv_heads if kv_heads == 3 else 8, torch.bfloat16
     seqs, k0, v0 = make_case(MIXED, heads, kv_heads, block_size, seed=block_size, head_dim=dim)
     for s in seqs:
         s.q, s.k, s.v = (t.to(bf16).float() for t in (s.q, s.k, s.v))

@@ -248,6 +248,42 @@ inline void scale_accumulate_tile(float* a, float c, const float* p, Rows<R> v, 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// scale_accumulate for NR query rows (a, c, p: row r at a + r * D, c[r], p + r * p_stride) that
+// see the same n bf16 rows of v, as one query token's GQA group does: each value is widened once
+// for all of them, where one row at a time widened it once per row (two of every three uops of
+// the accumulation). Each row's lanes take scale_accumulate's operations in its order, so the
+// results are the same bits. 32 channels per pass: NR x 4 sums, NR broadcasts and the value fill
+// the 16 registers at NR = 3.
+template <int NR>
+inline void scale_accumulate_group(float* a, const float* c, const float* p, int64_t p_stride,
+                                   Rows<c10::BFloat16> v, int64_t n, int64_t D) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    __m256 acc[NR][4];
+    for (int r = 0; r < NR; ++r) {
+      const __m256 cv = _mm256_set1_ps(c[r]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_mul_ps(_mm256_loadu_ps(a + r * D + d0 + 8 * j), cv);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      __m256 pt[NR];
+      for (int r = 0; r < NR; ++r) pt[r] = _mm256_set1_ps(p[r * p_stride + t]);
+      const c10::BFloat16* row = v.base + t * v.stride + d0;
+      for (int j = 0; j < 4; ++j) {
+        const __m256 x = load8(row + 8 * j);
+        for (int r = 0; r < NR; ++r) acc[r][j] = _mm256_fmadd_ps(pt[r], x, acc[r][j]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(a + r * D + d0 + 8 * j, acc[r][j]);
+  }
+}
+
+// Whether scale_accumulate_group takes rows of head dim D.
+constexpr bool groups_accumulate(int64_t D) { return D % 32 == 0; }
+#else
+constexpr bool groups_accumulate(int64_t) { return false; }
+#endif
+
 // a = a * c + sum_t p[t] * v[t]  over n rows of v.
 template <typename R>
 inline void scale_accumulate(float* a, float c, const float* p, Rows<R> v, int64_t n, int64_t D) {
@@ -688,7 +724,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), sbuf, m, l;
+    std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), sbuf, m, l, corrections;
     std::vector<int64_t> pos;
     for (int64_t it; (it = next_item.fetch_add(1)) < num_items;) {
       const Item w = items[it];
@@ -699,6 +735,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       sbuf.assign(rows * block_size, 0.f);
       m.assign(rows, neg_inf);
       l.assign(rows, 0.f);
+      corrections.assign(rows, 1.f);
       pos.assign(rows, 0);
       for (int64_t i = 0; i < w.q1 - w.q0; ++i)
         for (int64_t g = 0; g < G; ++g) {
@@ -734,9 +771,30 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         if (values && got.v16.base == nullptr) decode_block<T>(vpage, at, got.n, w.h, D, vbuf.data());
         return got;
       };
+      // A block's values into every row's sums, rows three at a time (a decode item's rows).
+      auto accumulate_group = [&](int64_t bi, const Loaded& blk) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+        const int64_t visible = std::min(blk.n, pos[0] + 1 - bi * block_size);
+        auto run = [&](auto tile, int64_t r) {
+          scale_accumulate_group<decltype(tile)::value>(acc.data() + r * D, corrections.data() + r,
+                                                        sbuf.data() + r * block_size, block_size, blk.v16,
+                                                        visible, D);
+        };
+        int64_t r = 0;
+        for (; r + 3 <= rows; r += 3) run(std::integral_constant<int, 3>{}, r);
+        if (rows - r == 2) run(std::integral_constant<int, 2>{}, r);
+        if (rows - r == 1) run(std::integral_constant<int, 1>{}, r);
+#else
+        (void)bi, (void)blk;
+#endif
+      };
+      // One query token's rows (a decode item) see the same keys: over bf16 pages read in place
+      // their values are accumulated together (scale_accumulate_group).
+      const bool group = direct && w.q1 - w.q0 == 1 && groups_accumulate(D);
       for (int64_t bi = 0; bi < nblocks; ++bi) {
         const Loaded blk = load_block(bi, true);
         const int64_t k0 = bi * block_size;
+        const bool grouped = group && blk.v16.base != nullptr;  // not a block decoded into vbuf
         for (int64_t r = 0; r < rows; ++r) {
           float* s = sbuf.data() + r * block_size;
           const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);  // causal: keys at or before pos
@@ -747,11 +805,13 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           const float correction = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
           const float sum = exp_sub_sum(s, visible, mx);
           float* ar = acc.data() + r * D;
-          if (blk.v16.base) scale_accumulate(ar, correction, s, blk.v16, visible, D);
+          if (grouped) corrections[r] = correction;
+          else if (blk.v16.base) scale_accumulate(ar, correction, s, blk.v16, visible, D);
           else scale_accumulate(ar, correction, s, blk.v, visible, D);
           l[r] = l[r] * correction + sum;
           m[r] = mx;
         }
+        if (grouped) accumulate_group(bi, blk);
       }
       if (first && first[w.b] >= 0) {
         // A second pass over the keys now that each row's max and sum are final.
