@@ -699,17 +699,41 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   float* sc = first ? scores.data_ptr<float>() : nullptr;
   const int64_t sc_b = first ? scores.stride(0) : 0, sc_h = first ? scores.stride(1) : 0;
 
-  struct Item { int64_t b, h, q0, q1, cost; };
+  // An item reads blocks [bi0, bi1) of its sequence; part >= 0: a piece of a split context, whose
+  // running max, sum and weighted values go to part storage for merging after.
+  struct Item { int64_t b, h, q0, q1, cost, bi0, bi1, part; };
+  // One decode token's keys in pieces of this many blocks (about 512 keys): a long context is
+  // several items, so one long sequence keeps every thread busy (one stream: as many items as
+  // KV heads). Where a context is cut depends only on its length, never on the batch.
+  const int64_t split_blocks = std::max<int64_t>(1, 512 / block_size);
+  struct Split { int64_t b, h, q0, part0, parts; };
   std::vector<Item> items;
+  std::vector<Split> splits;
+  int64_t num_parts = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t tile = first && first[b] >= 0 ? std::max<int64_t>(1, qs[b + 1] - qs[b]) : q_tile;
+    const bool scored = first && first[b] >= 0;
+    const int64_t tile = scored ? std::max<int64_t>(1, qs[b + 1] - qs[b]) : q_tile;
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t q0 = qs[b]; q0 < qs[b + 1]; q0 += tile) {
         const int64_t q1 = std::min(q0 + tile, qs[b + 1]);
+        const int64_t keys = ctx[b] - (qs[b + 1] - q1);  // what the item's last row sees
+        const int64_t nblocks = (keys - 1) / block_size + 1;
+        if (q1 - q0 == 1 && !scored && nblocks > split_blocks) {
+          const int64_t parts = (nblocks + split_blocks - 1) / split_blocks;
+          splits.push_back({b, h, q0, num_parts, parts});
+          for (int64_t i = 0; i < parts; ++i) {
+            const int64_t bi0 = i * split_blocks, bi1 = std::min(nblocks, bi0 + split_blocks);
+            items.push_back({b, h, q0, q1, (bi1 - bi0) * block_size, bi0, bi1, num_parts + i});
+          }
+          num_parts += parts;
+          continue;
+        }
         // Rows times the keys its last row sees: a 2,000-token context costs 100 times a 20.
-        items.push_back({b, h, q0, q1, (q1 - q0) * (ctx[b] - (qs[b + 1] - q1))});
+        items.push_back({b, h, q0, q1, (q1 - q0) * keys, 0, nblocks, -1});
       }
   }
+  // The pieces' running max and sum per row [part, G] and weighted values [part, G, D].
+  std::vector<float> part_m(num_parts * G), part_l(num_parts * G), part_acc(num_parts * G * D);
   // Items are handed out one at a time, longest first: split statically, the thread that drew
   // the long contexts ran alone while the other spun at the barrier (14% of a mixed step).
   std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -746,7 +770,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           pos[r] = ctx[w.b] - q_len + (w.q0 + i - qs[w.b]);
         }
       const int64_t last = pos[rows - 1];  // the furthest key any row of this item sees
-      const int64_t nblocks = last / block_size + 1;
+      const int64_t nblocks = w.bi1;  // the scoring pass (never a split item) reads them all
       // bf16 pages are read in place by a decode item, whose few rows would not repay decoding
       // a block into fp32 first; a prefill item's 30-odd rows would each widen the same keys
       // again. Not when the item keeps scores: the scoring pass reads decoded keys.
@@ -791,7 +815,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       // One query token's rows (a decode item) see the same keys: over bf16 pages read in place
       // their values are accumulated together (scale_accumulate_group).
       const bool group = direct && w.q1 - w.q0 == 1 && groups_accumulate(D);
-      for (int64_t bi = 0; bi < nblocks; ++bi) {
+      for (int64_t bi = w.bi0; bi < w.bi1; ++bi) {
         const Loaded blk = load_block(bi, true);
         const int64_t k0 = bi * block_size;
         const bool grouped = group && blk.v16.base != nullptr;  // not a block decoded into vbuf
@@ -830,6 +854,12 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           }
         }
       }
+      if (w.part >= 0) {  // a piece: its rows (one token's G) are merged below
+        std::copy(m.begin(), m.end(), part_m.begin() + w.part * G);
+        std::copy(l.begin(), l.end(), part_l.begin() + w.part * G);
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + w.part * G * D);
+        continue;
+      }
       for (int64_t i = 0; i < w.q1 - w.q0; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * G + g;
@@ -837,6 +867,29 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           const float inv = 1.f / l[r];
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
         }
+    }
+  });
+  // A split context's pieces, in order: each rescaled to the overall max, as the online softmax
+  // rescales a block.
+  at::parallel_for(0, static_cast<int64_t>(splits.size()), 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const Split& sp = splits[i];
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = neg_inf;
+        for (int64_t p = sp.part0; p < sp.part0 + sp.parts; ++p) mx = std::max(mx, part_m[p * G + g]);
+        float total = 0.f;
+        std::fill(sum.begin(), sum.end(), 0.f);
+        for (int64_t p = sp.part0; p < sp.part0 + sp.parts; ++p) {
+          const float c = std::exp(part_m[p * G + g] - mx);
+          total += part_l[p * G + g] * c;
+          const float* a = part_acc.data() + (p * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) sum[d] += a[d] * c;
+        }
+        T* dst = od + sp.q0 * o_tok + (sp.h * G + g) * o_head;
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(sum[d] * inv);
+      }
     }
   });
 }
