@@ -62,15 +62,20 @@ class SmallBatchLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     @property
+    def interleaved(self) -> bool:
+        """Whether the weight is in the AVX2 kernel's interleaved layout (interleave_rows)."""
+        return self.weight.dim() == 4
+
+    @property
     def padded(self) -> bool:
         """Whether the kernel's output has zero columns past out_features (interleaved weights)."""
-        return self.weight.dim() == 4 and self.out_features % GROUP != 0
+        return self.interleaved and self.out_features % GROUP != 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # On AVX2 (interleaved weights) the kernel takes every batch: oneDNN's bf16 matmul there is
         # emulated, and an fp32 one on weights widened per call was 1.3-3x slower at 33-128 rows and
         # no faster above (BENCHMARKS.md). A row's bits then never depend on its batch.
-        if x.shape[0] > SMALL_BATCH and self.weight.dim() == 2:
+        if x.shape[0] > SMALL_BATCH and not self.interleaved:
             return onednn_rows(x, lambda rows: F.linear(rows, self.weight, self.bias))
         out = self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
         return out[:, :self.out_features].contiguous() if self.padded else out
@@ -148,5 +153,5 @@ def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None) -> 
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             head = replaced.get(id(child.weight)) if isinstance(child, nn.Embedding) else None
-            if isinstance(head, SmallBatchLinear) and head.weight.dim() == 4:
+            if isinstance(head, SmallBatchLinear) and head.interleaved:
                 setattr(parent, name, InterleavedEmbedding(head.weight))

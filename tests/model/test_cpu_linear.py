@@ -38,12 +38,17 @@ def test_packed_linear_equals_f_linear(rows: int) -> None:
     torch.testing.assert_close(PackedLinear(linear)(x).float(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 5, SMALL_BATCH, SMALL_BATCH + 1])
-@pytest.mark.parametrize("out_features", [96, 100])  # 100: the AVX2 kernel's weight padded to 112 rows
-def test_small_batch_linear_equals_f_linear_on_both_sides_of_its_row_limit(rows: int, out_features: int) -> None:
+def bf16_gemm_kernels() -> object:
     kernels = cpu_extension.load()
     if kernels is None or not kernels.has_bf16_gemm():
         pytest.skip("needs the CPU kernels with AVX512-BF16 or AVX2")
+    return kernels
+
+
+@pytest.mark.parametrize("rows", [1, 5, SMALL_BATCH, SMALL_BATCH + 1])
+@pytest.mark.parametrize("out_features", [96, 100])  # 100: the AVX2 kernel's weight padded to 112 rows
+def test_small_batch_linear_equals_f_linear_on_both_sides_of_its_row_limit(rows: int, out_features: int) -> None:
+    kernels = bf16_gemm_kernels()
     linear = torch.nn.Linear(64, out_features, bias=True).to(torch.bfloat16)
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
@@ -53,9 +58,7 @@ def test_small_batch_linear_equals_f_linear_on_both_sides_of_its_row_limit(rows:
 
 
 def test_a_linear_the_kernel_cannot_read_keeps_a_path_that_can() -> None:
-    kernels = cpu_extension.load()
-    if kernels is None or not kernels.has_bf16_gemm():
-        pytest.skip("needs the CPU kernels with AVX512-BF16 or AVX2")
+    kernels = bf16_gemm_kernels()
     linear = torch.nn.Linear(48, 64, bias=True).to(torch.bfloat16)  # 48: not a multiple of 32
     new = cpu_linear(linear, "small-batch", kernels)
     assert not isinstance(new, SmallBatchLinear)

@@ -706,7 +706,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   // several items, so one long sequence keeps every thread busy (one stream: as many items as
   // KV heads). Where a context is cut depends only on its length, never on the batch.
   const int64_t split_blocks = std::max<int64_t>(1, 512 / block_size);
-  struct Split { int64_t b, h, q0, part0, parts; };
+  struct Split { int64_t h, q0, part0, parts; };
   std::vector<Item> items;
   std::vector<Split> splits;
   int64_t num_parts = 0;
@@ -720,7 +720,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         const int64_t nblocks = (keys - 1) / block_size + 1;
         if (q1 - q0 == 1 && !scored && nblocks > split_blocks) {
           const int64_t parts = (nblocks + split_blocks - 1) / split_blocks;
-          splits.push_back({b, h, q0, num_parts, parts});
+          splits.push_back({h, q0, num_parts, parts});
           for (int64_t i = 0; i < parts; ++i) {
             const int64_t bi0 = i * split_blocks, bi1 = std::min(nblocks, bi0 + split_blocks);
             items.push_back({b, h, q0, q1, (bi1 - bi0) * block_size, bi0, bi1, num_parts + i});
