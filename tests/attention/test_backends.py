@@ -278,34 +278,54 @@ def test_bf16_dense_pages_match_the_dense_reference(block_size: int, dim: int, k
     assert served >= 2  # the torch reference and at least one fast backend
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8_e4m3", "int4"])
-def test_bf16_compressed_pages_match_the_reference_backend(fmt: str) -> None:
-    """In bf16 every backend decodes codes into bf16 before attention, as the reference does."""
+def outputs_over_compressed_pages(fmt: str, heads: int, kv_heads: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each backend's output (the reference's first) for one mixed step over pages of `fmt` that a
+    prefill step wrote."""
     from kvserve.cache.kv_format import make_format
     from kvserve.cache.quantized_pool import QuantizedKVPool
 
-    seqs, _, _ = make_case(MIXED, 8, 2, 16, seed=21)
-    heads, bf16 = 8, torch.bfloat16
+    seqs, _, _ = make_case(MIXED, heads, kv_heads, 16, seed=21)
     outs = []
     for name in BACKEND_NAMES:
         formats = make_format(fmt, "k", group_size=16), make_format(fmt, "v", group_size=16)
-        pool = QuantizedKVPool(64, 16, 2, HEAD_DIM, bf16, CPU, [formats], 0, 0)
+        pool = QuantizedKVPool(64, 16, kv_heads, HEAD_DIM, dtype, CPU, [formats], 0, 0)
         if BACKENDS[name].unsupported(pool, CPU) is not None:  # e.g. triton not installed here
             continue
         backend = BACKENDS[name](pool, heads)
         plan = pool.plan_step(None, [])
         prior = [s for s in seqs if s.ctx > s.q_len]
         lens = [s.ctx - s.q_len for s in prior]
-        backend.forward(0, torch.zeros(sum(lens), heads, HEAD_DIM, dtype=bf16),
-                        torch.cat([s.k[:s.ctx - s.q_len] for s in prior]).to(bf16),
-                        torch.cat([s.v[:s.ctx - s.q_len] for s in prior]).to(bf16),
+        backend.forward(0, torch.zeros(sum(lens), heads, HEAD_DIM, dtype=dtype),
+                        torch.cat([s.k[:s.ctx - s.q_len] for s in prior]).to(dtype),
+                        torch.cat([s.v[:s.ctx - s.q_len] for s in prior]).to(dtype),
                         backend.prepare(StepMetadata.build(lens, lens, [s.table for s in prior], 16, CPU, kv_plan=plan)),
                         1.0)
         step = StepMetadata.build([s.q_len for s in seqs], [s.ctx for s in seqs], [s.table for s in seqs], 16, CPU,
                                   kv_plan=plan)
-        outs.append(backend.forward(0, torch.cat([s.q for s in seqs]).to(bf16),
-                                    torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]).to(bf16),
-                                    torch.cat([s.v[s.ctx - s.q_len:] for s in seqs]).to(bf16),
+        outs.append(backend.forward(0, torch.cat([s.q for s in seqs]).to(dtype),
+                                    torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]).to(dtype),
+                                    torch.cat([s.v[s.ctx - s.q_len:] for s in seqs]).to(dtype),
                                     backend.prepare(step), HEAD_DIM ** -0.5).float())
+    assert len(outs) >= 2  # the torch reference and at least one fast backend
+    return outs
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8_e4m3", "int4"])
+def test_bf16_compressed_pages_match_the_reference_backend(fmt: str) -> None:
+    """In bf16 the reference decodes codes into bf16 before attention; the cpu kernel attends over
+    int8 / fp8 codes times their scales in fp32 (a token's scale on its score and weight), so it
+    differs from it by that rounding of the decoded values as well."""
+    outs = outputs_over_compressed_pages(fmt, 8, 2, torch.bfloat16)
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4, 3])  # GQA groups of 4, 2 and 3 query heads (of 8, 8, 9)
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_absmax_pages_match_the_reference_backend(fmt: str, kv_heads: int) -> None:
+    """Per-token scaled codes in fp32, which the cpu kernel's decode items read in place (int8) or
+    decode unscaled (fp8), a token's scale applied to its score and weight, and on AVX2 a group's
+    rows accumulated 3, 2 or 1 at a time: equal to the reference backend to fp32 rounding."""
+    outs = outputs_over_compressed_pages(fmt, 9 if kv_heads == 3 else 8, kv_heads, torch.float32)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=ATOL, rtol=RTOL)

@@ -145,8 +145,9 @@ def test_kernels_build_from_a_copy_in_their_cache_directory() -> None:
 @pytest.mark.parametrize("code_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_paged_attention_decodes_every_absmax_code_exactly(code_dtype: torch.dtype) -> None:
     """Every byte value as a value code (NaN and infinity codes aside: never stored), one key per
-    sequence so the output is that key's value: the kernel's 16-wide widening of int8 / fp8 codes
-    equals torch's code.float() * scale bit for bit."""
+    sequence so the output is that key's value: the kernel's widening of int8 / fp8 codes (8 or 16
+    at a time; int8 read in place) times the token's scale, applied to its weight, equals torch's
+    code.float() * scale bit for bit."""
     dim, bs = 64, 16
     raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     codes = raw.view(code_dtype)

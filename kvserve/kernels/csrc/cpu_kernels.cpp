@@ -147,7 +147,8 @@ inline __m512 hsum16(const __m512* v) {
 #endif
 
 // Rows of K or V as the attention loop reads them: `base` plus `stride` elements per token.
-// fp32 rows are blocks decoded into a buffer; bf16 rows are dense pages read in place.
+// fp32 rows are blocks decoded into a buffer; bf16 rows are dense pages read in place, int8 rows
+// absmax codes read in place (their scales applied per token by the attention loop).
 template <typename R>
 struct Rows { const R* base; int64_t stride; };
 
@@ -159,11 +160,17 @@ inline __m512 load16(const c10::BFloat16* x) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16(const int8_t* x) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 inline __m256 load8(const c10::BFloat16* x) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const int8_t* x) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
 }
 #endif
 
@@ -250,14 +257,14 @@ inline void scale_accumulate_tile(float* a, float c, const float* p, Rows<R> v, 
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // scale_accumulate for NR query rows (a, c, p: row r at a + r * D, c[r], p + r * p_stride) that
-// see the same n bf16 rows of v, as one query token's GQA group does: each value is widened once
-// for all of them, where one row at a time widened it once per row (two of every three uops of
-// the accumulation). Each row's lanes take scale_accumulate's operations in its order, so the
-// results are the same bits. 32 channels per pass: NR x 4 sums, NR broadcasts and the value fill
-// the 16 registers at NR = 3.
-template <int NR>
+// see the same n rows of v, as one query token's GQA group does: each value is loaded (and a
+// bf16 or int8 one widened) once for all of them, where one row at a time widened it once per
+// row (two of every three uops of the accumulation). Each row's lanes take scale_accumulate's
+// operations in its order, so the results are the same bits. 32 channels per pass: NR x 4 sums,
+// NR broadcasts and the value fill the 16 registers at NR = 3.
+template <int NR, typename R>
 inline void scale_accumulate_group(float* a, const float* c, const float* p, int64_t p_stride,
-                                   Rows<c10::BFloat16> v, int64_t n, int64_t D) {
+                                   Rows<R> v, int64_t n, int64_t D) {
   for (int64_t d0 = 0; d0 < D; d0 += 32) {
     __m256 acc[NR][4];
     for (int r = 0; r < NR; ++r) {
@@ -267,7 +274,7 @@ inline void scale_accumulate_group(float* a, const float* c, const float* p, int
     for (int64_t t = 0; t < n; ++t) {
       __m256 pt[NR];
       for (int r = 0; r < NR; ++r) pt[r] = _mm256_set1_ps(p[r * p_stride + t]);
-      const c10::BFloat16* row = v.base + t * v.stride + d0;
+      const R* row = v.base + t * v.stride + d0;
       for (int j = 0; j < 4; ++j) {
         const __m256 x = load8(row + 8 * j);
         for (int r = 0; r < NR; ++r) acc[r][j] = _mm256_fmadd_ps(pt[r], x, acc[r][j]);
@@ -356,6 +363,45 @@ inline Rows<c10::BFloat16> bf16_rows(const Pages& p, int64_t block, int64_t h) {
   if (src->scalar_type() != at::kBFloat16) return {nullptr, 0};
   return {src->data_ptr<c10::BFloat16>() + block * src->stride(0) + h * src->stride(2), src->stride(1)};
 }
+
+// The rows of head h of an int8 absmax block, read in place; base is null for other pages.
+inline Rows<int8_t> int8_rows(const Pages& p, int64_t block, int64_t h) {
+  if (p.kind != kAbsMax || p.data->scalar_type() != at::kChar) return {nullptr, 0};
+  const at::Tensor& d = *p.data;
+  return {d.data_ptr<int8_t>() + block * d.stride(0) + h * d.stride(2), d.stride(1)};
+}
+
+// Tokens [0, n) of an absmax block's scales for head h into out, which it returns; null for
+// other pages, whose decoded values carry their scales. A token's score and weight take its
+// scale once, where scaling each code took it D times.
+inline const float* absmax_scales(const Pages& p, int64_t block, int64_t n, int64_t h, float* out) {
+  if (p.kind == kHeadAbsMax) {
+    std::fill(out, out + n, p.scale->data_ptr<float>()[h]);
+    return out;
+  }
+  if (p.kind != kAbsMax) return nullptr;
+  const int64_t H = p.data->size(2);
+  const c10::Half* s = p.scale->data_ptr<c10::Half>() + block * p.data->size(1) * H + h;
+  for (int64_t t = 0; t < n; ++t) out[t] = to_f(s[t * H]);
+  return out;
+}
+
+// A block's keys or values as the attention loop reads them: fp32 rows decoded into a buffer,
+// or bf16 / int8 rows read in place; `scale` (null: none) is each token's absmax scale.
+struct BlockRows {
+  Rows<float> f32;
+  Rows<c10::BFloat16> bf16{nullptr, 0};
+  Rows<int8_t> i8{nullptr, 0};
+  const float* scale = nullptr;
+  bool in_place() const { return bf16.base != nullptr || i8.base != nullptr; }
+  // f(rows) on the rows that hold the block.
+  template <typename F>
+  decltype(auto) visit(F&& f) const {
+    if (bf16.base) return f(bf16);
+    if (i8.base) return f(i8);
+    return f(f32);
+  }
+};
 
 // Code d of a row of packed `bits`-bit codes (first code in the low bits).
 inline int packed_code(const uint8_t* row, int64_t d, int64_t bits) {
@@ -532,64 +578,52 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
     return;
   }
   if (p.kind == kAbsMax || p.kind == kHeadAbsMax) {
+    // The codes' values, unscaled: the attention loop multiplies each token's score and weight by
+    // its scale (absmax_scales) instead of each channel by it.
     const int64_t H = data.size(2);
-    const int64_t s_base = (block * data.size(1)) * H + h;
-    const bool per_head = p.kind == kHeadAbsMax;
-    const c10::Half* token_scale = per_head ? nullptr : p.scale->data_ptr<c10::Half>();
-    const float head_scale = per_head ? p.scale->data_ptr<float>()[h] : 0.0f;
     auto run = [&](auto* codes) {
+      using code_t = std::remove_cv_t<std::remove_pointer_t<decltype(codes)>>;
       for (int64_t t = 0; t < n; ++t) {
-        const auto* row = codes + ((block * data.size(1) + t) * H + h) * D;
-        const float s = per_head ? head_scale : to_f(token_scale[s_base + t * H]);
+        const code_t* row = codes + ((block * data.size(1) + t) * H + h) * D;
         float* o = out + t * D;
-#if defined(__AVX512BF16__)
-        // Codes 16 at a time: the same one multiply and one rounding as the loop below. fp8 codes
-        // widen exactly through fp16: e5m2 is an fp16's top byte; e4m3 (no infinities, and its
-        // NaN is never stored) placed in an fp16's exponent and mantissa bits reads 2^-8 of its
-        // value, subnormals included, so one exact multiply by 256 restores it.
-        using code_t = std::remove_cv_t<std::remove_pointer_t<decltype(codes)>>;
-        if constexpr ((std::is_same_v<code_t, int8_t> || std::is_same_v<code_t, c10::Float8_e4m3fn> ||
-                       std::is_same_v<code_t, c10::Float8_e5m2>) &&
-                      (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
-          if (D % 16 == 0) {
-            const __m512 sv = _mm512_set1_ps(s);
-            for (int64_t d = 0; d < D; d += 16) {
-              const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
-              __m512 x;
-              if constexpr (std::is_same_v<code_t, int8_t>) {
-                x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-              } else if constexpr (std::is_same_v<code_t, c10::Float8_e5m2>) {
-                x = _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
-              } else {
-                const __m256i b = _mm256_cvtepu8_epi16(raw);
-                const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                                  _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
-                x = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
-              }
-              __m512 v = _mm512_mul_ps(x, sv);
-              if constexpr (std::is_same_v<T, c10::BFloat16>)
-                v = through_bf16(v);
-              _mm512_storeu_ps(o + d, v);
-            }
-            continue;
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        // fp8 codes widen exactly through fp16: e5m2 is an fp16's top byte; e4m3 (no infinities,
+        // and its NaN is never stored) placed in an fp16's exponent and mantissa bits reads 2^-8
+        // of its value, subnormals included, so one exact multiply by 256 restores it.
+        for (; d + 16 <= D; d += 16) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+          __m512 x;
+          if constexpr (std::is_same_v<code_t, int8_t>) {
+            x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+          } else if constexpr (std::is_same_v<code_t, c10::Float8_e5m2>) {
+            x = _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
+          } else {
+            const __m256i b = _mm256_cvtepu8_epi16(raw);
+            const __m256i f = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                              _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+            x = _mm512_mul_ps(_mm512_cvtph_ps(f), _mm512_set1_ps(256.f));
           }
+          _mm512_storeu_ps(o + d, x);
         }
-#elif defined(__AVX2__) && defined(__FMA__)
-        using code_t = std::remove_cv_t<std::remove_pointer_t<decltype(codes)>>;
-        if constexpr (std::is_same_v<code_t, int8_t> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
-          if (D % 8 == 0) {
-            const __m256 sv = _mm256_set1_ps(s);
-            for (int64_t d = 0; d < D; d += 8) {
-              const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
-              __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), sv);
-              if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
-              _mm256_storeu_ps(o + d, v);
-            }
-            continue;
+#elif defined(__AVX2__) && defined(__F16C__)
+        for (; d + 8 <= D; d += 8) {  // as above, 8 at a time
+          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+          __m256 x;
+          if constexpr (std::is_same_v<code_t, int8_t>) {
+            x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+          } else if constexpr (std::is_same_v<code_t, c10::Float8_e5m2>) {
+            x = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8));
+          } else {
+            const __m128i b = _mm_cvtepu8_epi16(raw);
+            const __m128i f = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+            x = _mm256_mul_ps(_mm256_cvtph_ps(f), _mm256_set1_ps(256.f));
           }
+          _mm256_storeu_ps(o + d, x);
         }
 #endif
-        for (int64_t d = 0; d < D; ++d) o[d] = through<T>(to_f(row[d]) * s);
+        for (; d < D; ++d) o[d] = to_f(row[d]);
       }
     };
     switch (data.scalar_type()) {
@@ -748,7 +782,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), sbuf, m, l, corrections;
+    std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), kscale(block_size),
+        vscale(block_size), sbuf, m, l, corrections;
     std::vector<int64_t> pos;
     for (int64_t it; (it = next_item.fetch_add(1)) < num_items;) {
       const Item w = items[it];
@@ -771,38 +806,51 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         }
       const int64_t last = pos[rows - 1];  // the furthest key any row of this item sees
       const int64_t nblocks = w.bi1;  // the scoring pass (never a split item) reads them all
-      // bf16 pages are read in place by a decode item, whose few rows would not repay decoding
-      // a block into fp32 first; a prefill item's 30-odd rows would each widen the same keys
-      // again. Not when the item keeps scores: the scoring pass reads decoded keys.
-      const bool direct = std::is_same_v<T, c10::BFloat16> && rows <= 8 && !(first && first[w.b] >= 0);
-      // Block bi of the item's table: its keys into kbuf and (with `values`) its values into
-      // vbuf, unless read in place; returns its tokens and the rows to read. A block inside the
-      // full-precision window is read from its staging slot instead.
-      struct Loaded { int64_t n; Rows<float> k, v; Rows<c10::BFloat16> k16, v16; };
+      // bf16 pages and int8 codes are read in place by a decode item, whose few rows would not
+      // repay decoding a block into fp32 first; a prefill item's 30-odd rows would each widen the
+      // same keys again. Not when the item keeps scores: the scoring pass reads decoded keys.
+      const bool direct = rows <= 8 && !(first && first[w.b] >= 0);
+      // Block bi of the item's table: its keys (and with `values` its values) read in place or
+      // decoded into kbuf / vbuf, with absmax scales into kscale / vscale; returns its tokens and
+      // rows. A block inside the full-precision window is read from its staging slot instead.
+      struct Loaded { int64_t n; BlockRows k, v; };
       auto load_block = [&](int64_t bi, bool values) {
         const int64_t block = tables[w.b * table_stride + bi];
         const int64_t slot = stage ? stage[block] : -1;
         const Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
         const Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
-        const Pages& kpage = slot >= 0 ? sk : kp;
-        const Pages& vpage = slot >= 0 ? sv : vp;
         const int64_t at = slot >= 0 ? slot : block;
-        Loaded got{std::min(block_size, last + 1 - bi * block_size), {kbuf.data(), D}, {vbuf.data(), D},
-                   {nullptr, 0}, {nullptr, 0}};
-        if (direct) got.k16 = bf16_rows(kpage, at, w.h);
-        if (direct && values) got.v16 = bf16_rows(vpage, at, w.h);
-        if (got.k16.base == nullptr) decode_block<T>(kpage, at, got.n, w.h, D, kbuf.data());
-        if (values && got.v16.base == nullptr) decode_block<T>(vpage, at, got.n, w.h, D, vbuf.data());
+        Loaded got{std::min(block_size, last + 1 - bi * block_size), {{kbuf.data(), D}}, {{vbuf.data(), D}}};
+        auto read = [&](const Pages& page, BlockRows& rows, float* buf, float* scales) {
+          if (direct) {
+            // bf16 pages of another model dtype are rounded to it as they are decoded.
+            if constexpr (std::is_same_v<T, c10::BFloat16>) rows.bf16 = bf16_rows(page, at, w.h);
+            rows.i8 = int8_rows(page, at, w.h);
+          }
+          if (!rows.in_place()) decode_block<T>(page, at, got.n, w.h, D, buf);
+          rows.scale = absmax_scales(page, at, got.n, w.h, scales);
+        };
+        read(slot >= 0 ? sk : kp, got.k, kbuf.data(), kscale.data());
+        if (values) read(slot >= 0 ? sv : vp, got.v, vbuf.data(), vscale.data());
         return got;
+      };
+      // s[t] = q . k[t] * scale[t] for the block's first n keys; returns their max.
+      auto score_block = [&](const float* qr, const BlockRows& k, int64_t n, float* s) {
+        const float top = k.visit([&](auto kr) { return dots(qr, kr, n, D, s); });
+        if (k.scale == nullptr) return top;
+        float mx = neg_inf;
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t] *= k.scale[t]);
+        return mx;
       };
       // A block's values into every row's sums, rows three at a time (a decode item's rows).
       auto accumulate_group = [&](int64_t bi, const Loaded& blk) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
         const int64_t visible = std::min(blk.n, pos[0] + 1 - bi * block_size);
         auto run = [&](auto tile, int64_t r) {
-          scale_accumulate_group<decltype(tile)::value>(acc.data() + r * D, corrections.data() + r,
-                                                        sbuf.data() + r * block_size, block_size, blk.v16,
-                                                        visible, D);
+          blk.v.visit([&](auto vr) {
+            scale_accumulate_group<decltype(tile)::value>(acc.data() + r * D, corrections.data() + r,
+                                                          sbuf.data() + r * block_size, block_size, vr, visible, D);
+          });
         };
         int64_t r = 0;
         for (; r + 3 <= rows; r += 3) run(std::integral_constant<int, 3>{}, r);
@@ -812,26 +860,23 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         (void)bi, (void)blk;
 #endif
       };
-      // One query token's rows (a decode item) see the same keys: over bf16 pages read in place
-      // their values are accumulated together (scale_accumulate_group).
-      const bool group = direct && w.q1 - w.q0 == 1 && groups_accumulate(D);
+      // One query token's rows (a decode item) see the same keys: their values are accumulated
+      // together (scale_accumulate_group).
+      const bool grouped = w.q1 - w.q0 == 1 && groups_accumulate(D);
       for (int64_t bi = w.bi0; bi < w.bi1; ++bi) {
         const Loaded blk = load_block(bi, true);
         const int64_t k0 = bi * block_size;
-        const bool grouped = group && blk.v16.base != nullptr;  // not a block decoded into vbuf
         for (int64_t r = 0; r < rows; ++r) {
           float* s = sbuf.data() + r * block_size;
           const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);  // causal: keys at or before pos
           if (visible <= 0) continue;
-          const float* qr = qbuf.data() + r * D;
-          const float top = blk.k16.base ? dots(qr, blk.k16, visible, D, s) : dots(qr, blk.k, visible, D, s);
-          const float mx = std::max(m[r], top);
+          const float mx = std::max(m[r], score_block(qbuf.data() + r * D, blk.k, visible, s));
           const float correction = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
           const float sum = exp_sub_sum(s, visible, mx);
-          float* ar = acc.data() + r * D;
+          if (blk.v.scale)  // the weights onto unscaled values
+            for (int64_t t = 0; t < visible; ++t) s[t] *= blk.v.scale[t];
           if (grouped) corrections[r] = correction;
-          else if (blk.v16.base) scale_accumulate(ar, correction, s, blk.v16, visible, D);
-          else scale_accumulate(ar, correction, s, blk.v, visible, D);
+          else blk.v.visit([&](auto vr) { scale_accumulate(acc.data() + r * D, correction, s, vr, visible, D); });
           l[r] = l[r] * correction + sum;
           m[r] = mx;
         }
@@ -848,7 +893,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
             const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);
             if (visible <= 0) continue;
             float* s = sbuf.data() + r * block_size;
-            dots(qbuf.data() + r * D, blk.k, visible, D, s);  // the first pass's scores, recomputed
+            score_block(qbuf.data() + r * D, blk.k, visible, s);  // the first pass's scores, recomputed
             const float inv = 1.f / (l[r] * G);
             for (int64_t t = 0; t < visible; ++t) row_scores[k0 + t] += std::exp(s[t] - m[r]) * inv;
           }
@@ -988,12 +1033,46 @@ constexpr float kMinScale = 1.0f / 16384;  // kv_format.MIN_SCALE, fp16's smalle
 
 template <typename T, typename Code>
 void encode_absmax(const T* x, Code* codes, c10::Half* scale, int64_t D, float qmax, bool is_float) {
+  // int8 codes from bf16 / fp32 rows 8 at a time (a prefill step encodes every token's K and V):
+  // the same max, division, clamp and rounding to nearest even as the scalar loops.
+#if defined(__AVX2__) && defined(__FMA__)
+  constexpr bool vector = std::is_same_v<Code, int8_t> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+  auto load = [](const T* p) {
+    if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+    else return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  };
+#else
+  constexpr bool vector = false;
+#endif
+  const int64_t vd = vector ? D - D % 8 : 0;  // channels the vector loops take
   float amax = 0.f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (vector) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t d = 0; d < vd; d += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load(x + d), magnitude));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    for (float v : lanes) amax = std::max(amax, v);
+  }
+#endif
+  for (int64_t d = vd; d < D; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
   const c10::Half sc = fp16_rounded(std::max(amax / qmax, kMinScale), true);
   *scale = sc;
   const float sf = static_cast<float>(sc);
-  for (int64_t d = 0; d < D; ++d) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (vector) {
+    const __m256 sv = _mm256_set1_ps(sf), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+    for (int64_t d = 0; d < vd; d += 8) {
+      const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(load(x + d), sv), lo), hi);
+      const __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + d), _mm_packs_epi16(words, words));
+    }
+  }
+#endif
+  for (int64_t d = vd; d < D; ++d) {
     float y = std::min(std::max(static_cast<float>(x[d]) / sf, -qmax), qmax);
     if (!is_float) y = std::nearbyint(y);
     codes[d] = static_cast<Code>(y);
