@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvserve.bench.metrics import format_table, ratio
+from kvserve.bench.metrics import format_table, ratio, same_budget_table
 from kvserve.config import DTYPES
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
 from kvserve.texts import DATA_HELP
@@ -68,6 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kf.add_argument("--formats", default="auto,int8,int4,kivi2@32",
                     help="kv_cache_dtype values, each optionally name@residual (default auto,int8,int4,kivi2@32)")
     _workload_args(kf, num_requests=32, prompt_median=256, output_median=32)
+    _rounds_arg(kf)
     add_engine_args(kf)
     kf.set_defaults(func=run, max_model_len=2048, kv_cache_memory="128MiB", max_num_seqs=48)
 
@@ -75,6 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--policies", default="none,window,snapkv,tova,h2o,strided",
                     help="kv_eviction values, the first the baseline (default none,window,snapkv,tova,h2o,strided)")
     _workload_args(ev, num_requests=24, prompt_median=1024, output_median=128)
+    _rounds_arg(ev)
     add_engine_args(ev)
     ev.set_defaults(func=run, max_model_len=4096, kv_cache_memory="96MiB", max_num_seqs=48, kv_budget=512)
 
@@ -114,6 +116,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--out", default="bench_out")
     add_engine_args(sc)
     sc.set_defaults(func=run)
+
+
+def _rounds_arg(p: argparse.ArgumentParser) -> None:
+    def rounds(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"--rounds must be a whole number >= 1, got {text!r}")
+        return int(text)
+
+    p.add_argument("--rounds", type=rounds, default=1,
+                   help="run every configuration this many times, taking turns, and report medians: each "
+                        "round's ratio to its first configuration, so a machine that drifts between runs "
+                        "(a shared CPU can by 10-20%%) moves both sides of a ratio alike (default 1)")
 
 
 def _hf_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -426,31 +440,28 @@ def _same_budget_runs(args: argparse.Namespace, runs: list[tuple[str, dict[str, 
                       max_prompt_len: int) -> None:
     from kvserve.bench.throughput import run_kvserve
 
-    summaries = []
-    for i, (name, overrides) in enumerate(runs):
-        llm = llm_from_args(args, "paged", **overrides)
-        if i == 0:  # the tokenizer comes with the first engine
-            _, prompts, params, _ = _workload(args, llm.tokenizer, sigma=0.5, max_prompt_len=max_prompt_len,
-                                              max_output_len=max(512, 2 * args.output_len_median))
-        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-        summary = run_kvserve(llm, prompts, params, f"kvserve {name}")
-        summary.extra["capacity_tokens"] = float(llm.engine.block_manager.num_blocks * args.block_size)
-        summary.extra["kv_bytes_per_token"] = llm.engine.kv_bytes_per_token
-        summaries.append(summary)
-        del llm
-    base = summaries[0]
+    rounds: list[list[Any]] = []
+    prompts: list[list[int]] = []
+    for r in range(args.rounds):
+        summaries = []
+        for i, (name, overrides) in enumerate(runs):
+            llm = llm_from_args(args, "paged", **overrides)  # a fresh engine: no prefix cache kept from a round
+            if not prompts:  # the tokenizer comes with the first engine
+                _, prompts, params, _ = _workload(args, llm.tokenizer, sigma=0.5, max_prompt_len=max_prompt_len,
+                                                  max_output_len=max(512, 2 * args.output_len_median))
+            llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+            label = f"kvserve {name}" + (f" (round {r + 1})" if args.rounds > 1 else "")
+            summary = run_kvserve(llm, prompts, params, label)
+            summary.extra["capacity_tokens"] = float(llm.engine.block_manager.num_blocks * args.block_size)
+            summary.extra["kv_bytes_per_token"] = llm.engine.kv_bytes_per_token
+            summaries.append(summary)
+            del llm
+        rounds.append(summaries)
     lines = [f"KV budget {args.kv_cache_memory}, {args.num_requests} requests (prompt median "
              f"{args.prompt_len_median}, output median {args.output_len_median}, sigma 0.5), dtype {args.dtype}, "
-             f"max_num_seqs {args.max_num_seqs}, torch threads "
-             f"{torch.get_num_threads()}", "", format_table(summaries), "",
-             f"| {what} | KV bytes/token | capacity (tokens) | peak running seqs | mean running seqs (time-weighted) "
-             "| output tok/s | vs first |",
-             "|---|---|---|---|---|---|---|"]
-    for s in summaries:
-        lines.append(f"| {s.name} | {s.extra['kv_bytes_per_token']:.0f} | {s.extra['capacity_tokens']:.0f} | "
-                     f"{s.extra['peak_running']:.0f} ({s.extra['peak_running'] / base.extra['peak_running']:.2f}x) | "
-                     f"{s.extra['mean_running']:.2f} ({s.extra['mean_running'] / base.extra['mean_running']:.2f}x) | "
-                     f"{s.output_tok_s:.1f} | {s.output_tok_s / base.output_tok_s:.2f}x |")
+             f"max_num_seqs {args.max_num_seqs}, torch threads {torch.get_num_threads()}, "
+             f"{args.rounds} round(s)", "", format_table([s for r in rounds for s in r]), "",
+             same_budget_table([f"kvserve {name}" for name, _ in runs], rounds, what)]
     text = "\n".join(lines)
     print(text)
     path.write_text(text + "\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -108,3 +109,24 @@ def ratio(a: BenchSummary, b: BenchSummary) -> dict[str, float]:
 
 def _safe_div(num: float, den: float) -> float:
     return num / den if den else math.nan
+
+
+def same_budget_table(names: list[str], rounds: list[list[BenchSummary]], what: str) -> str:
+    """One row per configuration of runs at one KV budget, repeated in rounds that each run every
+    configuration in turn (`names[i]` is configuration i): medians over the rounds, and the median of each round's ratio to that
+    round's first configuration, so the machine's drift between rounds cancels out of the ratio."""
+    each = len(rounds) > 1
+    lines = [f"| {what} | KV bytes/token | capacity (tokens) | peak running seqs | mean running seqs (time-weighted) "
+             "| output tok/s | vs first |" + (" vs first, each round |" if each else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if each else "")]
+    for i, name in enumerate(names):
+        runs = [r[i] for r in rounds]
+        peak, mean = (statistics.median(run.extra[k] / r[0].extra[k] for run, r in zip(runs, rounds))
+                      for k in ("peak_running", "mean_running"))
+        ratios = [run.output_tok_s / r[0].output_tok_s for run, r in zip(runs, rounds)]
+        lines.append(f"| {name} | {runs[0].extra['kv_bytes_per_token']:.0f} | {runs[0].extra['capacity_tokens']:.0f} | "
+                     f"{statistics.median(run.extra['peak_running'] for run in runs):.0f} ({peak:.2f}x) | "
+                     f"{statistics.median(run.extra['mean_running'] for run in runs):.2f} ({mean:.2f}x) | "
+                     f"{statistics.median(run.output_tok_s for run in runs):.1f} | {statistics.median(ratios):.2f}x |"
+                     + (" " + ", ".join(f"{x:.2f}x" for x in ratios) + " |" if each else ""))
+    return "\n".join(lines)

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from kvserve.bench.metrics import RequestTiming, format_table, ratio, summarize
+from kvserve.bench.metrics import RequestTiming, format_table, ratio, same_budget_table, summarize
 
 TIMINGS = [
     # ttft 0.1s, tpot 0.4/4 = 0.1s, e2e 0.5s
@@ -48,3 +48,20 @@ def test_ratio() -> None:
     r = ratio(a, b)
     assert r["output_tok_s"] == pytest.approx(2.0)
     assert r["ttft_p50_ms"] == pytest.approx(1.0)
+
+
+def test_same_budget_table_takes_medians_of_each_rounds_ratio() -> None:
+    """Three rounds of two configurations, worked by hand: 9 output tokens over each wall time."""
+    def run(wall: float, mean: float) -> object:
+        return summarize("x", TIMINGS, wall_s=wall, extra={"kv_bytes_per_token": 100.0, "capacity_tokens": 640.0,
+                                                             "peak_running": 10.0 if mean < 6 else 20.0,
+                                                             "mean_running": mean})
+    # base 9, 4.5, 18 tok/s; other 18, 6, 20: ratios 2.0, 1.33, 1.11 in their own rounds
+    rounds = [[run(1.0, 5.0), run(0.5, 10.0)], [run(2.0, 5.0), run(1.5, 5.5)], [run(0.5, 5.0), run(0.45, 20.0)]]
+    lines = same_budget_table(["kvserve a", "kvserve b"], rounds, "format").splitlines()
+    assert lines[0].endswith("| vs first | vs first, each round |")
+    assert lines[2] == "| kvserve a | 100 | 640 | 10 (1.00x) | 5.00 (1.00x) | 9.0 | 1.00x | 1.00x, 1.00x, 1.00x |"
+    # b's median rate over the median base rate would say 2.00x; the rounds' own ratios say 1.33x
+    assert lines[3] == "| kvserve b | 100 | 640 | 20 (2.00x) | 10.00 (2.00x) | 18.0 | 1.33x | 2.00x, 1.33x, 1.11x |"
+    one = same_budget_table(["kvserve a", "kvserve b"], rounds[:1], "format").splitlines()
+    assert one[0].endswith("| vs first |") and one[3].endswith("| 18.0 | 2.00x |")
