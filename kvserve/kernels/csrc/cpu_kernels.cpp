@@ -386,6 +386,20 @@ inline const float* absmax_scales(const Pages& p, int64_t block, int64_t n, int6
   return out;
 }
 
+// Asks for the rows of head h of a dense or absmax block (the next one an item reads) to be
+// brought into L1: a block table scatters blocks, so each block is a new stream the hardware
+// prefetcher would find only after its first misses.
+inline void prefetch_block(const Pages& p, int64_t block, int64_t h, int64_t n) {
+  if (p.kind != kDense && p.kind != kAbsMax) return;
+  const at::Tensor* src = p.data;
+  if (block >= src->size(0)) { block -= src->size(0); src = p.host; }
+  const char* base = static_cast<const char*>(src->data_ptr()) +
+                     (block * src->stride(0) + h * src->stride(2)) * src->element_size();
+  const int64_t stride = src->stride(1) * src->element_size(), bytes = src->size(3) * src->element_size();
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(base + t * stride + b, _MM_HINT_T0);
+}
+
 // A block's keys or values as the attention loop reads them: fp32 rows decoded into a buffer,
 // or bf16 / int8 rows read in place; `scale` (null: none) is each token's absmax scale.
 struct BlockRows {
@@ -864,6 +878,11 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       // together (scale_accumulate_group).
       const bool grouped = w.q1 - w.q0 == 1 && groups_accumulate(D);
       for (int64_t bi = w.bi0; bi < w.bi1; ++bi) {
+        if (bi + 1 < w.bi1 && !stage) {
+          const int64_t next = tables[w.b * table_stride + bi + 1];
+          prefetch_block(kp, next, w.h, block_size);
+          prefetch_block(vp, next, w.h, block_size);
+        }
         const Loaded blk = load_block(bi, true);
         const int64_t k0 = bi * block_size;
         for (int64_t r = 0; r < rows; ++r) {
