@@ -4,7 +4,8 @@
 //
 // Every op computes in fp32 and rounds once to the output dtype, so fp32 runs match the
 // reference to rounding, and bf16 runs differ from the eager ops only by their intermediate
-// roundings.
+// roundings. int8 / fp8 codes are attended as code x scale in fp32, where the reference rounds
+// that product to the model dtype first.
 #include "cpu_ops.h"
 
 #include <torch/extension.h>
@@ -40,7 +41,8 @@ enum Kind : int64_t { kDense = 0, kAbsMax = 1, kGroup = 2, kChannel = 3, kHeadAb
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
-// Rounds through the model dtype, as the reference decodes pages into it before attention.
+// Rounds through the model dtype, as the reference decodes pages into it before attention
+// (dense pages of another float type, group-wise and KIVI codes; not absmax codes).
 template <typename T>
 inline float through(float x) { return static_cast<float>(static_cast<T>(x)); }
 
@@ -259,9 +261,10 @@ inline void scale_accumulate_tile(float* a, float c, const float* p, Rows<R> v, 
 // scale_accumulate for NR query rows (a, c, p: row r at a + r * D, c[r], p + r * p_stride) that
 // see the same n rows of v, as one query token's GQA group does: each value is loaded (and a
 // bf16 or int8 one widened) once for all of them, where one row at a time widened it once per
-// row (two of every three uops of the accumulation). Each row's lanes take scale_accumulate's
-// operations in its order, so the results are the same bits. 32 channels per pass: NR x 4 sums,
-// NR broadcasts and the value fill the 16 registers at NR = 3.
+// row (two of every three uops of the accumulation). Each row's lanes take the operations of
+// scale_accumulate's register tiles in their order, so where it has one (D = 32, 64, 96) the
+// results are the same bits. 32 channels per pass: NR x 4 sums, NR broadcasts and the value fill
+// the 16 registers at NR = 3.
 template <int NR, typename R>
 inline void scale_accumulate_group(float* a, const float* c, const float* p, int64_t p_stride,
                                    Rows<R> v, int64_t n, int64_t D) {
@@ -393,6 +396,7 @@ inline void prefetch_block(const Pages& p, int64_t block, int64_t h, int64_t n) 
   if (p.kind != kDense && p.kind != kAbsMax) return;
   const at::Tensor* src = p.data;
   if (block >= src->size(0)) { block -= src->size(0); src = p.host; }
+  if (src == nullptr || !src->defined() || src->dim() != 4) return;  // no host copy of these pages
   const char* base = static_cast<const char*>(src->data_ptr()) +
                      (block * src->stride(0) + h * src->stride(2)) * src->element_size();
   const int64_t stride = src->stride(1) * src->element_size(), bytes = src->size(3) * src->element_size();
@@ -717,6 +721,9 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
 Pages make_pages(int64_t kind, const at::Tensor& data, const at::Tensor& scale, const at::Tensor& zero,
                  const at::Tensor& host, int64_t group, int64_t bits, bool symmetric, const at::Tensor& sink,
                  const at::Tensor& wide, const at::Tensor& wide_slot) {
+  // Absmax codes and scales are indexed as contiguous [blocks, bs, H, D] and [blocks, bs, H].
+  if (kind == kAbsMax)
+    TORCH_CHECK(data.is_contiguous() && scale.is_contiguous(), "paged_attention: absmax codes and scales must be contiguous");
   if (kind == kChannel && wide.numel())
     TORCH_CHECK(wide_slot.scalar_type() == at::kInt && wide_slot.is_contiguous(),
                 "paged_attention: wide_slot must be [H, D] int32");
@@ -822,8 +829,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       const int64_t nblocks = w.bi1;  // the scoring pass (never a split item) reads them all
       // bf16 pages and int8 codes are read in place by a decode item, whose few rows would not
       // repay decoding a block into fp32 first; a prefill item's 30-odd rows would each widen the
-      // same keys again. Not when the item keeps scores: the scoring pass reads decoded keys.
-      const bool direct = rows <= 8 && !(first && first[w.b] >= 0);
+      // same keys again. Either way gives the same values (both widen exactly).
+      const bool direct = rows <= 8;
       // Block bi of the item's table: its keys (and with `values` its values) read in place or
       // decoded into kbuf / vbuf, with absmax scales into kscale / vscale; returns its tokens and
       // rows. A block inside the full-precision window is read from its staging slot instead.
@@ -874,8 +881,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         (void)bi, (void)blk;
 #endif
       };
-      // One query token's rows (a decode item) see the same keys: their values are accumulated
-      // together (scale_accumulate_group).
+      // One query token's rows (a decode item, or a prompt's one-token chunk) see the same keys:
+      // their values are accumulated together (scale_accumulate_group).
       const bool grouped = w.q1 - w.q0 == 1 && groups_accumulate(D);
       for (int64_t bi = w.bi0; bi < w.bi1; ++bi) {
         if (bi + 1 < w.bi1 && !stage) {
@@ -1052,8 +1059,9 @@ constexpr float kMinScale = 1.0f / 16384;  // kv_format.MIN_SCALE, fp16's smalle
 
 template <typename T, typename Code>
 void encode_absmax(const T* x, Code* codes, c10::Half* scale, int64_t D, float qmax, bool is_float) {
-  // int8 codes from bf16 / fp32 rows 8 at a time (a prefill step encodes every token's K and V):
-  // the same max, division, clamp and rounding to nearest even as the scalar loops.
+  // int8 codes (integer codes: is_float is false) from bf16 / fp32 rows 8 at a time (a prefill
+  // step encodes every token's K and V): the same max, division, clamp and rounding to nearest
+  // even as the scalar loops.
 #if defined(__AVX2__) && defined(__FMA__)
   constexpr bool vector = std::is_same_v<Code, int8_t> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
   auto load = [](const T* p) {
@@ -1070,7 +1078,8 @@ void encode_absmax(const T* x, Code* codes, c10::Half* scale, int64_t D, float q
   if constexpr (vector) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 mx = _mm256_setzero_ps();
-    for (int64_t d = 0; d < vd; d += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load(x + d), magnitude));
+    // max(new, mx) keeps mx where new is NaN, as std::max(amax, v) does.
+    for (int64_t d = 0; d < vd; d += 8) mx = _mm256_max_ps(_mm256_and_ps(load(x + d), magnitude), mx);
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, mx);
     for (float v : lanes) amax = std::max(amax, v);
