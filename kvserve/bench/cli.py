@@ -444,7 +444,7 @@ def _same_budget_runs(args: argparse.Namespace, runs: list[tuple[str, dict[str, 
     prompts: list[list[int]] = []
     for r in range(args.rounds):
         summaries = []
-        for i, (name, overrides) in enumerate(runs):
+        for name, overrides in runs:
             llm = llm_from_args(args, "paged", **overrides)  # a fresh engine: no prefix cache kept from a round
             if not prompts:  # the tokenizer comes with the first engine
                 _, prompts, params, _ = _workload(args, llm.tokenizer, sigma=0.5, max_prompt_len=max_prompt_len,

@@ -113,8 +113,9 @@ def _safe_div(num: float, den: float) -> float:
 
 def same_budget_table(names: list[str], rounds: list[list[BenchSummary]], what: str) -> str:
     """One row per configuration of runs at one KV budget, repeated in rounds that each run every
-    configuration in turn (`names[i]` is configuration i): medians over the rounds, and the median of each round's ratio to that
-    round's first configuration, so the machine's drift between rounds cancels out of the ratio."""
+    configuration in turn (`names[i]` is configuration i): medians over the rounds, and the median
+    of each round's ratio to that round's first configuration, so the machine's drift between
+    rounds cancels out of the ratio."""
     each = len(rounds) > 1
     lines = [f"| {what} | KV bytes/token | capacity (tokens) | peak running seqs | mean running seqs (time-weighted) "
              "| output tok/s | vs first |" + (" vs first, each round |" if each else ""),

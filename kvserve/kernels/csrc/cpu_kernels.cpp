@@ -605,27 +605,13 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
         const code_t* row = codes + ((block * data.size(1) + t) * H + h) * D;
         float* o = out + t * D;
         int64_t d = 0;
-#if defined(__AVX512F__)
-        // fp8 codes widen exactly through fp16: e5m2 is an fp16's top byte; e4m3 (no infinities,
-        // and its NaN is never stored) placed in an fp16's exponent and mantissa bits reads 2^-8
-        // of its value, subnormals included, so one exact multiply by 256 restores it.
-        for (; d + 16 <= D; d += 16) {
-          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
-          __m512 x;
-          if constexpr (std::is_same_v<code_t, int8_t>) {
-            x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-          } else if constexpr (std::is_same_v<code_t, c10::Float8_e5m2>) {
-            x = _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
-          } else {
-            const __m256i b = _mm256_cvtepu8_epi16(raw);
-            const __m256i f = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                              _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
-            x = _mm512_mul_ps(_mm512_cvtph_ps(f), _mm512_set1_ps(256.f));
-          }
-          _mm512_storeu_ps(o + d, x);
-        }
-#elif defined(__AVX2__) && defined(__F16C__)
-        for (; d + 8 <= D; d += 8) {  // as above, 8 at a time
+#if defined(__AVX2__) && defined(__F16C__)
+        // 8 at a time (AVX-512 CPUs take this path too: these blocks are prefill items' and fp8's,
+        // decoded once per block). fp8 codes widen exactly through fp16: e5m2 is an fp16's top
+        // byte; e4m3 (no infinities, and its NaN is never stored) placed in an fp16's exponent and
+        // mantissa bits reads 2^-8 of its value, subnormals included, so one exact multiply by
+        // 256 restores it.
+        for (; d + 8 <= D; d += 8) {
           const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
           __m256 x;
           if constexpr (std::is_same_v<code_t, int8_t>) {
