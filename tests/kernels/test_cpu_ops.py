@@ -81,9 +81,10 @@ def test_rope_split_on_a_strided_view_of_a_larger_row(dtype: torch.dtype) -> Non
     torch.testing.assert_close(fused, eager, **TOL[dtype])
 
 
-# 5, 6, 30, 33: a last tile of 5 or 6 rows; with AMX, 1-16 and 17-32 rows fill one or two m tiles
-# (70 weight rows: two 32-row tile blocks, then 6 by the vector path).
-@pytest.mark.parametrize("rows", [1, 3, 5, 6, 16, 17, 30, 32, 33])
+# 1-8: one weight row at a time (AVX512-BF16), 9: the first count of 4 x 4 tiles; 30, 33: a last
+# tile of 6 or 5 rows; with AMX, 1-16 and 17-32 rows fill one or two m tiles (70 weight rows: two
+# 32-row tile blocks, then 6 by the vector path).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 30, 32, 33])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_bf16_against_fp32_matmul(rows: int, bias: bool) -> None:
     if not kernels.has_bf16_gemm():

@@ -1311,6 +1311,18 @@ inline void gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
   }
 }
 
+// Up to 8 rows of x against one weight row at a time: the weights stream as one sequential run
+// per thread. Four rows at a time (gemm_rows<4>) read four interleaved runs, and a decode step's
+// linears streamed at 35 GB/s where one run reached 40-42 (AMD Zen 5, 2 threads, 1 to 8 rows;
+// at 16 rows and more the 4 x 4 tiles' shared reductions win; BENCHMARKS.md).
+constexpr int64_t kStreamRows = 8;
+
+template <int MR>
+void stream_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
+                 int64_t begin, int64_t end, int64_t K, int64_t N) {
+  for (int64_t n = begin; n < end; ++n) gemm_tile<MR, 1>(x, w + n * K, bias ? bias + n : nullptr, out + n, K, N);
+}
+
 template <int NR>
 void gemm_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
                int64_t M, int64_t K, int64_t N) {
@@ -1377,7 +1389,23 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   constexpr int64_t NR = 4;
   const int64_t tiles = N / NR;
   // AMX tiles first where the CPU has them (linear_amx.cpp); their columns are a multiple of NR.
-  at::parallel_for(linear_amx(x, w, bias, out) / NR, tiles, 16, [&](int64_t begin, int64_t end) {
+  const int64_t amx_columns = linear_amx(x, w, bias, out);
+  if (M > 0 && M <= kStreamRows) {
+    at::parallel_for(amx_columns, N, 64, [&](int64_t begin, int64_t end) {
+      switch (M) {
+        case 1: stream_rows<1>(xd, wd, bd, od, begin, end, K, N); break;
+        case 2: stream_rows<2>(xd, wd, bd, od, begin, end, K, N); break;
+        case 3: stream_rows<3>(xd, wd, bd, od, begin, end, K, N); break;
+        case 4: stream_rows<4>(xd, wd, bd, od, begin, end, K, N); break;
+        case 5: stream_rows<5>(xd, wd, bd, od, begin, end, K, N); break;
+        case 6: stream_rows<6>(xd, wd, bd, od, begin, end, K, N); break;
+        case 7: stream_rows<7>(xd, wd, bd, od, begin, end, K, N); break;
+        default: stream_rows<8>(xd, wd, bd, od, begin, end, K, N); break;
+      }
+    });
+    return out;
+  }
+  at::parallel_for(amx_columns / NR, tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       gemm_rows<NR>(xd, wd + t * NR * K, bd ? bd + t * NR : nullptr, od + t * NR, M, K, N);
   });
