@@ -269,47 +269,24 @@ inline int packed_code(const uint8_t* row, int64_t d, int64_t bits) {
   return (row[d / per] >> ((d % per) * bits)) & ((1 << bits) - 1);
 }
 
-#if defined(__AVX512BF16__)
-// Codes d..d+15 of a packed row (2 or 4 bits), one per 32-bit lane: 16 codes are 4 or 8 bytes.
-inline __m512i unpack16(const uint8_t* row, int64_t d, int64_t bits) {
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  if (bits == 2) {
-    uint32_t w;
-    std::memcpy(&w, row + d / 4, 4);
-    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(w)), _mm512_slli_epi32(lane, 1)),
-                            _mm512_set1_epi32(3));
-  }
-  uint32_t w[2];
-  std::memcpy(w, row + d / 2, 8);
-  const __m512i words = _mm512_mask_set1_epi32(_mm512_set1_epi32(static_cast<int>(w[0])), 0xFF00,
-                                               static_cast<int>(w[1]));
-  const __m512i shift = _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(7)), 2);
-  return _mm512_and_si512(_mm512_srlv_epi32(words, shift), _mm512_set1_epi32(15));
+// Codes d .. d + kLanes - 1 of a packed row of 2- or 4-bit codes, one per lane: 8 to 64 bits,
+// one or two 32-bit words (vectors of 4 lanes or more: decodes_in_vectors).
+inline simd::vi unpack_codes(const uint8_t* row, int64_t d, int64_t bits) {
+  using namespace simd;
+  uint32_t w[2] = {0, 0};
+  std::memcpy(w, row + d * bits / 8, kLanes * bits / 8);
+  const vi offset = shl(lanes(), bits == 2 ? 1 : 2);  // each code's first bit
+  const vi words = select_below(offset, 32, iset1(static_cast<int32_t>(w[0])), iset1(static_cast<int32_t>(w[1])));
+  return band(shrv(words, band(offset, iset1(31))), iset1((1 << bits) - 1));
 }
 
-// v rounded through bf16 (and widened back), as the reference decodes into the model dtype.
-inline __m512 through_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+// Whether the vector decoders below take rows of D channels of `bits`-bit codes into the model
+// dtype T (other dtypes round through themselves, which only the scalar loops do).
+template <typename T>
+constexpr bool decodes_in_vectors(int64_t D, int64_t bits) {
+  return simd::kLanes >= 4 && D % simd::kLanes == 0 && (bits == 2 || bits == 4) &&
+         (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-// Codes d..d+7 of a packed row (2 or 4 bits), one per 32-bit lane: 8 codes are 2 or 4 bytes.
-inline __m256i unpack8(const uint8_t* row, int64_t d, int64_t bits) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  uint32_t w = 0;
-  std::memcpy(&w, row + d * bits / 8, bits);  // 8 codes of `bits` bits: `bits` bytes
-  const __m256i shift = bits == 2 ? _mm256_slli_epi32(lane, 1) : _mm256_slli_epi32(lane, 2);
-  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shift),
-                          _mm256_set1_epi32((1 << bits) - 1));
-}
-
-// v rounded to bf16 (to nearest, ties to even; finite values) and widened back.
-inline __m256 through_bf16(__m256 v) {
-  const __m256i x = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(x, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-#endif
 
 // Group-wise codes of any width, with or without zero-points: tokens [0, n) of `block`, head h.
 template <typename T>
@@ -323,33 +300,20 @@ void decode_group_block(const Pages& p, int64_t block, int64_t n, int64_t h, int
     const int64_t tok = (block * bs + t) * H + h;
     const uint8_t* row = data.data_ptr<uint8_t>() + tok * row_bytes;
     float* o = out + t * D;
-#if defined(__AVX512BF16__)
-    // 16 codes at a time, the same multiply (and add) and rounding as the loop below.
-    if (D % 16 == 0 && p.group % 16 == 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
-      for (int64_t d = 0; d < D; d += 16) {
-        const int64_t g = tok * G + d / p.group;
-        const __m512 code = _mm512_cvtepi32_ps(unpack16(row, d, p.bits)), s = _mm512_set1_ps(to_f(scale[g]));
-        __m512 v = p.symmetric ? _mm512_mul_ps(_mm512_sub_ps(code, _mm512_set1_ps(mid)), s)
-                               : _mm512_add_ps(_mm512_mul_ps(code, s), _mm512_set1_ps(to_f(zero[g])));
-        if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
-        _mm512_storeu_ps(o + d, v);
+    // A vector of codes at a time, the same multiply (and add) and rounding as the loop below.
+    if constexpr (simd::kLanes >= 4) {
+      if (decodes_in_vectors<T>(D, p.bits) && p.group % simd::kLanes == 0) {
+        using namespace simd;
+        for (int64_t d = 0; d < D; d += kLanes) {
+          const int64_t g = tok * G + d / p.group;
+          const vf code = to_float(unpack_codes(row, d, p.bits)), s = set1(to_f(scale[g]));
+          vf v = p.symmetric ? mul(sub(code, set1(mid)), s) : add(mul(code, s), set1(to_f(zero[g])));
+          if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
+          store(o + d, v);
+        }
+        continue;
       }
-      continue;
     }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (D % 8 == 0 && p.group % 8 == 0 && (p.bits == 2 || p.bits == 4) &&
-        (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
-      for (int64_t d = 0; d < D; d += 8) {
-        const int64_t g = tok * G + d / p.group;
-        const __m256 code = _mm256_cvtepi32_ps(unpack8(row, d, p.bits)), s = _mm256_set1_ps(to_f(scale[g]));
-        __m256 v = p.symmetric ? _mm256_mul_ps(_mm256_sub_ps(code, _mm256_set1_ps(mid)), s)
-                               : _mm256_add_ps(_mm256_mul_ps(code, s), _mm256_set1_ps(to_f(zero[g])));
-        if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
-        _mm256_storeu_ps(o + d, v);
-      }
-      continue;
-    }
-#endif
     for (int64_t d = 0; d < D; ++d) {
       const float code = static_cast<float>(packed_code(row, d, p.bits));
       const float s = to_f(scale[tok * G + d / p.group]);
@@ -374,29 +338,24 @@ void decode_channel_block(const Pages& p, int64_t block, int64_t n, int64_t h, i
     const uint8_t* row = data.data_ptr<uint8_t>() + tok * row_bytes;
     const uint8_t* plane = wide ? p.wide->data_ptr<uint8_t>() + tok * wide_bytes : nullptr;
     float* o = out + t * D;
-#if defined(__AVX512BF16__)
-    // 16 channels at a time; a wide channel's bit is picked from the plane (up to 32 wide
-    // channels: one word) by its slot, and a slot of -1 shifts past the word, giving 0.
-    if (D % 16 == 0 && wide_bytes <= 4 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
-      uint32_t word = 0;
-      if (wide) std::memcpy(&word, plane, wide_bytes);
-      const __m512i words = _mm512_set1_epi32(static_cast<int>(word));
-      for (int64_t d = 0; d < D; d += 16) {
-        __m512i code = unpack16(row, d, p.bits);
-        if (wide) {
-          const __m512i slots = _mm512_loadu_si512(slot + d);
-          const __m512i bit = _mm512_and_si512(_mm512_srlv_epi32(words, slots), _mm512_set1_epi32(1));
-          code = _mm512_or_si512(code, _mm512_slli_epi32(bit, static_cast<unsigned>(p.bits)));
+    // A vector of channels at a time; a wide channel's bit is picked from the plane (up to 32
+    // wide channels: one word) by its slot, and a slot of -1 shifts past the word, giving 0.
+    if constexpr (simd::kLanes >= 4) {
+      if (decodes_in_vectors<T>(D, p.bits) && wide_bytes <= 4) {
+        using namespace simd;
+        uint32_t word = 0;
+        if (wide) std::memcpy(&word, plane, wide_bytes);
+        const vi words = iset1(static_cast<int32_t>(word));
+        for (int64_t d = 0; d < D; d += kLanes) {
+          vi code = unpack_codes(row, d, p.bits);
+          if (wide) code = bor(code, shl(band(shrv(words, iload(slot + d)), iset1(1)), static_cast<int>(p.bits)));
+          vf v = add(mul(to_float(code), load(scale + d)), load(zero + d));
+          if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
+          store(o + d, v);
         }
-        const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + d)));
-        const __m512 ze = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zero + d)));
-        __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code), sc), ze);
-        if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
-        _mm512_storeu_ps(o + d, v);
+        continue;
       }
-      continue;
     }
-#endif
     for (int64_t d = 0; d < D; ++d) {
       int code = packed_code(row, d, p.bits);
       if (wide && slot[d] >= 0) code |= ((plane[slot[d] / 8] >> (slot[d] % 8)) & 1) << p.bits;
@@ -499,45 +458,24 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
     const c10::Half* sc = scale + tok * G;
     const c10::Half* ze = zero + tok * G;
     float* o = out + t * D;
-#if defined(__AVX512BF16__)
-    // 32 codes (16 bytes) at a time: low nibbles are even channels, high nibbles odd ones.
-    if (D % 32 == 0 && p.group % 16 == 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      for (int64_t d = 0; d < D; d += 32) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 2));
-        const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        const __m128i halves[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
-        for (int half = 0; half < 2; ++half) {
-          const int64_t dd = d + 16 * half, g = dd / p.group;
-          __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[half]));
-          v = _mm512_fmadd_ps(v, _mm512_set1_ps(to_f(sc[g])), _mm512_set1_ps(to_f(ze[g])));
-          if constexpr (std::is_same_v<T, c10::BFloat16>)  // round through bf16 as the reference does
-            v = through_bf16(v);
-          _mm512_storeu_ps(o + dd, v);
+    // Two vectors of codes (a vector's width in bytes) at a time: low nibbles are even channels,
+    // high nibbles odd ones; the same one FMA and rounding as the loop below.
+    if constexpr (simd::kLanes >= 4) {
+      if (decodes_in_vectors<T>(D, 4) && D % (2 * simd::kLanes) == 0 && p.group % simd::kLanes == 0) {
+        using namespace simd;
+        for (int64_t d = 0; d < D; d += 2 * kLanes) {
+          vf halves[2];
+          nibbles(row + d / 2, halves);
+          for (int half = 0; half < 2; ++half) {
+            const int64_t dd = d + kLanes * half, g = dd / p.group;
+            vf v = fmadd(halves[half], set1(to_f(sc[g])), set1(to_f(ze[g])));
+            if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
+            store(o + dd, v);
+          }
         }
+        continue;
       }
-      continue;
     }
-#elif defined(__AVX2__) && defined(__FMA__)
-    // 16 codes (8 bytes) at a time, the same one FMA and rounding as the loop below.
-    if (D % 16 == 0 && p.group % 8 == 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d / 2));
-        const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        const __m128i ordered = _mm_unpacklo_epi8(lo, hi);
-        const __m128i halves[2] = {ordered, _mm_srli_si128(ordered, 8)};
-        for (int half = 0; half < 2; ++half) {
-          const int64_t dd = d + 8 * half, g = dd / p.group;
-          __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[half]));
-          v = _mm256_fmadd_ps(v, _mm256_set1_ps(to_f(sc[g])), _mm256_set1_ps(to_f(ze[g])));
-          if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
-          _mm256_storeu_ps(o + dd, v);
-        }
-      }
-      continue;
-    }
-#endif
     for (int64_t d = 0; d < D; ++d) {
       const int code = (row[d >> 1] >> ((d & 1) * 4)) & 0xF;
       const int64_t g = d / p.group;

@@ -70,6 +70,31 @@ inline vf transpose_sums(const vf* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
 }
 
+// Integer lanes, for unpacking codes.
+using vi = __m512i;
+inline vi iset1(int32_t x) { return _mm512_set1_epi32(x); }
+inline vi iload(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline vi lanes() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline vi band(vi a, vi b) { return _mm512_and_si512(a, b); }
+inline vi bor(vi a, vi b) { return _mm512_or_si512(a, b); }
+inline vi shl(vi a, int n) { return _mm512_slli_epi32(a, static_cast<unsigned>(n)); }
+// Lane-wise a >> n; a count past 31 gives 0.
+inline vi shrv(vi a, vi n) { return _mm512_srlv_epi32(a, n); }
+// Lane-wise a < b ? x : y.
+inline vi select_below(vi a, int32_t b, vi x, vi y) { return _mm512_mask_mov_epi32(y, _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(b)), x); }
+inline vf to_float(vi a) { return _mm512_cvtepi32_ps(a); }
+inline vi bits_of(vf a) { return _mm512_castps_si512(a); }
+inline vf from_bits(vi a) { return _mm512_castsi512_ps(a); }
+inline vi iadd(vi a, vi b) { return _mm512_add_epi32(a, b); }
+inline vi shr(vi a, int n) { return _mm512_srli_epi32(a, static_cast<unsigned>(n)); }
+// The 2 * kLanes 4-bit codes of kLanes bytes (low nibble first), in order, as two vectors.
+inline void nibbles(const uint8_t* bytes, vf out[2]) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)), mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+}
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kLanes = 8;
 constexpr int kRegisters = 16;
@@ -132,6 +157,28 @@ inline vf transpose_sums(const vf* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+using vi = __m256i;
+inline vi iset1(int32_t x) { return _mm256_set1_epi32(x); }
+inline vi iload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi lanes() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+inline vi band(vi a, vi b) { return _mm256_and_si256(a, b); }
+inline vi bor(vi a, vi b) { return _mm256_or_si256(a, b); }
+inline vi shl(vi a, int n) { return _mm256_slli_epi32(a, n); }
+inline vi shrv(vi a, vi n) { return _mm256_srlv_epi32(a, n); }
+inline vi select_below(vi a, int32_t b, vi x, vi y) { return _mm256_blendv_epi8(y, x, _mm256_cmpgt_epi32(_mm256_set1_epi32(b), a)); }
+inline vf to_float(vi a) { return _mm256_cvtepi32_ps(a); }
+inline vi bits_of(vf a) { return _mm256_castps_si256(a); }
+inline vf from_bits(vi a) { return _mm256_castsi256_ps(a); }
+inline vi iadd(vi a, vi b) { return _mm256_add_epi32(a, b); }
+inline vi shr(vi a, int n) { return _mm256_srli_epi32(a, n); }
+inline void nibbles(const uint8_t* bytes, vf out[2]) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)), mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  const __m128i ordered = _mm_unpacklo_epi8(lo, hi);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ordered));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(ordered, 8)));
+}
+
 #else
 // No vector unit the kernels know: one lane, the same loops in scalar code.
 constexpr int kLanes = 1;
@@ -162,6 +209,21 @@ inline vf keep_first(vf v, int64_t n, float fill) { return n > 0 ? v : fill; }
 inline vf load_first(const float* p, int64_t n) { return n > 0 ? *p : 0.f; }
 inline void store_first(float* p, vf v, int64_t n) { if (n > 0) *p = v; }
 inline vf transpose_sums(const vf* v) { return v[0]; }
+using vi = int32_t;
+inline vi iset1(int32_t x) { return x; }
+inline vi iload(const int32_t* p) { return *p; }
+inline vi lanes() { return 0; }
+inline vi band(vi a, vi b) { return a & b; }
+inline vi bor(vi a, vi b) { return a | b; }
+inline vi shl(vi a, int n) { return static_cast<vi>(static_cast<uint32_t>(a) << n); }
+inline vi shrv(vi a, vi n) { return static_cast<uint32_t>(n) > 31 ? 0 : static_cast<vi>(static_cast<uint32_t>(a) >> n); }
+inline vi select_below(vi a, int32_t b, vi x, vi y) { return a < b ? x : y; }
+inline vf to_float(vi a) { return static_cast<float>(a); }
+inline vi bits_of(vf a) { vi x; std::memcpy(&x, &a, 4); return x; }
+inline vf from_bits(vi a) { vf x; std::memcpy(&x, &a, 4); return x; }
+inline vi iadd(vi a, vi b) { return static_cast<vi>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b)); }
+inline vi shr(vi a, int n) { return static_cast<vi>(static_cast<uint32_t>(a) >> n); }
+inline void nibbles(const uint8_t* bytes, vf out[2]) { out[0] = bytes[0] & 15; out[1] = bytes[0] >> 4; }
 #endif
 
 // exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r) with a degree-6 polynomial on
@@ -179,6 +241,19 @@ inline vf exp_neg(vf x) {
   p = fmadd(p, rr, set1(1.f));
   p = fmadd(p, rr, set1(1.f));
   return scale_pow2(p, n);
+}
+
+// v rounded to bf16 (to nearest, ties to even; finite values) and widened back, as the reference
+// decodes into the model dtype.
+inline vf through_bf16(vf v) {
+#if defined(__AVX512BF16__)
+  // One conversion instruction, where the integer rounding below takes five.
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+#else
+  const vi x = bits_of(v);
+  const vi rounded = iadd(x, iadd(iset1(0x7FFF), band(shr(x, 16), iset1(1))));
+  return from_bits(band(rounded, iset1(static_cast<int32_t>(0xFFFF0000u))));
+#endif
 }
 
 }  // namespace simd
