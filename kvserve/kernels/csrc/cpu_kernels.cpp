@@ -1044,9 +1044,10 @@ inline void gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     __m512bh wv[NR];
-    // Rows 16 tiles ahead (~64 rows, 74 KB at K = 576) into L2: enough misses in flight to keep
-    // memory busy. One tile ahead into L1 kept too few, and a decode step's linears streamed at
-    // ~21 GB/s of the machine's ~32 (AMD Zen4: one-stream step 16.6-18.0 -> 12.1-13.9 ms).
+    // Rows 16 tiles ahead into L2 (16 rows when streaming one at a time, 64 in 4 x 4 tiles, 74 KB
+    // at K = 576): enough misses in flight to keep memory busy. One 4-row tile ahead into L1 kept
+    // too few, and a decode step's linears streamed at ~21 GB/s of the machine's ~32 (AMD Zen4:
+    // one-stream step 16.6-18.0 -> 12.1-13.9 ms).
     for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (16 * NR + j) * K + k), _MM_HINT_T1);
     for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
