@@ -52,11 +52,16 @@ inline float exp_sub_sum(float* s, int64_t n, float mx) {
   using namespace simd;
   vf acc = zero();
   const vf m = set1(mx);
-  for (int64_t t = 0; t < n; t += kLanes) {
-    const int64_t left = std::min<int64_t>(kLanes, n - t);
-    const vf e = exp_neg(sub(load_first(s + t, left), m));
-    store_first(s + t, e, left);
-    acc = add(acc, keep_first(e, left, 0.f));
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    const vf e = exp_neg(sub(load(s + t), m));
+    store(s + t, e);
+    acc = add(acc, e);
+  }
+  if (t < n) {  // masked loads and stores only for the tail: they cost more on AMD cores
+    const vf e = exp_neg(sub(load_first(s + t, n - t), m));
+    store_first(s + t, e, n - t);
+    acc = add(acc, keep_first(e, n - t, 0.f));
   }
   return reduce_add(acc);
 }
@@ -86,8 +91,13 @@ inline float dots(const float* q, Rows<R> k, int64_t n, int64_t D, float* s) {
         for (int t = 0; t < kLanes; ++t) acc[t] = fmadd(qv, load(row[t] + d), acc[t]);
       }
       const vf st = transpose_sums(acc);
-      store_first(s + t0, st, left);
-      mx = max(mx, keep_first(st, left, -std::numeric_limits<float>::infinity()));
+      if (left == kLanes) {
+        store(s + t0, st);
+        mx = max(mx, st);
+      } else {
+        store_first(s + t0, st, left);
+        mx = max(mx, keep_first(st, left, -std::numeric_limits<float>::infinity()));
+      }
     }
     return reduce_max(mx);
   }
