@@ -219,11 +219,14 @@ inline Rows<c10::BFloat16> bf16_rows(const Pages& p, int64_t block, int64_t h) {
   return {src->data_ptr<c10::BFloat16>() + block * src->stride(0) + h * src->stride(2), src->stride(1)};
 }
 
-// The rows of head h of an int8 absmax block, read in place; base is null for other pages.
-inline Rows<int8_t> int8_rows(const Pages& p, int64_t block, int64_t h) {
-  if (p.kind != kAbsMax || p.data->scalar_type() != at::kChar) return {nullptr, 0};
+// The rows of head h of an absmax block of R codes (int8 or fp8), read in place; base is null
+// for other pages.
+template <typename R>
+inline Rows<R> code_rows(const Pages& p, int64_t block, int64_t h) {
+  if ((p.kind != kAbsMax && p.kind != kHeadAbsMax) || p.data->scalar_type() != c10::CppTypeToScalarType<R>::value)
+    return {nullptr, 0};
   const at::Tensor& d = *p.data;
-  return {d.data_ptr<int8_t>() + block * d.stride(0) + h * d.stride(2), d.stride(1)};
+  return {d.data_ptr<R>() + block * d.stride(0) + h * d.stride(2), d.stride(1)};
 }
 
 // Tokens [0, n) of an absmax block's scales for head h into out, which it returns; null for
@@ -245,7 +248,7 @@ inline const float* absmax_scales(const Pages& p, int64_t block, int64_t n, int6
 // brought into L1: a block table scatters blocks, so each block is a new stream the hardware
 // prefetcher would find only after its first misses.
 inline void prefetch_block(const Pages& p, int64_t block, int64_t h, int64_t n) {
-  if (p.kind != kDense && p.kind != kAbsMax) return;
+  if (p.kind != kDense && p.kind != kAbsMax && p.kind != kHeadAbsMax) return;
   const at::Tensor* src = p.data;
   if (block >= src->size(0)) { block -= src->size(0); src = p.host; }
   if (src == nullptr || !src->defined() || src->dim() != 4) return;  // no host copy of these pages
@@ -257,18 +260,22 @@ inline void prefetch_block(const Pages& p, int64_t block, int64_t h, int64_t n) 
 }
 
 // A block's keys or values as the attention loop reads them: fp32 rows decoded into a buffer,
-// or bf16 / int8 rows read in place; `scale` (null: none) is each token's absmax scale.
+// or bf16 / int8 / fp8 rows read in place; `scale` (null: none) is each token's absmax scale.
 struct BlockRows {
   Rows<float> f32;
   Rows<c10::BFloat16> bf16{nullptr, 0};
   Rows<int8_t> i8{nullptr, 0};
+  Rows<c10::Float8_e4m3fn> e4m3{nullptr, 0};
+  Rows<c10::Float8_e5m2> e5m2{nullptr, 0};
   const float* scale = nullptr;
-  bool in_place() const { return bf16.base != nullptr || i8.base != nullptr; }
+  bool in_place() const { return bf16.base || i8.base || e4m3.base || e5m2.base; }
   // f(rows) on the rows that hold the block.
   template <typename F>
   decltype(auto) visit(F&& f) const {
     if (bf16.base) return f(bf16);
     if (i8.base) return f(i8);
+    if (e4m3.base) return f(e4m3);
+    if (e5m2.base) return f(e5m2);
     return f(f32);
   }
 };
@@ -416,28 +423,7 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
         const code_t* row = codes + ((block * data.size(1) + t) * H + h) * D;
         float* o = out + t * D;
         int64_t d = 0;
-#if defined(__AVX2__) && defined(__F16C__)
-        // 8 at a time (AVX-512 CPUs take this path too: these blocks are prefill items' and fp8's,
-        // decoded once per block). fp8 codes widen exactly through fp16: e5m2 is an fp16's top
-        // byte; e4m3 (no infinities, and its NaN is never stored) placed in an fp16's exponent and
-        // mantissa bits reads 2^-8 of its value, subnormals included, so one exact multiply by
-        // 256 restores it.
-        for (; d + 8 <= D; d += 8) {
-          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
-          __m256 x;
-          if constexpr (std::is_same_v<code_t, int8_t>) {
-            x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-          } else if constexpr (std::is_same_v<code_t, c10::Float8_e5m2>) {
-            x = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8));
-          } else {
-            const __m128i b = _mm_cvtepu8_epi16(raw);
-            const __m128i f = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-            x = _mm256_mul_ps(_mm256_cvtph_ps(f), _mm256_set1_ps(256.f));
-          }
-          _mm256_storeu_ps(o + d, x);
-        }
-#endif
+        for (; d + simd::kLanes <= D; d += simd::kLanes) simd::store(o + d, simd::load(row + d));
         for (; d < D; ++d) o[d] = to_f(row[d]);
       }
     };
@@ -603,9 +589,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         }
       const int64_t last = pos[rows - 1];  // the furthest key any row of this item sees
       const int64_t nblocks = w.bi1;  // the scoring pass (never a split item) reads them all
-      // bf16 pages and int8 codes are read in place by a decode item, whose few rows would not
-      // repay decoding a block into fp32 first; a prefill item's 30-odd rows would each widen the
-      // same keys again. Either way gives the same values (both widen exactly).
+      // bf16 pages and int8 / fp8 codes are read in place by a decode item, whose few rows would
+      // not repay decoding a block into fp32 first; a prefill item's 30-odd rows would each widen
+      // the same keys again. Either way gives the same values (both widen exactly).
       const bool direct = rows <= 8;
       // Block bi of the item's table: its keys (and with `values` its values) read in place or
       // decoded into kbuf / vbuf, with absmax scales into kscale / vscale; returns its tokens and
@@ -622,7 +608,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           if (direct) {
             // bf16 pages of another model dtype are rounded to it as they are decoded.
             if constexpr (std::is_same_v<T, c10::BFloat16>) rows.bf16 = bf16_rows(page, at, w.h);
-            rows.i8 = int8_rows(page, at, w.h);
+            rows.i8 = code_rows<int8_t>(page, at, w.h);
+            rows.e4m3 = code_rows<c10::Float8_e4m3fn>(page, at, w.h);
+            rows.e5m2 = code_rows<c10::Float8_e5m2>(page, at, w.h);
           }
           if (!rows.in_place()) decode_block<T>(page, at, got.n, w.h, D, buf);
           rows.scale = absmax_scales(page, at, got.n, w.h, scales);

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
@@ -31,6 +33,19 @@ inline vf load(const c10::BFloat16* p) {
 inline vf load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline vf load(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// fp8 codes widen exactly through fp16: e5m2 is an fp16's top byte; e4m3 (no infinities, and
+// its NaN is never stored) placed in an fp16's exponent and mantissa bits reads 2^-8 of its
+// value, subnormals included, so one exact multiply by 256 restores it.
+inline vf load(const c10::Float8_e5m2* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+}
+inline vf load(const c10::Float8_e4m3fn* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i f = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(f), _mm512_set1_ps(256.f));
 }
 inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
@@ -112,6 +127,16 @@ inline vf load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(rein
 inline vf load(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+inline vf load(const c10::Float8_e5m2* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+}
+inline vf load(const c10::Float8_e4m3fn* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i f = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(f), _mm256_set1_ps(256.f));
+}
 inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
@@ -192,6 +217,8 @@ inline vf load(const float* p) { return *p; }
 inline vf load(const c10::BFloat16* p) { return static_cast<float>(*p); }
 inline vf load(const c10::Half* p) { return static_cast<float>(*p); }
 inline vf load(const int8_t* p) { return static_cast<float>(*p); }
+inline vf load(const c10::Float8_e5m2* p) { return static_cast<float>(*p); }
+inline vf load(const c10::Float8_e4m3fn* p) { return static_cast<float>(*p); }
 inline void store(float* p, vf v) { *p = v; }
 inline vf add(vf a, vf b) { return a + b; }
 inline vf sub(vf a, vf b) { return a - b; }
