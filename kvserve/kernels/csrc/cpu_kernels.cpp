@@ -318,18 +318,16 @@ void decode_group_block(const Pages& p, int64_t block, int64_t n, int64_t h, int
     const uint8_t* row = data.data_ptr<uint8_t>() + tok * row_bytes;
     float* o = out + t * D;
     // A vector of codes at a time, the same multiply (and add) and rounding as the loop below.
-    if constexpr (simd::kLanes >= 4) {
-      if (decodes_in_vectors<T>(D, p.bits) && p.group % simd::kLanes == 0) {
-        using namespace simd;
-        for (int64_t d = 0; d < D; d += kLanes) {
-          const int64_t g = tok * G + d / p.group;
-          const vf code = to_float(unpack_codes(row, d, p.bits)), s = set1(to_f(scale[g]));
-          vf v = p.symmetric ? mul(sub(code, set1(mid)), s) : add(mul(code, s), set1(to_f(zero[g])));
-          if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
-          store(o + d, v);
-        }
-        continue;
+    if (decodes_in_vectors<T>(D, p.bits) && p.group % simd::kLanes == 0) {
+      using namespace simd;
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const int64_t g = tok * G + d / p.group;
+        const vf code = to_float(unpack_codes(row, d, p.bits)), s = set1(to_f(scale[g]));
+        vf v = p.symmetric ? mul(sub(code, set1(mid)), s) : add(mul(code, s), set1(to_f(zero[g])));
+        if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
+        store(o + d, v);
       }
+      continue;
     }
     for (int64_t d = 0; d < D; ++d) {
       const float code = static_cast<float>(packed_code(row, d, p.bits));
@@ -357,21 +355,19 @@ void decode_channel_block(const Pages& p, int64_t block, int64_t n, int64_t h, i
     float* o = out + t * D;
     // A vector of channels at a time; a wide channel's bit is picked from the plane (up to 32
     // wide channels: one word) by its slot, and a slot of -1 shifts past the word, giving 0.
-    if constexpr (simd::kLanes >= 4) {
-      if (decodes_in_vectors<T>(D, p.bits) && wide_bytes <= 4) {
-        using namespace simd;
-        uint32_t word = 0;
-        if (wide) std::memcpy(&word, plane, wide_bytes);
-        const vi words = iset1(static_cast<int32_t>(word));
-        for (int64_t d = 0; d < D; d += kLanes) {
-          vi code = unpack_codes(row, d, p.bits);
-          if (wide) code = bor(code, shl(band(shrv(words, iload(slot + d)), iset1(1)), static_cast<int>(p.bits)));
-          vf v = add(mul(to_float(code), load(scale + d)), load(zero + d));
-          if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
-          store(o + d, v);
-        }
-        continue;
+    if (decodes_in_vectors<T>(D, p.bits) && wide_bytes <= 4) {
+      using namespace simd;
+      uint32_t word = 0;
+      if (wide) std::memcpy(&word, plane, wide_bytes);
+      const vi words = iset1(static_cast<int32_t>(word));
+      for (int64_t d = 0; d < D; d += kLanes) {
+        vi code = unpack_codes(row, d, p.bits);
+        if (wide) code = bor(code, shl(band(shrv(words, iload(slot + d)), iset1(1)), static_cast<int>(p.bits)));
+        vf v = add(mul(to_float(code), load(scale + d)), load(zero + d));
+        if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
+        store(o + d, v);
       }
+      continue;
     }
     for (int64_t d = 0; d < D; ++d) {
       int code = packed_code(row, d, p.bits);
@@ -456,21 +452,19 @@ void decode_block(const Pages& p, int64_t block, int64_t n, int64_t h, int64_t D
     float* o = out + t * D;
     // Two vectors of codes (a vector's width in bytes) at a time: low nibbles are even channels,
     // high nibbles odd ones; the same one FMA and rounding as the loop below.
-    if constexpr (simd::kLanes >= 4) {
-      if (decodes_in_vectors<T>(D, 4) && D % (2 * simd::kLanes) == 0 && p.group % simd::kLanes == 0) {
-        using namespace simd;
-        for (int64_t d = 0; d < D; d += 2 * kLanes) {
-          vf halves[2];
-          nibbles(row + d / 2, halves);
-          for (int half = 0; half < 2; ++half) {
-            const int64_t dd = d + kLanes * half, g = dd / p.group;
-            vf v = fmadd(halves[half], set1(to_f(sc[g])), set1(to_f(ze[g])));
-            if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
-            store(o + dd, v);
-          }
+    if (decodes_in_vectors<T>(D, 4) && D % (2 * simd::kLanes) == 0 && p.group % simd::kLanes == 0) {
+      using namespace simd;
+      for (int64_t d = 0; d < D; d += 2 * kLanes) {
+        vf halves[2];
+        nibbles(row + d / 2, halves);
+        for (int half = 0; half < 2; ++half) {
+          const int64_t dd = d + kLanes * half, g = dd / p.group;
+          vf v = fmadd(halves[half], set1(to_f(sc[g])), set1(to_f(ze[g])));
+          if constexpr (std::is_same_v<T, c10::BFloat16>) v = through_bf16(v);
+          store(o + dd, v);
         }
-        continue;
       }
+      continue;
     }
     for (int64_t d = 0; d < D; ++d) {
       const int code = (row[d >> 1] >> ((d & 1) * 4)) & 0xF;
