@@ -113,6 +113,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--skip-hf", action="store_true", help="leave out HF transformers' cached decoding")
     _hf_dtype_arg(sc)
     sc.add_argument("--skip-llama-cpp", action="store_true", help="leave out llama.cpp (bf16 GGUF)")
+    _rounds_arg(sc)
     sc.add_argument("--out", default="bench_out")
     add_engine_args(sc)
     sc.set_defaults(func=run)
@@ -259,53 +260,69 @@ def run_throughput(args: argparse.Namespace, out: Path) -> None:
 
 def run_scaling(args: argparse.Namespace, out: Path) -> None:
     import statistics
+    from collections.abc import Callable
 
     from kvserve.bench.roofline import decode_step_bytes, measure_machine, pct_of_bandwidth
-    from kvserve.bench.scaling import plot, time_per_token
+    from kvserve.bench.scaling import mean_decode_s, median_ratios, plot, time_per_token
     from kvserve.model.loader import default_model_path
 
     args.max_model_len = args.max_model_len or args.prompt_len + args.num_tokens
     prompt = list(range(100, 100 + args.prompt_len))
-    series = {}
-    for mode, label in (("paged", "kvserve cached (paged KV)"), ("no-cache", "kvserve no-cache (recompute)")):
-        llm = llm_from_args(args, mode)
-        time_per_token(llm, prompt, 8, "warm-up")
-        series[label] = time_per_token(llm, prompt, args.num_tokens, label)
-        if mode == "paged":
-            engine = llm.engine
-            model_config, kv_bytes = engine.model_config, engine.kv_bytes_per_token
-            backend = engine.attention_backend.name
+    ours, no_cache = "kvserve cached (paged KV)", "kvserve no-cache (recompute)"
+    llm = llm_from_args(args, "paged")
+    time_per_token(llm, prompt, 8, "warm-up")
+    engine = llm.engine
+    model_config, kv_bytes, backend = engine.model_config, engine.kv_bytes_per_token, engine.attention_backend.name
+    # The series a round times, in turn; each was warmed up once.
+    timers: dict[str, Callable[[], list[float]]] = {ours: lambda: time_per_token(llm, prompt, args.num_tokens, ours)}
     source = str(args.model or default_model_path())
     if not args.skip_hf:
         from kvserve.bench.hf_baseline import hf_step_times, load_hf_bench_model
 
-        model, _ = load_hf_bench_model(source, _hf_dtype(args))
-        hf_step_times(model, prompt, 8, 0)  # warm-up, as kvserve's first run warms its kernels
-        series[f"HF transformers (DynamicCache, {_hf_dtype(args)})"] = hf_step_times(model, prompt, args.num_tokens, 0)
-        del model
+        hf_model, _ = load_hf_bench_model(source, _hf_dtype(args))
+        hf_step_times(hf_model, prompt, 8, 0)  # warm-up, as kvserve's first run warms its kernels
+        timers[f"HF transformers (DynamicCache, {_hf_dtype(args)})"] = \
+            lambda: hf_step_times(hf_model, prompt, args.num_tokens, 0)
     if not args.skip_llama_cpp and source.endswith(".gguf"):
         from kvserve.bench.llama_cpp import llama_cpp_step_times, load_llama_cpp
 
         lc = load_llama_cpp(Path(source), args.max_model_len + 8, torch.get_num_threads())
         llama_cpp_step_times(lc, prompt, 8, "warm-up")
-        series["llama.cpp (bf16 GGUF)"] = llama_cpp_step_times(lc, prompt, args.num_tokens)
+        timers["llama.cpp (bf16 GGUF)"] = lambda: llama_cpp_step_times(lc, prompt, args.num_tokens)
+    series: dict[str, list[float]] = {}  # each series' first run, for the plot
+    rounds: list[dict[str, float]] = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {r + 1} of {args.rounds}", flush=True)
+        runs = {name: timer() for name, timer in timers.items()}
+        rounds.append({name: mean_decode_s(times) for name, times in runs.items()})
+        for name, times in runs.items():
+            series.setdefault(name, times)
+    # Recompute is the curve the plot contrasts, ~30x slower: timed once, outside the rounds.
+    no_cache_llm = llm_from_args(args, "no-cache")
+    time_per_token(no_cache_llm, prompt, 8, "warm-up")
+    series[no_cache] = time_per_token(no_cache_llm, prompt, args.num_tokens, no_cache)
     machine = measure_machine(DTYPES[args.dtype])
     # Mean decode step (the first token includes the prefill) and the bytes it must read at the
     # mean context length, against the read bandwidth measured now.
     mean_ctx = args.prompt_len + args.num_tokens / 2
     bytes_per_step = decode_step_bytes(model_config, DTYPES[args.dtype], int(mean_ctx), kv_bytes)
     lines = [f"one stream, prompt {args.prompt_len}, {args.num_tokens} tokens, {args.dtype}, attention backend "
-             f"{backend}, torch threads {torch.get_num_threads()}; machine now: read {machine.read_gb_s:.1f} GB/s; "
-             f"a decode step reads >= {bytes_per_step / 1e6:.0f} MB", "",
-             "| series | decode ms/token (mean) | tok/s | % of read bandwidth |", "|---|---|---|---|"]
-    decode = {name: statistics.mean(t[1:]) for name, t in series.items()}
+             f"{backend}, torch threads {torch.get_num_threads()}, {args.rounds} round(s) taking turns; machine "
+             f"now: read {machine.read_gb_s:.1f} GB/s; a decode step reads >= {bytes_per_step / 1e6:.0f} MB", "",
+             "| series | decode ms/token (median of rounds' means) | tok/s | % of read bandwidth | each round, ms |",
+             "|---|---|---|---|---|"]
+    decode = {name: statistics.median(r[name] for r in rounds) for name in timers}
+    decode[no_cache] = mean_decode_s(series[no_cache])
     for name, step_s in decode.items():
+        each = ", ".join(f"{r[name] * 1e3:.2f}" for r in rounds) if name in timers else "one run"
         lines.append(f"| {name} | {step_s * 1e3:.2f} | {1 / step_s:.1f} | "
-                     f"{pct_of_bandwidth(bytes_per_step, step_s, machine):.0f}% |")
-    ours = decode["kvserve cached (paged KV)"]
+                     f"{pct_of_bandwidth(bytes_per_step, step_s, machine):.0f}% | {each} |")
     lines.append("")
-    lines += [f"kvserve cached / {name}: {step_s / ours:.2f}x tokens/s" for name, step_s in decode.items()
-              if name != "kvserve cached (paged KV)"]
+    lines += [f"kvserve cached / {name}: {ratio:.2f}x tokens/s"
+              + (f" (median of rounds: {', '.join(f'{r[name] / r[ours]:.2f}' for r in rounds)})"
+                 if args.rounds > 1 else "") for name, ratio in median_ratios(rounds, ours).items()]
+    lines.append(f"kvserve cached / {no_cache}: {decode[no_cache] / decode[ours]:.2f}x tokens/s")
     text = "\n".join(lines)
     print(text)
     (out / "scaling.md").write_text(text + "\n")

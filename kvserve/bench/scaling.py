@@ -1,6 +1,7 @@
 """Time per generated token against sequence length: cached decoding vs recompute (`no-cache`)."""
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,18 @@ def time_per_token(llm: Any, prompt_ids: list[int], num_tokens: int, desc: str) 
         times.append(now - last)
         last = now
     return times
+
+
+def mean_decode_s(times: list[float]) -> float:
+    """A run's mean decode step: its first token includes the prefill."""
+    return statistics.mean(times[1:])
+
+
+def median_ratios(rounds: list[dict[str, float]], ours: str) -> dict[str, float]:
+    """Per other series, the median over rounds of its mean step / ours in the same round (how many
+    times its tokens/s ours gives). Each round runs every series in turn, so a machine that drifts
+    between rounds moves both sides of a round's ratio alike."""
+    return {name: statistics.median(r[name] / r[ours] for r in rounds) for name in rounds[0] if name != ours}
 
 
 def plot(prompt_len: int, series: dict[str, list[float]], path: Path) -> None:
