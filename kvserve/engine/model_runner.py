@@ -100,7 +100,7 @@ class ModelRunner:
         bm = self.block_manager
         starts = [s.num_computed_tokens for s in seqs]
         ends = [start + n for start, n in zip(starts, num_scheduled)]
-        input_ids = [t for s, start, end in zip(seqs, starts, ends) for t in s.token_ids[start:end]]
+        input_ids = [t for s, start, end in zip(seqs, starts, ends) for t in s.tokens(start, end)]
         evicted = [s.num_evicted for s in seqs]
         slot_ends = [end - e for end, e in zip(ends, evicted)]
         # Only the blocks holding context: a contiguous reservation's unused tail is not read.

@@ -70,6 +70,16 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without joining the prompt and output lists: a decode step reads
+        one token of thousands."""
+        prompt = len(self.prompt_token_ids)
+        if start >= prompt:
+            return self.output_token_ids[start - prompt:end - prompt]
+        if end <= prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
