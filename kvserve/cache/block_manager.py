@@ -230,6 +230,10 @@ class BlockManager:
         last = (num_tokens - 1) // self.block_size
         shared_last = (0 <= last < len(table) and on_device(table[last])
                        and self.blocks[table[last]].ref_count > 1)
+        if need <= 0 and not shared_last and seq_id in self.tables and seq_id in self._hashes:
+            # Most decode steps: the token lands in a block the sequence owns; nothing to take.
+            self.num_tokens[seq_id] = num_tokens
+            return True
         if need + shared_last > len(self._free):
             return False
         self.tables[seq_id] = table

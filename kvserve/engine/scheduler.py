@@ -89,8 +89,13 @@ class Scheduler:
         preempted = self._make_room_for_decode()
         budget = self.max_num_batched_tokens
         # Decodes first (one token each), then the remainders of partly prefilled prompts.
-        decoding = [s for s in self.running if s.num_new_tokens == 1]
-        prefilling = [s for s in self.running if s.num_new_tokens > 1]
+        decoding, prefilling = [], []
+        for seq in self.running:
+            new = seq.num_new_tokens
+            if new == 1:
+                decoding.append(seq)
+            elif new > 1:
+                prefilling.append(seq)
         seqs, counts = [], []
         for seq in decoding + prefilling:
             take = min(seq.num_runnable, budget)

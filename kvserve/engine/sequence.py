@@ -104,8 +104,10 @@ class Sequence:
         recomputing its outputs (after preemption) runs them one per step, so that its evictions
         replay exactly as they first happened, and a prompt evicted chunk by chunk runs up to its
         next chunk end."""
+        if self.eviction is None:
+            return self.num_new_tokens
         prompt = len(self.prompt_token_ids)
-        if self.eviction is None or self.num_tokens - self.num_computed_tokens == 1:
+        if self.num_tokens - self.num_computed_tokens == 1:
             return self.num_new_tokens
         if self.num_computed_tokens < prompt:
             return self.eviction.prompt_stop(self.num_computed_tokens, prompt) - self.num_computed_tokens
