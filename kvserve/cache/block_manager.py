@@ -325,6 +325,11 @@ class BlockManager:
         if parent_id in self._roots:
             self._roots[child_id] = self._roots[parent_id]
 
+    def has_unregistered_blocks(self, seq_id: str, num_computed: int) -> bool:
+        """Whether `register_full_blocks` would hash a block: asked first, it spares the caller
+        building a sequence's token list on the steps (most) that fill no block."""
+        return self.enable_prefix_caching and len(self._hashes[seq_id]) < num_computed // self.block_size
+
     def register_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> list[tuple[int, bytes]]:
         """Put the sequence's newly filled blocks (their K/V written) into the prefix cache.
         Returns the (block, hash) pairs that joined it, for the remote tier."""

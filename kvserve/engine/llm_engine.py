@@ -281,9 +281,11 @@ class LLMEngine:
             self._score_prompts(batch.seqs, batch.num_scheduled, prompt_logits)
         done = self.scheduler.complete_step(batch)  # a prompt chunk with more to come gets no token
         joined: list[tuple[int, bytes]] = []
+        bm = self.block_manager
         for seq in batch.seqs:  # blocks the step filled join the prefix cache, before any eviction
-            if not seq.num_evicted:  # blocks computed after an eviction do not match a plain prefix
-                joined += self.block_manager.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            # Blocks computed after an eviction do not match a plain prefix.
+            if not seq.num_evicted and bm.has_unregistered_blocks(seq.seq_id, seq.num_computed_tokens):
+                joined += bm.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         if joined and self.remote is not None and self.remote.available:
             payloads = read_blocks(self.pool.block_tensors, [block for block, _ in joined])
             self.remote.store([(h, payload) for (_, h), payload in zip(joined, payloads)])

@@ -250,3 +250,16 @@ def test_compaction_changes_nothing_when_copies_cannot_be_made() -> None:
     bm.fork("a", "b")
     assert not bm.compact("a", *_moves([13], [1]), kept=8)
     assert bm.tables["a"] == bm.tables["b"] and bm.take_moves() == ([], [], [], [])
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_unregistered_blocks_are_the_full_ones_register_full_blocks_would_hash(caching: bool) -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=caching)
+    tokens = list(range(10))
+    assert bm.allocate_prompt("a", tokens) == 0
+    assert not bm.has_unregistered_blocks("a", 3)  # no block is full yet
+    assert bm.has_unregistered_blocks("a", 10) == caching  # blocks 0 and 1 are
+    assert len(bm.register_full_blocks("a", tokens, 10)) == (2 if caching else 0)
+    assert not bm.has_unregistered_blocks("a", 10)
+    assert bm.allocate("a", 12)
+    assert bm.has_unregistered_blocks("a", 12) == caching  # block 2 filled
