@@ -29,8 +29,8 @@ class StepMetadata:
               block_size: int, device: torch.device, offloaded: bool = False,
               kv_plan: Any = None, evicted: list[int] | None = None) -> "StepMetadata":
         # numpy, then shared into tensors: a dozen small ops cost ~15 us where the same in torch
-        # took ~45 (its per-op dispatch; one sequence), and inside a decode step, between the
-        # model's calls, both run several times slower than alone (BENCHMARKS.md).
+        # took ~45 (its per-op dispatch; one sequence), and on a CPU both run ~10x slower inside a
+        # decode step, on caches the weights' read has just flushed (BENCHMARKS.md).
         batch = len(query_lens)
         max_blocks = max(len(t) for t in block_tables)
         # One array from padded Python rows: cheaper than a copy per sequence.
