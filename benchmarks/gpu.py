@@ -110,7 +110,7 @@ def kvserve_rows(model_dir: Path, args: argparse.Namespace, requests: list[Workl
     tiny = args.tiny
     shape = SHAPE_TINY if tiny else SHAPE_1B
     llm = LLM(model=str(model_dir), dtype="bfloat16", device=str(device), kv_cache_memory="64MiB" if tiny else "40GiB",
-              max_model_len=shape["max_position_embeddings"], max_num_seqs=256, cuda_graphs=cuda_graphs)
+              max_model_len=shape["max_position_embeddings"], max_num_seqs=256, cuda_graphs=cuda_graphs, async_scheduling=args.async_scheduling)
     prompts = [r.prompt_token_ids for r in requests]
     run_kvserve(llm, prompts[:8], greedy_params(requests[:8]), "warm-up", progress=False)
     mixed = run_kvserve(llm, prompts, greedy_params(requests), "kvserve mixed")
@@ -119,6 +119,7 @@ def kvserve_rows(model_dir: Path, args: argparse.Namespace, requests: list[Workl
     name = "graphs" if cuda_graphs else "eager"
     row = {"attention_backend": llm.engine.attention_backend.name,
            "cuda_graphs": llm.engine.runner.graphs is not None,
+           "async_scheduling": llm.engine.async_scheduling,
            "mixed_output_tok_s": mixed.output_tok_s, "mixed_wall_s": mixed.wall_s,
            "one_stream_tok_s": single.output_tok_s,
            "device_busy_fraction": busy_fraction(llm, 4 if tiny else 64, 20, device, args.out / f"profile_{name}.txt"),
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script runs")
     parser.add_argument("--skip-hf", action="store_true", help="kvserve rows only")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="the eager engine only")
+    parser.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                        help="kvserve's async_scheduling (auto: on for CUDA)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.tiny else "cuda")

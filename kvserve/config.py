@@ -21,6 +21,7 @@ from kvserve.validate import is_int
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 
 CACHE_MODES = ("paged", "contiguous", "no-cache")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 # Tokens per step when chunked prefill is on and max_num_batched_tokens is not set, by device: on
 # a CPU a step's time grows with its tokens, so a small one keeps running streams moving; a GPU
@@ -165,6 +166,12 @@ class EngineConfig:
     cuda_graphs: bool = _opt(True, "replay decode steps from CUDA graphs, one per batch-size bucket up to "
                                    "max_num_seqs, captured at start-up (CUDA, triton backend, uncompressed "
                                    "pages); off: every step launches its kernels eagerly")
+    async_scheduling: str = _opt("auto", "launch each step before reading the tokens of the one before, so the "
+                                         "host's bookkeeping (stop checks, detokenizing, scheduling) runs while "
+                                         "the device computes; auto: on for CUDA, off on a CPU (where the host "
+                                         "and the model share the cores); requests with beams, n > 1, logprobs, "
+                                         "penalties, logit_bias, forced tokens or eviction step synchronously",
+                                 choices=ASYNC_SCHEDULING)
     # Sampling has its own --seed; this one seeds random weights and unseeded requests.
     seed: int = _opt(0, "seeds random-weight models and requests without a seed", flag="engine-seed")
 
@@ -198,6 +205,9 @@ class EngineConfig:
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"EngineConfig.attention_backend must be one of {BACKEND_NAMES}, "
                              f"got {self.attention_backend!r}")
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise ValueError(f"EngineConfig.async_scheduling must be one of {ASYNC_SCHEDULING}, "
+                             f"got {self.async_scheduling!r}")
         for name in ("cpu_kernels", "enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -314,6 +324,8 @@ class EngineConfig:
             return "token eviction (kv_eviction) is not split across ranks yet"
         if self.kv_remote is not None:
             return "kv_remote is not split across ranks yet"
+        if self.async_scheduling == "on":
+            return "async_scheduling='on' is not built for ranks (peers would need the device's sampled tokens)"
         return None
 
     def _remote_unsupported(self, formats: list[tuple[KVFormat, KVFormat]] | None) -> str | None:

@@ -7,6 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve.device_copy import to_device
+
 
 @dataclass(frozen=True)
 class StepMetadata:
@@ -45,8 +47,9 @@ class StepMetadata:
         slot_mapping = tables[seq_of, slots // block_size] * block_size + slots % block_size
         positions = slots if evicted is None else slots + np.array(evicted, dtype=np.int64)[seq_of]
         tensor = torch.from_numpy
-        return cls(tensor(query_start), tensor(ctx), tensor(tables).to(device), tensor(slot_mapping).to(device),
-                   tensor(positions).to(device), max(query_lens), offloaded, kv_plan)
+        return cls(tensor(query_start), tensor(ctx), to_device(tensor(tables), device),
+                   to_device(tensor(slot_mapping), device), to_device(tensor(positions), device), max(query_lens),
+                   offloaded, kv_plan)
 
     @property
     def num_seqs(self) -> int:

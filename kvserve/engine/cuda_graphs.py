@@ -22,6 +22,7 @@ import torch
 
 from kvserve.attention import AttentionBackend, StepAttention, StepMetadata
 from kvserve.attention.rotation import KVRotation
+from kvserve.device_copy import to_device
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import Ops
 
@@ -86,7 +87,8 @@ class DecodeGraphs:
         b = next(b for b in self.buckets if b >= n)
         width = step.block_tables.shape[1]
         for buffer, values in ((self.input_ids, input_ids), (self.positions, step.positions),
-                               (self.slots, step.slot_mapping), (self.context_lens, step.context_lens),
+                               (self.slots, step.slot_mapping),
+                               (self.context_lens, to_device(step.context_lens, self.context_lens.device)),
                                (self.tables[:, :width], step.block_tables)):
             buffer[:n].copy_(values)
             buffer[n:b].copy_(values[:1].expand(b - n, *values.shape[1:]))

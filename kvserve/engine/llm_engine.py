@@ -21,6 +21,7 @@ from kvserve.cache.block_manager import BlockManager, BlockUsage
 from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
+from kvserve.device_copy import to_device
 from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import TPGroup
 from kvserve.engine.beam_search import BeamGroup
@@ -29,9 +30,10 @@ from kvserve.engine.tp_worker import tp_worker_main
 from kvserve.engine.remote_namespace import remote_namespace
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.penalties import apply_penalties
+from kvserve.engine.pending_tokens import PendingTokens
 from kvserve.engine.logprobs import prompt_span, token_logprobs
 from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
+from kvserve.engine.sequence import PLACEHOLDER, RequestOutput, Sequence, SequenceStatus
 from kvserve.eviction.state import EvictionState
 from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
@@ -127,6 +129,11 @@ class LLMEngine:
         self.evicted_tokens: Counter[str] = Counter()  # by policy
         self._requests: dict[str, list[Sequence]] = {}  # unfinished requests: their samples
         self._ids = itertools.count()
+        # Where the host's step is a large share of a short device step (CUDA); on a CPU the
+        # host and the model share the cores, and a step's tokens are read a step late for nothing.
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.device.type == "cuda" and self.tp is None)
+        self._pending: PendingTokens | None = None  # the last step's tokens, not read yet
         self._rng = random.Random(config.seed)
 
     def _graph_shape(self, config: EngineConfig) -> tuple[int, int] | None:
@@ -250,6 +257,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Ends every sample of the request and returns their blocks."""
         for seq in self._requests.pop(request_id, []):
+            if seq.output_token_ids[-1:] == [PLACEHOLDER]:  # its token is still on the device: dropped
+                seq.output_token_ids.pop()
             if not seq.finished:
                 seq.finish_reason = "abort"
                 seq.finish_time = time.perf_counter()
@@ -264,62 +273,114 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward pass; returns an output for every sequence that got a token."""
+        """One forward pass. Returns an output for every sequence whose new token the host read:
+        this step's, and with async scheduling the step before's, read while this one runs."""
         # Labels for torch.profiler (kvserve doctor splits a step by them); free when it is off.
         with label("kvserve.schedule"):
             batch = self.scheduler.schedule()
+        pending, self._pending = self._pending, None
         if not batch.seqs:
-            return []
+            return [] if pending is None else self._read_pending(pending)
         self.tokens_computed += batch.num_tokens
         score_from = [self._score_from(s, n) for s, n in zip(batch.seqs, batch.num_scheduled)]
         with label("kvserve.forward"):
             result = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops,
-                                         score_from if any(f is not None for f in score_from) else None)
+                                         score_from if any(f is not None for f in score_from) else None, pending)
         logits, prompt_logits = result.logits, result.prompt_logits
         if prompt_logits.shape[0]:
             self._score_prompts(batch.seqs, batch.num_scheduled, prompt_logits)
         done = self.scheduler.complete_step(batch)  # a prompt chunk with more to come gets no token
+        ready = batch.seqs
+        if len(done) < len(ready):  # only then copy the logits rows that get a token
+            logits, ready = self._rows(logits, done), [ready[i] for i in done]
+        launched = None
+        if self.async_scheduling and ready and all(map(self._overlaps, ready)):
+            with label("kvserve.sample"):
+                launched = PendingTokens.launch(ready, self.runner.sample(ready, logits))
+        # The step before's tokens, read while this one computes: its stops and outputs first.
+        outputs = [] if pending is None else self._read_pending(pending)
         joined: list[tuple[int, bytes]] = []
         bm = self.block_manager
         for seq in batch.seqs:  # blocks the step filled join the prefix cache, before any eviction
             # Blocks computed after an eviction do not match a plain prefix.
-            if not seq.num_evicted and bm.has_unregistered_blocks(seq.seq_id, seq.num_computed_tokens):
+            if not seq.finished and not seq.num_evicted and bm.has_unregistered_blocks(seq.seq_id,
+                                                                                       seq.num_computed_tokens):
                 joined += bm.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         if joined and self.remote is not None and self.remote.available:
             payloads = read_blocks(self.pool.block_tensors, [block for block, _ in joined])
             self.remote.store([(h, payload) for (_, h), payload in zip(joined, payloads)])
         self._evict(batch.seqs, batch.num_scheduled, score_from, result.scores or {})
-        ready = batch.seqs
-        if len(done) < len(ready):  # only then copy the logits rows that get a token
-            logits, ready = logits[done], [ready[i] for i in done]
+        if launched is not None:
+            for seq in ready:  # one that the read above finished drops its sample
+                if not seq.finished:
+                    seq.output_token_ids.append(PLACEHOLDER)
+            self._pending = launched
+            return outputs
+        if pending is not None and any(s.finished for s in ready):
+            keep = [i for i, s in enumerate(ready) if not s.finished]
+            logits, ready = self._rows(logits, keep), [ready[i] for i in keep]
         now = time.perf_counter()
-        outputs = self._step_beams(ready, logits, now)
+        outputs += self._step_beams(ready, logits, now)
         sampled = [i for i, s in enumerate(ready) if s.beam is None]
         seqs, rows = self._fork_samples([ready[i] for i in sampled])
         with label("kvserve.sample"):
-            rows_logits = apply_penalties(logits[[sampled[r] for r in rows]], [s.params for s in seqs],
+            rows_logits = apply_penalties(self._rows(logits, [sampled[r] for r in rows]), [s.params for s in seqs],
                                           [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs])
             tokens = [s.params.forced_token_ids[len(s.output_token_ids)] if s.params.forced_token_ids is not None
-                      else t for s, t in zip(seqs, self.runner.sample(seqs, rows_logits))]
+                      else t for s, t in zip(seqs, self.runner.sample(seqs, rows_logits).tolist())]
             logprobs = token_logprobs(rows_logits, [s.params.logprobs for s in seqs],
                                       [s.params.temperature for s in seqs], tokens)
         for seq, token, logprob in zip(seqs, tokens, logprobs):
-            try:
-                if logprob is not None:
-                    seq.output_logprobs.append(logprob)
-                self._append_token(seq, token, now)
-                delta = self._detokenize(seq)
-                self._check_stop(seq, token)
-            except Exception as err:  # a fault in one request's bookkeeping ends that request only
-                logger.exception("request %s failed", seq.request_id)
-                seq.finish_reason, seq.error, delta = "error", f"{type(err).__name__}: {err}", ""
-            if seq.finish_reason is not None:
-                seq.finish_time = now
-                self.scheduler.finish(seq)
-                if all(s.finished for s in self._requests[seq.request_id]):
-                    del self._requests[seq.request_id]
-            outputs.append(RequestOutput.of(seq, delta))
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
+            self._append_token(seq, token, now)
+            outputs.append(self._emit(seq, token, now))
         return outputs
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The logits of `rows`, indexed on the device (a Python list index is copied there
+        synchronously, which would stall async scheduling)."""
+        if rows == list(range(logits.shape[0])):
+            return logits
+        return logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.long), logits.device))
+
+    @staticmethod
+    def _overlaps(seq: Sequence) -> bool:
+        """Whether the host may read the sequence's next token a step late: nothing it does before
+        then needs the token (beams and forks step on the host, penalties count the outputs, logprobs
+        and forced tokens are handled with the token, eviction ranks the step's attention)."""
+        p = seq.params
+        return (seq.beam is None and not seq.num_forks and seq.eviction is None and not p.penalized
+                and p.logprobs is None and p.forced_token_ids is None)
+
+    def _read_pending(self, pending: PendingTokens) -> list[RequestOutput]:
+        """Puts the tokens the step before sampled in place of their placeholders."""
+        tokens = pending.read()
+        now = time.perf_counter()
+        outputs = []
+        for seq, token in zip(pending.seqs, tokens):
+            if seq.finished:  # aborted since, or finished when read and sampled once more
+                continue
+            seq.output_token_ids[-1] = token
+            self._count_token(seq, now)
+            outputs.append(self._emit(seq, token, now))
+        return outputs
+
+    def _emit(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        """A sequence's output after `token` joined it: text, stop checks, and its end if it ends."""
+        try:
+            delta = self._detokenize(seq)
+            self._check_stop(seq, token)
+        except Exception as err:  # a fault in one request's bookkeeping ends that request only
+            logger.exception("request %s failed", seq.request_id)
+            seq.finish_reason, seq.error, delta = "error", f"{type(err).__name__}: {err}", ""
+        if seq.finish_reason is not None:
+            seq.finish_time = now
+            self.scheduler.finish(seq)
+            if all(s.finished for s in self._requests[seq.request_id]):
+                del self._requests[seq.request_id]
+        return RequestOutput.of(seq, delta)
 
     @staticmethod
     def _score_from(seq: Sequence, num_scheduled: int) -> int | None:
@@ -381,6 +442,9 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         """The step computed every token but the new one."""
         seq.output_token_ids.append(token)
+        self._count_token(seq, now)
+
+    def _count_token(self, seq: Sequence, now: float) -> None:
         self.tokens_generated += 1
         seq.first_token_time = seq.first_token_time or now
 

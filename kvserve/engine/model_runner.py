@@ -17,9 +17,11 @@ from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
+from kvserve.device_copy import to_device
 from kvserve.engine.cpu_stack import CPUDecodeStack
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.logprobs import prompt_span
+from kvserve.engine.pending_tokens import PendingTokens
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
 from kvserve.model.cpu_linear import SMALL_BATCH, cpu_linear_kind, replace_linears
@@ -27,6 +29,14 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import resolve_ops
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenFill:
+    """Input positions whose token the host has not read yet: the previous step's samples, taken
+    on the device (async scheduling)."""
+    rows: torch.Tensor      # positions in the step's input ids
+    tokens: torch.Tensor    # their tokens, where the model runs
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,7 @@ class StepInput:
     rows: torch.Tensor                  # the logits rows: each sequence's last token, then prompt_span's
     scoring: ScorePlan | None
     num_seqs: int
+    fill: TokenFill | None = None
 
 
 class StepPeers(Protocol):
@@ -84,18 +95,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], num_scheduled: list[int], ops: BlockOps,
-                score_from: list[int | None] | None = None) -> StepResult:
+                score_from: list[int | None] | None = None, pending: PendingTokens | None = None) -> StepResult:
         """Runs the next `num_scheduled[i]` uncomputed tokens of each sequence (all of them, or a
         prompt chunk), after the step's block moves. `score_from[i]`: the position from which
         sequence i's queries count toward the attention scores its eviction policy reads (None:
-        not scored). With tensor-parallel peers, they run the same step first."""
-        step = self.prepare(seqs, num_scheduled, ops, score_from)
+        not scored). `pending`: the previous step's tokens, not yet read by the host, that some of
+        these sequences end in. With tensor-parallel peers, they run the same step first."""
+        step = self.prepare(seqs, num_scheduled, ops, score_from, pending)
         if self.peers is not None:
             self.peers.broadcast(step)
         return self.execute(step)
 
     def prepare(self, seqs: list[Sequence], num_scheduled: list[int], ops: BlockOps,
-                score_from: list[int | None] | None = None) -> StepInput:
+                score_from: list[int | None] | None = None, pending: PendingTokens | None = None) -> StepInput:
         """Everything a rank needs to run the step, from the scheduler's state (rank 0 only)."""
         bm = self.block_manager
         starts = [s.num_computed_tokens for s in seqs]
@@ -121,7 +133,23 @@ class ModelRunner:
         if extra:
             rows = torch.cat([rows, *extra])
         return StepInput(ops, input_ids, step, rows, ScorePlan.build(step, first_rows) if first_rows else None,
-                         len(seqs))
+                         len(seqs), None if pending is None else self._fill(seqs, starts, num_scheduled, pending))
+
+    def _fill(self, seqs: list[Sequence], starts: list[int], num_scheduled: list[int],
+              pending: PendingTokens) -> TokenFill | None:
+        """Where the step's input ids take `pending`'s tokens: a pending sequence's last token, if
+        this step runs it (a decode, or the end of a recomputed prompt after a preemption)."""
+        dest, src, offset = [], [], 0
+        for seq, start, n in zip(seqs, starts, num_scheduled):
+            row, last = pending.rows.get(seq.seq_id), seq.num_tokens - 1
+            if row is not None and start <= last < start + n:
+                dest.append(offset + last - start)
+                src.append(row)
+            offset += n
+        if not dest:
+            return None
+        return TokenFill(to_device(torch.tensor(dest), self.device),
+                         pending.device[to_device(torch.tensor(src), pending.device.device)].to(self.device))
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
@@ -137,7 +165,9 @@ class ModelRunner:
         if ops.loads:
             write_blocks(self.pool.block_tensors, list(ops.loads))
         self.pool.copy_blocks(list(ops.copies), step.metadata.kv_plan)
-        input_ids = torch.tensor(step.input_ids, device=self.device)
+        input_ids = to_device(torch.tensor(step.input_ids), self.device)
+        if step.fill is not None:
+            input_ids[step.fill.rows] = step.fill.tokens
         n = step.num_seqs
         if self.graphs is not None and step.scoring is None and self.graphs.serves(step.metadata, len(step.rows)):
             logits = self.graphs.run(step.metadata, input_ids)
@@ -146,12 +176,13 @@ class ModelRunner:
             logits = self.stack.run(step.metadata, input_ids, step.rows)
             return StepResult(logits[:n], logits[n:], None)
         attention = StepAttention.of(self.backend, step.metadata, step.scoring, self.rotation)
-        logits = self.model(input_ids, attention, step.rows.to(self.device), self.ops)
+        logits = self.model(input_ids, attention, to_device(step.rows, self.device), self.ops)
         scores = None if attention.scoring is None else dict(zip(attention.scoring.batch_index,
                                                                  attention.scores.cpu().unbind(1)))
         return StepResult(logits[:n], logits[n:], scores)
 
     @staticmethod
-    def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def sample(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """[len(seqs)] next tokens, where `logits` are (reading them is the caller's sync)."""
         return sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                      [len(s.output_token_ids) for s in seqs]).tolist()
+                      [len(s.output_token_ids) for s in seqs])

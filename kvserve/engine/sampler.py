@@ -5,6 +5,7 @@ import hashlib
 
 import torch
 
+from kvserve.device_copy import to_device
 from kvserve.sampling_params import SamplingParams
 
 
@@ -22,7 +23,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     if all(p.greedy for p in params):
         return greedy
     device = logits.device
-    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    # Host lists go through to_device: a plain copy would wait for the step's forward to end.
+    temperature = to_device(torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]), device)
     logits = logits / temperature[:, None]
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         logits = _top_k_top_p(logits, params)
@@ -31,21 +33,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     # request draws the same token in any batch; the rows are drawn together, with no generator
     # per row. The CDF is fp64 and scaled to its own total, so rounding never reaches a token of
     # zero probability (right=True skips the flat steps of filtered tokens).
-    keys = torch.tensor([draw_seed(seed, pos) >> 10 for seed, pos in zip(seeds, positions)],
-                        dtype=torch.float64, device=device)
+    keys = to_device(torch.tensor([draw_seed(seed, pos) >> 10 for seed, pos in zip(seeds, positions)],
+                                  dtype=torch.float64), device)
     uniform = (keys + 0.5) / 2.0 ** 53
     cdf = probs.double().cumsum(dim=-1)
     sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     sampled = sampled.clamp(max=logits.shape[1] - 1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=device)
+    is_greedy = to_device(torch.tensor([p.greedy for p in params]), device)
     return torch.where(is_greedy, greedy, sampled)
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[1]
     device = logits.device
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    top_k = to_device(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]), device)
+    top_p = to_device(torch.tensor([p.top_p for p in params]), device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= top_k[:, None]

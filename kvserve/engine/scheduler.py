@@ -75,11 +75,11 @@ class Scheduler:
             return SchedulerOutput(admitted, [s.num_runnable for s in admitted], True, [], self._block_ops())
         self._swap_in()
         preempted = self._make_room_for_decode()
+        running = [s for s in self.running if not s.awaiting_length_finish]
         if self.recompute_all:
-            for seq in self.running:
+            for seq in running:
                 seq.num_computed_tokens = 0
-        return SchedulerOutput(list(self.running), [s.num_runnable for s in self.running], False, preempted,
-                               self._block_ops())
+        return SchedulerOutput(running, [s.num_runnable for s in running], False, preempted, self._block_ops())
 
     def _block_ops(self) -> BlockOps:
         return BlockOps.collect(self.block_manager, self.swap)
@@ -93,7 +93,8 @@ class Scheduler:
         for seq in self.running:
             new = seq.num_new_tokens
             if new == 1:
-                decoding.append(seq)
+                if not seq.awaiting_length_finish:
+                    decoding.append(seq)
             elif new > 1:
                 prefilling.append(seq)
         seqs, counts = [], []
@@ -176,7 +177,8 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run, self.reserve_tokens):
+            if seq.awaiting_length_finish or self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run,
+                                                                         self.reserve_tokens):
                 i += 1
                 continue
             # The most recent sequence that could be admitted again; one that has outgrown the

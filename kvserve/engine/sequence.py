@@ -13,6 +13,11 @@ from kvserve.eviction.state import EvictionState
 from kvserve.sampling_params import SamplingParams
 
 
+# An output token sampled on the device whose value the host has not read yet (async scheduling,
+# engine/pending_tokens.py): the last output of a sequence between two steps, never in an output.
+PLACEHOLDER = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -118,6 +123,13 @@ class Sequence:
         """KV slots it must hold to run its `num_runnable` tokens (fewer than `num_slots` while an
         evicting sequence still has tokens it may not run yet)."""
         return self.num_computed_tokens + self.num_runnable - self.num_evicted
+
+    @property
+    def awaiting_length_finish(self) -> bool:
+        """Its pending token is its last (max_tokens): it finishes when that token is read, so it
+        runs no further step (only async scheduling leaves a sequence here; beams end by their
+        group)."""
+        return self.beam is None and len(self.output_token_ids) >= self.params.max_tokens
 
     @property
     def finished(self) -> bool:

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.device_copy import to_device
+
 
 
 @dataclass(frozen=True)
@@ -230,8 +232,8 @@ def plan_tiles(query_start: torch.Tensor, context_lens: torch.Tensor, block_tabl
     splits = _splits(int(context_lens.max()), total, kv_heads)
     device = block_tables.device
     i32 = torch.int32
-    return Tiles(tile_seq.to(device, i32), tile_q0.to(device, i32), query_start.to(device, i32),
-                 context_lens.to(device, i32), block_tables.to(i32), block_m, splits)
+    return Tiles(to_device(tile_seq, device, i32), to_device(tile_q0, device, i32), to_device(query_start, device, i32),
+                 to_device(context_lens, device, i32), block_tables.to(i32), block_m, splits)
 
 
 def decode_tiles(context_lens: torch.Tensor, tables: torch.Tensor, max_context: int, group: int,
