@@ -23,12 +23,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--async-scheduling", default="off", choices=("on", "off"),
+                   help="on: the path a GPU takes by default (tokens read a step late)")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=args.layers, num_heads=4,
                         num_kv_heads=2, head_dim=16, max_position=4096)
     engine = LLM(model=model, dtype="float32", device="cpu", kv_cache_memory="256MiB", max_model_len=4096,
-                 max_num_seqs=max(args.batch, 1), attention_backend="cpu").engine
+                 max_num_seqs=max(args.batch, 1), attention_backend="cpu",
+                 async_scheduling=args.async_scheduling).engine
     for i in range(args.batch):
         engine.add_request([(7 * i + j) % 250 + 3 for j in range(100)],
                            SamplingParams(max_tokens=args.steps + 50, ignore_eos=True, temperature=0))
@@ -50,7 +53,7 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
-    print(f"batch {args.batch}, {args.layers} layer(s): {wall / args.steps * 1e3:.3f} ms a step; host CPU outside "
+    print(f"batch {args.batch}, {args.layers} layer(s), async {args.async_scheduling}: {wall / args.steps * 1e3:.3f} ms a step; host CPU outside "
           f"the model call {(cpu - in_model) / args.steps * 1e3:.3f} ms")
 
 

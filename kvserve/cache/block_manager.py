@@ -225,14 +225,17 @@ class BlockManager:
         """Grow `seq_id`'s table to hold `max(num_tokens, reserve_tokens)` slots, record that it
         holds `num_tokens` tokens, and make the block the newest token lands in its own (copy on
         write). Allocates nothing and returns False if blocks are short."""
-        table = self.tables.get(seq_id, [])
-        need = self.blocks_for(max(num_tokens, reserve_tokens)) - len(table)
+        table = self.tables.get(seq_id)
+        new = table is None
+        table = [] if new else table
+        need = -(-max(num_tokens, reserve_tokens) // self.block_size) - len(table)
         last = (num_tokens - 1) // self.block_size
         shared_last = (0 <= last < len(table) and on_device(table[last])
                        and self.blocks[table[last]].ref_count > 1)
         if need + shared_last > len(self._free):
             return False
-        self.tables[seq_id] = table
+        if new:
+            self.tables[seq_id], self._hashes[seq_id] = table, []
         # Most decode steps take no block (the token lands in one the sequence owns): they skip
         # the block bookkeeping, half of this call's cost at 64 sequences.
         if need > 0:
@@ -243,7 +246,6 @@ class BlockManager:
             self._release(table[last])
             table[last] = copy
         self.num_tokens[seq_id] = num_tokens
-        self._hashes.setdefault(seq_id, [])
         if need > 0 or shared_last:
             self._note_peak()
         return True

@@ -33,7 +33,7 @@ from kvserve.engine.penalties import apply_penalties
 from kvserve.engine.pending_tokens import PendingTokens
 from kvserve.engine.logprobs import prompt_span, token_logprobs
 from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.sequence import PLACEHOLDER, RequestOutput, Sequence, SequenceStatus
+from kvserve.engine.sequence import PLACEHOLDER, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
 from kvserve.eviction.state import EvictionState
 from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
@@ -282,10 +282,14 @@ class LLMEngine:
         if not batch.seqs:
             return [] if pending is None else self._read_pending(pending)
         self.tokens_computed += batch.num_tokens
-        score_from = [self._score_from(s, n) for s, n in zip(batch.seqs, batch.num_scheduled)]
+        # A step of plain sequences (most) skips the stages that serve the others: scores,
+        # evictions, beams, forks, penalties, forced tokens, logprobs.
+        plain = all(map(self._overlaps, batch.seqs))
+        score_from = [None] * len(batch.seqs) if plain else \
+            [self._score_from(s, n) for s, n in zip(batch.seqs, batch.num_scheduled)]
         with label("kvserve.forward"):
             result = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops,
-                                         score_from if any(f is not None for f in score_from) else None, pending)
+                                         None if plain or all(f is None for f in score_from) else score_from, pending)
         logits, prompt_logits = result.logits, result.prompt_logits
         if prompt_logits.shape[0]:
             self._score_prompts(batch.seqs, batch.num_scheduled, prompt_logits)
@@ -294,7 +298,7 @@ class LLMEngine:
         if len(done) < len(ready):  # only then copy the logits rows that get a token
             logits, ready = self._rows(logits, done), [ready[i] for i in done]
         launched = None
-        if self.async_scheduling and ready and all(map(self._overlaps, ready)):
+        if self.async_scheduling and ready and (plain or all(map(self._overlaps, ready))):
             with label("kvserve.sample"):
                 launched = PendingTokens.launch(ready, self.runner.sample(ready, logits))
         # The step before's tokens, read while this one computes: its stops and outputs first.
@@ -309,7 +313,8 @@ class LLMEngine:
         if joined and self.remote is not None and self.remote.available:
             payloads = read_blocks(self.pool.block_tensors, [block for block, _ in joined])
             self.remote.store([(h, payload) for (_, h), payload in zip(joined, payloads)])
-        self._evict(batch.seqs, batch.num_scheduled, score_from, result.scores or {})
+        if not plain:
+            self._evict(batch.seqs, batch.num_scheduled, score_from, result.scores or {})
         if launched is not None:
             for seq in ready:  # one that the read above finished drops its sample
                 if not seq.finished:
@@ -320,7 +325,24 @@ class LLMEngine:
             keep = [i for i, s in enumerate(ready) if not s.finished]
             logits, ready = self._rows(logits, keep), [ready[i] for i in keep]
         now = time.perf_counter()
-        outputs += self._step_beams(ready, logits, now)
+        if plain:
+            with label("kvserve.sample"):
+                seqs, tokens = ready, self.runner.sample(ready, logits).tolist()
+            logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        else:
+            outputs += self._step_beams(ready, logits, now)
+            seqs, tokens, logprobs = self._sample_rows(ready, logits)
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
+            self._append_token(seq, token, now)
+            outputs.append(self._emit(seq, token, now))
+        return outputs
+
+    def _sample_rows(self, ready: list[Sequence], logits: torch.Tensor
+                     ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
+        """Tokens for the sampled (not beam) sequences, forks of a finished prompt included (each
+        from its parent's row), after penalties, with forced tokens and logprobs."""
         sampled = [i for i, s in enumerate(ready) if s.beam is None]
         seqs, rows = self._fork_samples([ready[i] for i in sampled])
         with label("kvserve.sample"):
@@ -330,12 +352,7 @@ class LLMEngine:
                       else t for s, t in zip(seqs, self.runner.sample(seqs, rows_logits).tolist())]
             logprobs = token_logprobs(rows_logits, [s.params.logprobs for s in seqs],
                                       [s.params.temperature for s in seqs], tokens)
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            if logprob is not None:
-                seq.output_logprobs.append(logprob)
-            self._append_token(seq, token, now)
-            outputs.append(self._emit(seq, token, now))
-        return outputs
+        return seqs, tokens, logprobs
 
     @staticmethod
     def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

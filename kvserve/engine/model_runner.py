@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
@@ -35,8 +36,8 @@ logger = logging.getLogger(__name__)
 class TokenFill:
     """Input positions whose token the host has not read yet: the previous step's samples, taken
     on the device (async scheduling)."""
-    rows: torch.Tensor      # positions in the step's input ids
-    tokens: torch.Tensor    # their tokens, where the model runs
+    rows: torch.Tensor | None  # positions in the step's input ids (None: every one, in order)
+    tokens: torch.Tensor       # their tokens, where the model runs
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,8 @@ class ModelRunner:
               pending: PendingTokens) -> TokenFill | None:
         """Where the step's input ids take `pending`'s tokens: a pending sequence's last token, if
         this step runs it (a decode, or the end of a recomputed prompt after a preemption)."""
+        if len(seqs) == len(pending.seqs) == sum(num_scheduled) and all(map(operator.is_, seqs, pending.seqs)):
+            return TokenFill(None, pending.device.to(self.device))  # the steady state: the same decodes
         dest, src, offset = [], [], 0
         for seq, start, n in zip(seqs, starts, num_scheduled):
             row, last = pending.rows.get(seq.seq_id), seq.num_tokens - 1
@@ -165,9 +168,13 @@ class ModelRunner:
         if ops.loads:
             write_blocks(self.pool.block_tensors, list(ops.loads))
         self.pool.copy_blocks(list(ops.copies), step.metadata.kv_plan)
-        input_ids = to_device(torch.tensor(step.input_ids), self.device)
-        if step.fill is not None:
-            input_ids[step.fill.rows] = step.fill.tokens
+        fill = step.fill
+        if fill is not None and fill.rows is None:
+            input_ids = fill.tokens
+        else:
+            input_ids = to_device(torch.tensor(step.input_ids), self.device)
+            if fill is not None:
+                input_ids[fill.rows] = fill.tokens
         n = step.num_seqs
         if self.graphs is not None and step.scoring is None and self.graphs.serves(step.metadata, len(step.rows)):
             logits = self.graphs.run(step.metadata, input_ids)

@@ -122,6 +122,8 @@ class Sequence:
     def num_slots_to_run(self) -> int:
         """KV slots it must hold to run its `num_runnable` tokens (fewer than `num_slots` while an
         evicting sequence still has tokens it may not run yet)."""
+        if self.eviction is None:  # all of its tokens: asked of every running sequence every step
+            return len(self.prompt_token_ids) + len(self.output_token_ids)
         return self.num_computed_tokens + self.num_runnable - self.num_evicted
 
     @property
