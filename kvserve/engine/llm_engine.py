@@ -134,6 +134,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda" and self.tp is None)
         self._pending: PendingTokens | None = None  # the last step's tokens, not read yet
+        if self.async_scheduling:
+            logger.info("kvserve: async scheduling: each step launches before the host reads the tokens of the one before")
         self._rng = random.Random(config.seed)
 
     def _graph_shape(self, config: EngineConfig) -> tuple[int, int] | None:

@@ -145,7 +145,8 @@ class ModelRunner:
         dest, src, offset = [], [], 0
         for seq, start, n in zip(seqs, starts, num_scheduled):
             row, last = pending.rows.get(seq.seq_id), seq.num_tokens - 1
-            if row is not None and start <= last < start + n:
+            # The same object: a request aborted with a token pending may be sent again by its id.
+            if row is not None and pending.seqs[row] is seq and start <= last < start + n:
                 dest.append(offset + last - start)
                 src.append(row)
             offset += n

@@ -46,7 +46,7 @@ class Metrics:
         self.queue_time = Histogram("kvserve_request_queue_time_seconds", "arrival to first scheduled",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.engine_info = Gauge("kvserve_engine_info", "the engine's kernel choices (value 1)",
-                                 ["attention_backend", "linear", "chunked_prefill"], registry=r)
+                                 ["attention_backend", "linear", "chunked_prefill", "async_scheduling"], registry=r)
         self.remote = Counter("kvserve_kv_remote_blocks", "remote KV tier (kv_remote) blocks by event: lookups, "
                               "hits, stored, corrupt (failed checksum or foreign), errors (failed calls)",
                               ["event"], registry=r)
@@ -90,7 +90,8 @@ class Metrics:
         self.prefix_hit_rate.set(engine.block_manager.prefix_stats.hit_rate)
         self.engine_info.labels(attention_backend=engine.attention_backend.name,
                                 linear=engine.runner.linear_kind or "torch",
-                                chunked_prefill=str(engine.chunked_prefill).lower()).set(1)
+                                chunked_prefill=str(engine.chunked_prefill).lower(),
+                                async_scheduling=str(engine.async_scheduling).lower()).set(1)
         sched = engine.scheduler
         for state, seqs in (("running", sched.running), ("waiting", sched.waiting), ("swapped", sched.swapped)):
             self.requests.labels(state=state).set(len(seqs))

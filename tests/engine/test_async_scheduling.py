@@ -137,6 +137,21 @@ def test_abort_while_a_token_is_pending(tiny_llm: Callable[..., LLM]) -> None:
     assert all(o.request_id == keep for o in seen[-3:])  # nothing came back for the aborted one
 
 
+def test_a_request_sent_again_under_an_aborted_id_gets_its_own_tokens(tiny_llm: Callable[..., LLM]) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = tiny_llm(async_scheduling="off").generate([PROMPTS[3]], params, use_tqdm=False)[0].token_ids
+    engine = tiny_llm(async_scheduling="on").engine
+    engine.add_request(PROMPTS[1], params, request_id="x")
+    for _ in range(4):
+        engine.step()
+    engine.abort("x")  # its last token is still pending
+    engine.add_request(PROMPTS[3], params, request_id="x")
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.token_ids for o in outs] == [want]
+
+
 def test_stream_stopped_early_leaves_no_block(tiny_llm: Callable[..., LLM]) -> None:
     llm = tiny_llm(async_scheduling="on")
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -162,6 +162,7 @@ def test_metrics_move_by_the_request(server: ServerProcess, smol: LLM) -> None:
     info = [dict(labels) for name, labels in after if name == "kvserve_engine_info"]
     assert len(info) == 1 and info[0]["attention_backend"] == smol.engine.attention_backend.name
     assert info[0]["chunked_prefill"] == "true"
+    assert info[0]["async_scheduling"] == "false"  # auto: off on a CPU
 
 
 def test_an_evicting_request_equals_offline_and_is_counted(server: ServerProcess, smol: LLM) -> None:
