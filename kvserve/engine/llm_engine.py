@@ -25,6 +25,7 @@ from kvserve.device_copy import to_device
 from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import TPGroup
 from kvserve.engine.beam_search import BeamGroup
+from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.rank_setup import KVSizes, make_pool, rank_formats
 from kvserve.engine.tp_worker import tp_worker_main
 from kvserve.engine.remote_namespace import remote_namespace
@@ -245,7 +246,7 @@ class LLMEngine:
                              params.max_tokens, None if params.ignore_eos else self.eos_token_id)
         return Sequence(request_id, ids, params, seed, prompt=text,
                         num_forks=max(params.n, params.beam_width) - 1, beam=beam, cache_salt=cache_salt,
-                        eviction=eviction,
+                        eviction=eviction, detokenizer=self._detokenizer(),
                         # The first prompt token has no context to score it.
                         prompt_logprobs=[] if params.prompt_logprobs is None else [None])
 
@@ -525,7 +526,8 @@ class LLMEngine:
                          output_logprobs=list(parent.output_logprobs), prompt_logprobs=list(parent.prompt_logprobs),
                          num_computed_tokens=parent.num_computed_tokens,
                          arrival_time=parent.arrival_time, first_scheduled_time=parent.first_scheduled_time,
-                         first_token_time=parent.first_token_time)
+                         first_token_time=parent.first_token_time,
+                         detokenizer=self._detokenizer())  # its text starts over from every output id
         self.block_manager.fork(parent.seq_id, child.seq_id)
         self.scheduler.add_running(child)
         return child
@@ -544,17 +546,14 @@ class LLMEngine:
             parent.num_forks = 0
         return seqs, rows
 
-    def _detokenize(self, seq: Sequence) -> str:
-        """Emits only whole characters: a byte-level token may end mid-UTF-8 sequence."""
-        if self.tokenizer is None:
+    def _detokenizer(self) -> Detokenizer | None:
+        return None if self.tokenizer is None else Detokenizer(self.tokenizer)
+
+    @staticmethod
+    def _detokenize(seq: Sequence) -> str:
+        if seq.detokenizer is None:
             return ""
-        ids = seq.output_token_ids
-        prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
-        if full.endswith("\ufffd"):
-            return ""
-        delta = full[len(prefix):]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        delta = seq.detokenizer.step(seq.output_token_ids)
         seq.text += delta
         return delta
 

@@ -44,7 +44,7 @@ class TokenFill:
 class StepInput:
     """One step as every tensor-parallel rank runs it (rank 0 builds it, the others receive it)."""
     ops: BlockOps
-    input_ids: list[int]
+    input_ids: list[int]                # empty where `fill` takes every one from the device
     metadata: StepMetadata
     rows: torch.Tensor                  # the logits rows: each sequence's last token, then prompt_span's
     scoring: ScorePlan | None
@@ -113,11 +113,15 @@ class ModelRunner:
         bm = self.block_manager
         starts = [s.num_computed_tokens for s in seqs]
         ends = [start + n for start, n in zip(starts, num_scheduled)]
-        input_ids = [t for s, start, end in zip(seqs, starts, ends) for t in s.tokens(start, end)]
+        fill = None if pending is None else self._fill(seqs, starts, num_scheduled, pending)
+        # Taken whole from the device in the steady state of async scheduling: no list to build.
+        input_ids = [] if fill is not None and fill.rows is None else \
+            [t for s, start, end in zip(seqs, starts, ends) for t in s.tokens(start, end)]
         evicted = [s.num_evicted for s in seqs]
         slot_ends = [end - e for end, e in zip(ends, evicted)]
         # Only the blocks holding context: a contiguous reservation's unused tail is not read.
-        tables = [bm.tables[s.seq_id][:bm.blocks_for(end)] for s, end in zip(seqs, slot_ends)]
+        bs = bm.block_size
+        tables = [bm.tables[s.seq_id][:-(-end // bs)] for s, end in zip(seqs, slot_ends)]
         step = StepMetadata.build(
             num_scheduled, slot_ends, tables, self.pool.block_size, self.device,
             offloaded=bool(bm.num_host_blocks) and not all(on_device(b) for t in tables for b in t),
@@ -129,12 +133,13 @@ class ModelRunner:
                       if f is not None}
         rows = step.query_start[1:] - 1
         # Row of position p of sequence i: query_start[i] + p - start_i.
-        spans = [(i, *prompt_span(s, start, end)) for i, (s, start, end) in enumerate(zip(seqs, starts, ends))]
+        spans = [(i, *prompt_span(s, start, end)) for i, (s, start, end) in enumerate(zip(seqs, starts, ends))
+                 if s.params.prompt_logprobs is not None]
         extra = [torch.arange(lo, hi) + int(step.query_start[i]) - starts[i] for i, lo, hi in spans if hi > lo]
         if extra:
             rows = torch.cat([rows, *extra])
         return StepInput(ops, input_ids, step, rows, ScorePlan.build(step, first_rows) if first_rows else None,
-                         len(seqs), None if pending is None else self._fill(seqs, starts, num_scheduled, pending))
+                         len(seqs), fill)
 
     def _fill(self, seqs: list[Sequence], starts: list[int], num_scheduled: list[int],
               pending: PendingTokens) -> TokenFill | None:

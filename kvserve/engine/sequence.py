@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.engine.beam_search import BeamGroup
+from kvserve.engine.detokenizer import Detokenizer
 from kvserve.eviction.policy import EvictionPolicy
 from kvserve.eviction.state import EvictionState
 from kvserve.sampling_params import SamplingParams
@@ -58,9 +59,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None          # what went wrong, when finish_reason is "error"
     text: str = ""
-    # Incremental detokenization window: text of ids[prefix_offset:read_offset] is already emitted.
-    prefix_offset: int = 0
-    read_offset: int = 0
+    detokenizer: Detokenizer | None = None  # None: no tokenizer, no text
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None  # queue time ends here
     first_token_time: float | None = None
