@@ -287,12 +287,17 @@ class LLMEngine:
         self.tokens_computed += batch.num_tokens
         # A step of plain sequences (most) skips the stages that serve the others: scores,
         # evictions, beams, forks, penalties, forced tokens, logprobs.
-        plain = all(map(self._overlaps, batch.seqs))
+        plain = all(map(self._is_plain, batch.seqs))
         score_from = [None] * len(batch.seqs) if plain else \
             [self._score_from(s, n) for s, n in zip(batch.seqs, batch.num_scheduled)]
         with label("kvserve.forward"):
-            result = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops,
-                                         None if plain or all(f is None for f in score_from) else score_from, pending)
+            try:
+                result = self.runner.forward(batch.seqs, batch.num_scheduled, batch.block_ops,
+                                             None if plain or all(f is None for f in score_from) else score_from,
+                                             pending)
+            except BaseException:
+                self._pending = pending  # still to be read: a later step runs the same sequences again
+                raise
         logits, prompt_logits = result.logits, result.prompt_logits
         if prompt_logits.shape[0]:
             self._score_prompts(batch.seqs, batch.num_scheduled, prompt_logits)
@@ -301,21 +306,12 @@ class LLMEngine:
         if len(done) < len(ready):  # only then copy the logits rows that get a token
             logits, ready = self._rows(logits, done), [ready[i] for i in done]
         launched = None
-        if self.async_scheduling and ready and (plain or all(map(self._overlaps, ready))):
+        if self.async_scheduling and ready and (plain or all(map(self._is_plain, ready))):
             with label("kvserve.sample"):
                 launched = PendingTokens.launch(ready, self.runner.sample(ready, logits))
         # The step before's tokens, read while this one computes: its stops and outputs first.
         outputs = [] if pending is None else self._read_pending(pending)
-        joined: list[tuple[int, bytes]] = []
-        bm = self.block_manager
-        for seq in batch.seqs:  # blocks the step filled join the prefix cache, before any eviction
-            # Blocks computed after an eviction do not match a plain prefix.
-            if not seq.finished and not seq.num_evicted and bm.has_unregistered_blocks(seq.seq_id,
-                                                                                       seq.num_computed_tokens):
-                joined += bm.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        if joined and self.remote is not None and self.remote.available:
-            payloads = read_blocks(self.pool.block_tensors, [block for block, _ in joined])
-            self.remote.store([(h, payload) for (_, h), payload in zip(joined, payloads)])
+        self._register_blocks(batch.seqs)  # before any eviction
         if not plain:
             self._evict(batch.seqs, batch.num_scheduled, score_from, result.scores or {})
         if launched is not None:
@@ -342,6 +338,20 @@ class LLMEngine:
             outputs.append(self._emit(seq, token, now))
         return outputs
 
+    def _register_blocks(self, seqs: list[Sequence]) -> None:
+        """The blocks the step filled join the prefix cache (and the remote tier). Blocks computed
+        after an eviction do not match a plain prefix; a sequence the read of its pending token
+        finished has no blocks left."""
+        joined: list[tuple[int, bytes]] = []
+        bm = self.block_manager
+        for seq in seqs:
+            if not seq.finished and not seq.num_evicted and bm.has_unregistered_blocks(seq.seq_id,
+                                                                                       seq.num_computed_tokens):
+                joined += bm.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if joined and self.remote is not None and self.remote.available:
+            payloads = read_blocks(self.pool.block_tensors, [block for block, _ in joined])
+            self.remote.store([(h, payload) for (_, h), payload in zip(joined, payloads)])
+
     def _sample_rows(self, ready: list[Sequence], logits: torch.Tensor
                      ) -> tuple[list[Sequence], list[int], list[TokenLogprobs | None]]:
         """Tokens for the sampled (not beam) sequences, forks of a finished prompt included (each
@@ -366,10 +376,11 @@ class LLMEngine:
         return logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.long), logits.device))
 
     @staticmethod
-    def _overlaps(seq: Sequence) -> bool:
-        """Whether the host may read the sequence's next token a step late: nothing it does before
-        then needs the token (beams and forks step on the host, penalties count the outputs, logprobs
-        and forced tokens are handled with the token, eviction ranks the step's attention)."""
+    def _is_plain(seq: Sequence) -> bool:
+        """None of what acts on a sequence's new token on the host at once (beams and forks step
+        there, penalties count the outputs, logprobs and forced tokens come with the token,
+        eviction ranks the step's attention): its steps skip those stages, and with async
+        scheduling its token may be read a step late."""
         p = seq.params
         return (seq.beam is None and not seq.num_forks and seq.eviction is None and not p.penalized
                 and p.logprobs is None and p.forced_token_ids is None)

@@ -152,6 +152,32 @@ def test_a_request_sent_again_under_an_aborted_id_gets_its_own_tokens(tiny_llm: 
     assert [o.token_ids for o in outs] == [want]
 
 
+def test_a_failed_step_keeps_the_pending_tokens(tiny_llm: Callable[..., LLM]) -> None:
+    """A step whose forward pass raises leaves the engine as it was: the next step runs the same
+    sequences, the step before's tokens still taken from the device."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in tiny_llm(async_scheduling="off").generate(PROMPTS[:3], params, use_tqdm=False)]
+    llm = tiny_llm(async_scheduling="on")
+    engine, execute = llm.engine, llm.engine.runner.execute
+    calls = [0]
+
+    def failing_once(step: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 6:
+            raise RuntimeError("device fault")
+        return execute(step)
+
+    engine.runner.execute = failing_once  # type: ignore[method-assign]
+    ids = [engine.add_request(p, params) for p in PROMPTS[:3]]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        try:
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        except RuntimeError as err:
+            assert str(err) == "device fault"
+    assert calls[0] > 6 and [done[i] for i in ids] == want
+
+
 def test_stream_stopped_early_leaves_no_block(tiny_llm: Callable[..., LLM]) -> None:
     llm = tiny_llm(async_scheduling="on")
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
