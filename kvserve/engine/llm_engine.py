@@ -18,6 +18,7 @@ from kvserve.attention import make_backend
 from kvserve.attention.rotation import kv_rotation
 from kvserve.cache.block_bytes import read_blocks
 from kvserve.cache.block_manager import BlockManager, BlockUsage
+from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
@@ -283,6 +284,8 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         pending, self._pending = self._pending, None
         if not batch.seqs:
+            if batch.block_ops != BlockOps():
+                self.runner.move_blocks(batch.block_ops)
             return [] if pending is None else self._read_pending(pending)
         self.tokens_computed += batch.num_tokens
         # A step of plain sequences (most) skips the stages that serve the others: scores,

@@ -5,7 +5,7 @@ import logging
 import operator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -52,10 +52,17 @@ class StepInput:
     fill: TokenFill | None = None
 
 
+@dataclass(frozen=True)
+class BlockMoves:
+    """A step's block moves and the pool's plan for them; alone, the step in which no sequence runs."""
+    ops: BlockOps
+    kv_plan: Any
+
+
 class StepPeers(Protocol):
     """The other tensor-parallel ranks (distributed/tp_group.py), as rank 0's runner sees them."""
 
-    def broadcast(self, step: StepInput) -> None: ...
+    def broadcast(self, step: StepInput | BlockMoves) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -160,10 +167,19 @@ class ModelRunner:
         return TokenFill(to_device(torch.tensor(dest), self.device),
                          pending.device[to_device(torch.tensor(src), pending.device.device)].to(self.device))
 
+    def move_blocks(self, ops: BlockOps) -> None:
+        """The block moves of a step in which no sequence runs: async scheduling skips the sequences
+        awaiting their last token, and the step may preempt all the others (a swap-out lost here
+        would readmit a sequence over pages never written)."""
+        moves = BlockMoves(ops, self.pool.plan_step(self.block_manager, [], list(ops.copies)))
+        if self.peers is not None:
+            self.peers.broadcast(moves)
+        self.apply(moves)
+
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepResult:
-        """Applies the step's block moves to this rank's pool, then runs the model."""
-        ops = step.ops
+    def apply(self, moves: BlockMoves) -> None:
+        """Applies a step's block moves to this rank's pool."""
+        ops = moves.ops
         if ops.compactions:  # first: they read blocks the moves below may reuse
             self.pool.compact(ops.compactions)
         if ops.swap_out or ops.swap_in:
@@ -173,7 +189,12 @@ class ModelRunner:
             self.pool.offload_blocks(list(ops.offloads))
         if ops.loads:
             write_blocks(self.pool.block_tensors, list(ops.loads))
-        self.pool.copy_blocks(list(ops.copies), step.metadata.kv_plan)
+        self.pool.copy_blocks(list(ops.copies), moves.kv_plan)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepResult:
+        """Applies the step's block moves to this rank's pool, then runs the model."""
+        self.apply(BlockMoves(step.ops, step.metadata.kv_plan))
         fill = step.fill
         if fill is not None and fill.rows is None:
             input_ids = fill.tokens

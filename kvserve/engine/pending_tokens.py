@@ -32,7 +32,7 @@ class PendingTokens:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(tokens.device))  # the copy's stream, on cuda:N too
         return cls(seqs, rows, tokens, host, copied)
 
     def read(self) -> list[int]:

@@ -184,8 +184,9 @@ class Scheduler:
             # The most recent sequence that could be admitted again; one that has outgrown the
             # device pool never could, so it is not preempted but offloads its cold blocks.
             bm = self.block_manager
-            victim = next((s for s in reversed(self.running)
-                           if bm.blocks_for(s.num_tokens) <= bm.num_blocks), seq)
+            # Not one awaiting its last token (async scheduling): its blocks are about to be freed.
+            victim = next((s for s in reversed(self.running) if not s.awaiting_length_finish
+                           and bm.blocks_for(s.num_tokens) <= bm.num_blocks), seq)
             if victim is seq and seq.beam is None and bm.offload_coldest(seq.seq_id):
                 continue
             group = [s for s in self.running if s.beam is victim.beam] if victim.beam else [victim]

@@ -12,7 +12,7 @@ from kvserve.attention.rotation import kv_rotation
 from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import broadcast_object, init_group
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import BlockMoves, ModelRunner
 from kvserve.engine.rank_setup import KVSizes, make_pool, rank_formats
 from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
@@ -38,6 +38,9 @@ def tp_worker_main(config: EngineConfig, rank: int, port: int, num_blocks: int, 
     runner = ModelRunner(model, pool, None, device, backend, kernels, None, rotation)
     try:
         while (step := broadcast_object(group, None, rank)) is not None:
-            runner.execute(step)
+            if isinstance(step, BlockMoves):  # a step in which no sequence runs
+                runner.apply(step)
+            else:
+                runner.execute(step)
     except RuntimeError as err:  # rank 0 went away without a goodbye (its process ended): so do we
         logger.debug("tensor-parallel rank %d stops: %s", rank, err)

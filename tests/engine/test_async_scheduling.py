@@ -116,6 +116,25 @@ def test_a_sequence_whose_pending_token_is_its_last_runs_no_further_step(tiny_ll
         sum(len(p) + sp.max_tokens - 1 for p, sp in zip(PROMPTS, params))
 
 
+def test_a_step_that_runs_no_sequence_still_moves_its_blocks(tiny_llm: Callable[..., LLM]) -> None:
+    """The one sequence that could run is preempted by swap while the other awaits its last
+    token: the step runs nothing, but its swap-out must be copied, or the sequence comes back
+    over pages never written."""
+    options = dict(kv_cache_memory="64KiB", enable_prefix_caching=False, preemption_mode="swap",
+                   host_swap_memory="1MiB", max_num_seqs=2)
+    prompts = [[(7 * i + 3) % 120 + 1 for i in range(60)], [(5 * i + 11) % 120 + 1 for i in range(60)]]
+    params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)]
+    sync = tiny_llm(async_scheduling="off", **options)
+    want = [o.token_ids for o in sync.generate(prompts, params, use_tqdm=False)]
+    llm = tiny_llm(async_scheduling="on", **options)
+    runner = llm.engine.runner
+    move_blocks, moved = runner.move_blocks, []
+    runner.move_blocks = lambda ops: (moved.append(ops), move_blocks(ops))[1]  # type: ignore[method-assign]
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert any(ops.swap_out for ops in moved)  # the case this test is for happened
+
+
 def test_abort_while_a_token_is_pending(tiny_llm: Callable[..., LLM]) -> None:
     llm = tiny_llm(async_scheduling="on")
     engine = llm.engine
