@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from kvserve.eviction.policy import POLICY_NAMES
 from kvserve.validate import is_int
 
+OUTPUT_KINDS = ("cumulative", "final")
+
 
 @dataclass
 class SamplingParams:
@@ -45,6 +47,10 @@ class SamplingParams:
     # and kv_budget; "none" keeps every token. The engine's other eviction knobs apply.
     kv_eviction: str | None = None
     kv_budget: int | None = None
+    # "cumulative": an output every step (text and tokens so far, and the new text); "final": the
+    # finished output only (LLM.generate's, and a non-streaming request's: vLLM's FINAL_ONLY), which
+    # spares the host an output object per sequence per step.
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,10 +111,19 @@ class SamplingParams:
                              f"got {self.kv_eviction!r}")
         if self.kv_budget is not None and (not is_int(self.kv_budget) or self.kv_budget < 1):
             raise ValueError(f"SamplingParams.kv_budget must be a positive integer, got {self.kv_budget!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"SamplingParams.output_kind must be one of {', '.join(OUTPUT_KINDS)}, "
+                             f"got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def stop_hold(self) -> int:
+        """Characters of new text a running output holds back: all but the last of the longest
+        stop string, which the next tokens may complete (and the output must not show)."""
+        return max(map(len, self.stop), default=1) - 1
 
     @property
     def penalized(self) -> bool:

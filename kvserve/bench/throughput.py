@@ -12,8 +12,10 @@ from kvserve.sampling_params import SamplingParams
 
 
 def greedy_params(requests: list[WorkloadRequest]) -> list[SamplingParams]:
-    """ignore_eos makes each request produce exactly its max_tokens, as in the HF baseline."""
-    return [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
+    """ignore_eos makes each request produce exactly its max_tokens, as in the HF baseline; the
+    finished outputs are all a benchmark reads (LLM.generate's way)."""
+    return [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True, output_kind="final")
+            for r in requests]
 
 
 def run_kvserve(llm: Any, prompts: list[list[int]], params: list[SamplingParams], name: str,

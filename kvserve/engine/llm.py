@@ -1,6 +1,7 @@
 """The offline entry point: `LLM(...).generate(prompts, params)` and streaming."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence as Seq
 from typing import Any
 
@@ -20,14 +21,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def _add_all(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None,
-                 cache_salt: str | None = None) -> dict[str, int]:
-        """Queues the prompts; returns each request id with its number of samples, in order."""
+                 cache_salt: str | None = None, final_only: bool = False) -> dict[str, int]:
+        """Queues the prompts; returns each request id with its number of samples, in order.
+        `final_only`: the engine reports each sample once, finished (SamplingParams.output_kind)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
+        if final_only:
+            params = [dataclasses.replace(p, output_kind="final") for p in params]
         # Validate every request before queueing any: a bad one rejects the call, not half of it.
         seqs = [self.engine.make_sequence(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, params)]
         return {self.engine.add_sequence(seq): seq.params.n for seq in seqs}
@@ -37,7 +41,7 @@ class LLM:
                  use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
         """One output per prompt, in order; a prompt with n > 1 samples gives n, by sample index.
         `cache_salt`: prefix-cache hits only among requests carrying the same salt."""
-        requests = self._add_all(prompts, params, cache_salt)
+        requests = self._add_all(prompts, params, cache_salt, final_only=True)
         done: dict[tuple[str, int], RequestOutput] = {}
         with tqdm(total=sum(requests.values()), desc="generating", unit="seq", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():

@@ -338,7 +338,8 @@ class LLMEngine:
             if logprob is not None:
                 seq.output_logprobs.append(logprob)
             self._append_token(seq, token, now)
-            outputs.append(self._emit(seq, token, now))
+            if (out := self._emit(seq, token, now)) is not None:
+                outputs.append(out)
         return outputs
 
     def _register_blocks(self, seqs: list[Sequence]) -> None:
@@ -398,23 +399,33 @@ class LLMEngine:
                 continue
             seq.output_token_ids[-1] = token
             self._count_token(seq, now)
-            outputs.append(self._emit(seq, token, now))
+            if (out := self._emit(seq, token, now)) is not None:
+                outputs.append(out)
         return outputs
 
-    def _emit(self, seq: Sequence, token: int, now: float) -> RequestOutput:
-        """A sequence's output after `token` joined it: text, stop checks, and its end if it ends."""
+    def _emit(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:
+        """A sequence's output after `token` joined it: text, stop checks, and its end if it ends
+        (None: a running sequence whose caller wants its final output only)."""
         try:
-            delta = self._detokenize(seq)
-            self._check_stop(seq, token)
+            self._check_stop(seq, token, self._detokenize(seq))
         except Exception as err:  # a fault in one request's bookkeeping ends that request only
             logger.exception("request %s failed", seq.request_id)
-            seq.finish_reason, seq.error, delta = "error", f"{type(err).__name__}: {err}", ""
+            seq.finish_reason, seq.error = "error", f"{type(err).__name__}: {err}"
         if seq.finish_reason is not None:
             seq.finish_time = now
             self.scheduler.finish(seq)
             if all(s.finished for s in self._requests[seq.request_id]):
                 del self._requests[seq.request_id]
-        return RequestOutput.of(seq, delta)
+            shown = len(seq.text)
+        elif seq.params.output_kind == "final":
+            return None
+        elif seq.params.stop:  # a stop string's possible start is held back: text sent stays sent
+            shown = max(len(seq.text) - seq.params.stop_hold, seq.text_sent)
+        else:
+            shown = len(seq.text)
+        text = seq.text
+        delta, seq.text_sent = text[seq.text_sent:shown], shown
+        return RequestOutput.of(seq, text[:shown], delta)
 
     @staticmethod
     def _score_from(seq: Sequence, num_scheduled: int) -> int | None:
@@ -529,7 +540,7 @@ class LLMEngine:
                           finish_reason="stop" if best.token_ids[-1] == first.beam.eos_token_id else "length")
         if self.tokenizer is not None:
             result.text = self.tokenizer.decode(best.token_ids, skip_special_tokens=True)
-        return dataclasses.replace(RequestOutput.of(result, result.text), beam_score=best.score)
+        return dataclasses.replace(RequestOutput.of(result, result.text, result.text), beam_score=best.score)
 
     def _fork(self, parent: Sequence, index: int, seed: int) -> Sequence:
         """A running copy of `parent` (same tokens and progress) sharing all of its blocks."""
@@ -564,24 +575,32 @@ class LLMEngine:
         return None if self.tokenizer is None else Detokenizer(self.tokenizer)
 
     @staticmethod
-    def _detokenize(seq: Sequence) -> str:
+    def _detokenize(seq: Sequence) -> int:
+        """Appends the text of the sequence's new tokens; returns its length."""
         if seq.detokenizer is None:
-            return ""
+            return 0
         delta = seq.detokenizer.step(seq.output_token_ids)
         seq.text += delta
-        return delta
+        return len(delta)
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int, new_chars: int) -> None:
         p = seq.params
         if not p.ignore_eos and token == self.eos_token_id:
             seq.finish_reason = "stop"
         elif token in p.stop_token_ids:
             seq.finish_reason = "stop"
-        elif p.stop and (hit := min((i for s in p.stop if (i := seq.text.find(s)) >= 0), default=-1)) >= 0:
+        elif p.stop and (hit := self._find_stop(seq.text, p, new_chars)) >= 0:
             seq.text = seq.text[:hit]
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+
+    @staticmethod
+    def _find_stop(text: str, params: SamplingParams, new_chars: int) -> int:
+        """Where the first stop string starts in `text` (-1: nowhere), searched only where its
+        last `new_chars` characters can complete one: the whole text per token grows with the output."""
+        start = max(len(text) - new_chars - params.stop_hold, 0)
+        return min((i for s in params.stop if (i := text.find(s, start)) >= 0), default=-1)
 
     # -- reporting --------------------------------------------------------------------------
     def kv_usage(self) -> BlockUsage:

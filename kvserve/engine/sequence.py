@@ -59,6 +59,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None          # what went wrong, when finish_reason is "error"
     text: str = ""
+    text_sent: int = 0  # characters of `text` its outputs have shown
     detokenizer: Detokenizer | None = None  # None: no tokenizer, no text
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None  # queue time ends here
@@ -159,9 +160,10 @@ class RequestOutput:
     beam_score: float | None = None  # beam search: the hypothesis' sum of log-probs / length ** penalty
 
     @classmethod
-    def of(cls, seq: Sequence, delta_text: str) -> "RequestOutput":
-        return cls(seq.request_id, seq.index, seq.prompt, seq.prompt_token_ids, seq.text,
-                   list(seq.output_token_ids), delta_text, seq.finished, seq.finish_reason,
+    def of(cls, seq: Sequence, text: str, delta_text: str) -> "RequestOutput":
+        """`text`: what the output shows of `seq.text` (a running one holds back a stop string's
+        possible start)."""
+        return cls(seq.request_id, seq.index, seq.prompt, seq.prompt_token_ids, text, list(seq.output_token_ids), delta_text, seq.finished, seq.finish_reason,
                    seq.error, seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
                    seq.num_preemptions,
                    None if seq.params.logprobs is None else list(seq.output_logprobs),

@@ -54,7 +54,8 @@ class _Common(BaseModel):
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              kv_eviction=self.kv_eviction, kv_budget=self.kv_budget)
+                              kv_eviction=self.kv_eviction, kv_budget=self.kv_budget,
+                              output_kind="cumulative" if self.stream else "final")
 
 
 # OpenAI's limits: completions' logprobs up to 5 (we allow vLLM's 20), chat's top_logprobs up to 20.

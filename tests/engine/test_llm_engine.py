@@ -84,6 +84,37 @@ def test_stream_consumer_stopping_early_aborts(tiny_llm: Callable[..., LLM]) -> 
     assert not llm.engine.has_unfinished()
 
 
+def test_final_output_kind_reports_each_sample_once_finished(tiny_llm: Callable[..., LLM]) -> None:
+    engine = tiny_llm().engine
+    params = [SamplingParams(max_tokens=m, temperature=t, seed=3, n=n, ignore_eos=True, output_kind=kind)
+              for m, t, n in ((5, 0, 1), (12, 0.8, 2), (9, 0, 1)) for kind in ("cumulative", "final")]
+    ids = [engine.add_request(PROMPTS[i // 2], p) for i, p in enumerate(params)]
+    outputs: dict[str, list[Any]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    for rid, p, twin in zip(ids, params, ids[1:] + [None]):
+        if p.output_kind == "final":
+            assert len(outputs[rid]) == p.n and all(o.finished for o in outputs[rid])
+        else:  # an output per token, and its final one equals that of the twin asking for final only
+            assert len(outputs[rid]) == p.n * p.max_tokens
+            last = {o.index: (o.token_ids, o.finish_reason) for o in outputs[rid] if o.finished}
+            assert last == {o.index: (o.token_ids, o.finish_reason) for o in outputs[twin]}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("stop", [" and", "capital of"])  # one token; across tokens
+def test_final_output_text_equals_the_streamed_text(smol: LLM, stop: str) -> None:
+    """The streamed deltas add up to the final text: a stop string is never shown, even where
+    its first tokens were streamed before the last one completed it."""
+    prompt = "The three largest cities of France are"
+    params = SamplingParams(max_tokens=40, temperature=0, stop=[stop])
+    streamed = list(smol.stream(prompt, params))
+    final = smol.generate(prompt, params, use_tqdm=False)[0]
+    assert final.text == streamed[-1].text == "".join(o.delta_text for o in streamed) == final.delta_text
+    assert final.token_ids == streamed[-1].token_ids and final.finish_reason == "stop"
+
+
 def test_bad_input_is_rejected_without_disturbing_running_requests(tiny_llm: Callable[..., LLM]) -> None:
     reference = token_ids(tiny_llm(), PROMPTS[:3])
     llm = tiny_llm()
@@ -109,6 +140,7 @@ def test_bad_input_is_rejected_without_disturbing_running_requests(tiny_llm: Cal
         (lambda: SamplingParams(top_k=1.5), "top_k"),  # type: ignore[arg-type]
         (lambda: SamplingParams(seed=True), "seed"),
         (lambda: SamplingParams(stop_token_ids=[2.0]), "stop_token_ids"),  # type: ignore[list-item]
+        (lambda: SamplingParams(output_kind="delta"), "SamplingParams.output_kind"),
         (lambda: engine.add_request([1, 2], {"max_tokens": 3}), "params: must be SamplingParams"),  # type: ignore[arg-type]
     ]
     for call, message in bad:

@@ -89,10 +89,10 @@ def test_error_in_one_request_fails_only_that_request(aengine: Callable[..., Asy
     a = aengine()
     check_stop = a.engine._check_stop
 
-    def faulty(seq, token):  # type: ignore[no-untyped-def]
+    def faulty(seq, token, new_chars):  # type: ignore[no-untyped-def]
         if seq.request_id == "faulty" and len(seq.output_token_ids) == 3:
             raise RuntimeError("boom")
-        check_stop(seq, token)
+        check_stop(seq, token, new_chars)
 
     a.engine._check_stop = faulty  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
