@@ -1,6 +1,7 @@
 """What every attention backend is told about a step: pool-agnostic, built once by the runner."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,15 +31,23 @@ class StepMetadata:
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device, offloaded: bool = False,
               kv_plan: Any = None, evicted: list[int] | None = None) -> "StepMetadata":
+        """`block_tables`: each sequence's blocks, at least those holding its context."""
         # numpy, then shared into tensors: a dozen small ops cost ~15 us where the same in torch
         # took ~45 (its per-op dispatch; one sequence), and on a CPU both run ~10x slower inside a
         # decode step, on caches the weights' read has just flushed (BENCHMARKS.md).
         batch = len(query_lens)
-        max_blocks = max(len(t) for t in block_tables)
-        # One array from padded Python rows: cheaper than a copy per sequence.
-        tables = np.array([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=np.int64)
         q_lens = np.array(query_lens, dtype=np.int64)
         ctx = np.array(context_lens, dtype=np.int64)
+        # Every table's ids in one pass, then cut to the blocks holding context: cheaper than a
+        # padded copy of each Python list (a contiguous reservation's unused tail is not read).
+        lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=batch)
+        cols = np.arange(int(lens.max()))
+        whole = np.zeros((batch, cols.size), dtype=np.int64)
+        whole[cols < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64,
+                                                  count=int(lens.sum()))
+        used = -(-ctx // block_size)
+        tables = np.ascontiguousarray(whole[:, :int(used.max())])  # kernels index rows by the width
+        tables[cols[:tables.shape[1]] >= used[:, None]] = 0
         query_start = np.zeros(batch + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start[1:])
         seq_of = np.repeat(np.arange(batch), q_lens)

@@ -226,18 +226,23 @@ class BlockManager:
         holds `num_tokens` tokens, and make the block the newest token lands in its own (copy on
         write). Allocates nothing and returns False if blocks are short."""
         table = self.tables.get(seq_id)
+        bs = self.block_size
+        # Most calls (a decode into a block the sequence owns alone) change nothing but the count.
+        if table is not None and 0 < num_tokens and max(num_tokens, reserve_tokens) <= len(table) * bs:
+            block = table[(num_tokens - 1) // bs]
+            if not isinstance(block, HostBlock) and self.blocks[block].ref_count == 1:
+                self.num_tokens[seq_id] = num_tokens
+                return True
         new = table is None
         table = [] if new else table
-        need = -(-max(num_tokens, reserve_tokens) // self.block_size) - len(table)
-        last = (num_tokens - 1) // self.block_size
+        need = -(-max(num_tokens, reserve_tokens) // bs) - len(table)
+        last = (num_tokens - 1) // bs
         shared_last = (0 <= last < len(table) and on_device(table[last])
                        and self.blocks[table[last]].ref_count > 1)
         if need + shared_last > len(self._free):
             return False
         if new:
             self.tables[seq_id], self._hashes[seq_id] = table, []
-        # Most decode steps take no block (the token lands in one the sequence owns): they skip
-        # the block bookkeeping, half of this call's cost at 64 sequences.
         if need > 0:
             table.extend(self._take_free() for _ in range(need))
         if shared_last:

@@ -1,6 +1,7 @@
 """The preallocated KV pool in the model's dtype: per layer, `num_blocks x block_size` token slots."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -77,7 +78,7 @@ class KVPool:
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
-    def plan_step(self, block_manager: Any, seqs: list[tuple[str, int, int]],
+    def plan_step(self, block_manager: Any, seqs: Iterable[tuple[str, int, int]],
                   copies: list[tuple[int, int]] | None = None) -> None:
         """Pages hold K/V as computed: nothing to decide per step (see QuantizedKVPool)."""
         return None

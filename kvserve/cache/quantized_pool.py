@@ -21,6 +21,7 @@ compressed pages, a request's output can depend slightly on what else ran.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +147,7 @@ class QuantizedKVPool:
             self.stage_of[block] = self._stage_free.pop()
         return self.stage_of[block]
 
-    def plan_step(self, block_manager: Any, seqs: list[tuple[str, int, int]],
+    def plan_step(self, block_manager: Any, seqs: Iterable[tuple[str, int, int]],
                   copies: list[tuple[int, int]] | None = None) -> StepPlan:
         """seqs: (seq_id, tokens already in the pool, tokens after this step), in batch order;
         copies: the step's copy-on-write (source, destination) blocks."""
@@ -154,7 +155,7 @@ class QuantizedKVPool:
             return self._per_token_plan
         return self._plan_staged(block_manager, seqs, copies or [])
 
-    def _plan_staged(self, bm: Any, seqs: list[tuple[str, int, int]], copies: list[tuple[int, int]]) -> StepPlan:
+    def _plan_staged(self, bm: Any, seqs: Iterable[tuple[str, int, int]], copies: list[tuple[int, int]]) -> StepPlan:
         bs = self.block_size
         # First, before a source can lose its slot below (its last owner preempted this step):
         # its slot stays intact until the copy, since freed slots are not reused within a step.

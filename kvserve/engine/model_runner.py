@@ -124,24 +124,25 @@ class ModelRunner:
         # Taken whole from the device in the steady state of async scheduling: no list to build.
         input_ids = [] if fill is not None and fill.rows is None else \
             [t for s, start, end in zip(seqs, starts, ends) for t in s.tokens(start, end)]
-        evicted = [s.num_evicted for s in seqs]
-        slot_ends = [end - e for end, e in zip(ends, evicted)]
-        # Only the blocks holding context: a contiguous reservation's unused tail is not read.
-        bs = bm.block_size
-        tables = [bm.tables[s.seq_id][:-(-end // bs)] for s, end in zip(seqs, slot_ends)]
+        # Only a sequence that evicts holds fewer slots than tokens.
+        evicted = [s.num_evicted for s in seqs] if any(s.kv_state is not None for s in seqs) else [0] * len(seqs)
+        slot_ends = [end - e for end, e in zip(ends, evicted)] if any(evicted) else ends
+        tables = [bm.tables[s.seq_id] for s in seqs]  # whole: the builder reads the blocks holding context
         step = StepMetadata.build(
             num_scheduled, slot_ends, tables, self.pool.block_size, self.device,
             offloaded=bool(bm.num_host_blocks) and not all(on_device(b) for t in tables for b in t),
-            kv_plan=self.pool.plan_step(bm, [(s.seq_id, start - e, end - e)
-                                             for s, start, end, e in zip(seqs, starts, ends, evicted)],
+            # A generator: only a pool that plans its writes reads it.
+            kv_plan=self.pool.plan_step(bm, ((s.seq_id, start - e, end - e)
+                                             for s, start, end, e in zip(seqs, starts, ends, evicted)),
                                         list(ops.copies)),
-            evicted=evicted if any(evicted) else None)
+            evicted=evicted if slot_ends is not ends else None)
         first_rows = {i: max(f - start, 0) for i, (f, start) in enumerate(zip(score_from or [], starts))
                       if f is not None}
         rows = step.query_start[1:] - 1
         # Row of position p of sequence i: query_start[i] + p - start_i.
         spans = [(i, *prompt_span(s, start, end)) for i, (s, start, end) in enumerate(zip(seqs, starts, ends))
-                 if s.params.prompt_logprobs is not None]
+                 if s.params.prompt_logprobs is not None] \
+            if any(s.params.prompt_logprobs is not None for s in seqs) else []
         extra = [torch.arange(lo, hi) + int(step.query_start[i]) - starts[i] for i, lo, hi in spans if hi > lo]
         if extra:
             rows = torch.cat([rows, *extra])

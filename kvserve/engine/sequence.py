@@ -66,10 +66,12 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
 
-    @property
-    def seq_id(self) -> str:
-        """Unique per sample; the block manager's key."""
-        return self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
+    # Unique per sample; the block manager's key. Asked several times per sequence per step: a
+    # field, not a property.
+    seq_id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.seq_id = self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
 
     @property
     def token_ids(self) -> list[int]:
