@@ -25,6 +25,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--async-scheduling", default="off", choices=("on", "off"),
                    help="on: the path a GPU takes by default (tokens read a step late)")
+    p.add_argument("--output-kind", default="cumulative", choices=("cumulative", "final"),
+                   help="final: LLM.generate's (no output object per sequence per step)")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=args.layers, num_heads=4,
@@ -34,7 +36,8 @@ def main() -> None:
                  async_scheduling=args.async_scheduling).engine
     for i in range(args.batch):
         engine.add_request([(7 * i + j) % 250 + 3 for j in range(100)],
-                           SamplingParams(max_tokens=args.steps + 50, ignore_eos=True, temperature=0))
+                           SamplingParams(max_tokens=args.steps + 50, ignore_eos=True, temperature=0,
+                                          output_kind=args.output_kind))
     for _ in range(20):  # prefill, then warm decode steps
         engine.step()
     in_model = 0.0
@@ -53,7 +56,7 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
-    print(f"batch {args.batch}, {args.layers} layer(s), async {args.async_scheduling}: {wall / args.steps * 1e3:.3f} ms a step; host CPU outside "
+    print(f"batch {args.batch}, {args.layers} layer(s), async {args.async_scheduling}, {args.output_kind}: {wall / args.steps * 1e3:.3f} ms a step; host CPU outside "
           f"the model call {(cpu - in_model) / args.steps * 1e3:.3f} ms")
 
 

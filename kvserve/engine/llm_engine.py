@@ -282,11 +282,12 @@ class LLMEngine:
         # Labels for torch.profiler (kvserve doctor splits a step by them); free when it is off.
         with label("kvserve.schedule"):
             batch = self.scheduler.schedule()
-        pending, self._pending = self._pending, None
         if not batch.seqs:
             if batch.block_ops != BlockOps():
-                self.runner.move_blocks(batch.block_ops)
+                self.runner.move_blocks(batch.block_ops)  # before the pending tokens are taken
+            pending, self._pending = self._pending, None
             return [] if pending is None else self._read_pending(pending)
+        pending, self._pending = self._pending, None
         self.tokens_computed += batch.num_tokens
         # A step of plain sequences (most) skips the stages that serve the others: scores,
         # evictions, beams, forks, penalties, forced tokens, logprobs.

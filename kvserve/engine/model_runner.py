@@ -171,8 +171,10 @@ class ModelRunner:
     def move_blocks(self, ops: BlockOps) -> None:
         """The block moves of a step in which no sequence runs: async scheduling skips the sequences
         awaiting their last token, and the step may preempt all the others (a swap-out lost here
-        would readmit a sequence over pages never written)."""
-        moves = BlockMoves(ops, self.pool.plan_step(self.block_manager, [], list(ops.copies)))
+        would readmit a sequence over pages never written). No write plan: a compressed pool's
+        would retire staged blocks that only a forward pass seals (their copy-on-write copies
+        belong to sequences this step preempted, so they need no staging copy)."""
+        moves = BlockMoves(ops, None)
         if self.peers is not None:
             self.peers.broadcast(moves)
         self.apply(moves)
