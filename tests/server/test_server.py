@@ -70,6 +70,18 @@ def test_streaming_completion_and_chat_match_non_streaming(client: openai.OpenAI
     assert "".join(d.choices[0].delta.content or "" for d in deltas) == full_chat.choices[0].message.content
 
 
+def test_streamed_text_never_shows_a_stop_string(client: openai.OpenAI) -> None:
+    """A stop string across several tokens: the stream holds back its start until it is ruled
+    out, so the deltas equal the non-streaming text, which ends before it."""
+    free = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 9]  # nine characters: more than one token
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop])
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop], stream=True) if c.choices)
+    assert full.choices[0].text == free[:free.index(stop)] == streamed
+    assert full.choices[0].finish_reason == "stop"
+
+
 def test_n_samples_with_seed_equal_offline(client: openai.OpenAI, smol: LLM) -> None:
     params = SamplingParams(max_tokens=10, n=3, temperature=0.9, seed=7)
     expected = [o.text for o in smol.generate(PROMPTS[0], params, use_tqdm=False)]
