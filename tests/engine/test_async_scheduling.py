@@ -72,6 +72,18 @@ def test_same_outputs_as_synchronous_steps(tiny_llm: Callable[..., LLM], options
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_same_outputs_with_the_triton_backend(tiny_llm: Callable[..., LLM]) -> None:
+    """The GPU's backend (interpreted here): its tiles come from the step's metadata, whose input
+    ids the runner takes from the device."""
+    params = [SamplingParams(max_tokens=6, temperature=t, seed=i, ignore_eos=True) for i, t in enumerate([0, 0.8, 0])]
+    sync = tiny_llm(async_scheduling="off", attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4)
+    want = [o.token_ids for o in sync.generate(PROMPTS[:3], params, use_tqdm=False)]
+    llm = tiny_llm(async_scheduling="on", attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4)
+    overlapped = count_overlapped_steps(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)] == want
+    assert overlapped[0] >= 4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_same_outputs_on_cuda_with_graphs(tiny_llm: Callable[..., LLM]) -> None:
     """Where async scheduling is on by default: the step before's tokens are taken on the device
