@@ -1,7 +1,6 @@
 """What every attention backend is told about a step: pool-agnostic, built once by the runner."""
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +37,13 @@ class StepMetadata:
         batch = len(query_lens)
         q_lens = np.array(query_lens, dtype=np.int64)
         ctx = np.array(context_lens, dtype=np.int64)
-        # Every table's ids in one pass, then cut to the blocks holding context: cheaper than a
-        # padded copy of each Python list (a contiguous reservation's unused tail is not read).
-        lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=batch)
-        cols = np.arange(int(lens.max()))
-        whole = np.zeros((batch, cols.size), dtype=np.int64)
-        whole[cols < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64,
-                                                  count=int(lens.sum()))
-        used = -(-ctx // block_size)
-        tables = np.ascontiguousarray(whole[:, :int(used.max())])  # kernels index rows by the width
-        tables[cols[:tables.shape[1]] >= used[:, None]] = 0
+        # Each table cut to the blocks holding context (a contiguous reservation's unused tail is
+        # not read) and padded: one array from Python rows. Building it in numpy (one pass over
+        # all ids, then masks) saved ~15 us at 64 sequences but cost ~30 at one: its eight calls
+        # run cold inside a step.
+        used = [-(-c // block_size) for c in context_lens]
+        width = max(used)
+        tables = np.array([t[:u] + [0] * (width - u) for t, u in zip(block_tables, used)], dtype=np.int64)
         query_start = np.zeros(batch + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start[1:])
         seq_of = np.repeat(np.arange(batch), q_lens)
