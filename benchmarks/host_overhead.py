@@ -28,6 +28,8 @@ def main() -> None:
                    help="on: the path a GPU takes by default (tokens read a step late)")
     p.add_argument("--output-kind", default="cumulative", choices=("cumulative", "final"),
                    help="final: LLM.generate's (no output object per sequence per step)")
+    p.add_argument("--stages", action="store_true",
+                   help="also time each stage of a step (the wrappers add ~20 us a step of their own)")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=args.layers, num_heads=4,
@@ -46,6 +48,8 @@ def main() -> None:
               "execute": (engine.runner, "execute"), "complete_step": (engine.scheduler, "complete_step"),
               "sample": (engine.runner, "sample"), "read tokens": (engine, "_read_pending"),
               "prefix registration": (engine, "_register_blocks")}
+    if not args.stages:
+        stages = {"execute": stages["execute"]}
     spent = dict.fromkeys(stages, 0.0)
     for name, (owner, attr) in stages.items():
         setattr(owner, attr, timed(getattr(owner, attr), name, spent))
@@ -56,7 +60,8 @@ def main() -> None:
     print(f"batch {args.batch}, {args.layers} layer(s), async {args.async_scheduling}, {args.output_kind}: "
           f"{wall / args.steps * 1e3:.3f} ms a step; host CPU outside the model call "
           f"{(cpu - spent['execute']) / args.steps * 1e3:.3f} ms")
-    print("  per stage, ms a step: " + ", ".join(f"{name} {t / args.steps * 1e3:.3f}" for name, t in spent.items()))
+    if args.stages:
+        print("  per stage, ms a step: " + ", ".join(f"{name} {t / args.steps * 1e3:.3f}" for name, t in spent.items()))
 
 
 def timed(fn: Callable[..., Any], name: str, spent: dict[str, float]) -> Callable[..., Any]:
