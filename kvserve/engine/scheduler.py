@@ -97,8 +97,11 @@ class Scheduler:
                     decoding.append(seq)
             elif new > 1:
                 prefilling.append(seq)
-        seqs, counts = [], []
-        for seq in decoding + prefilling:
+        # A decoding sequence runs its one new token (an evicting one too): no need to ask each.
+        seqs = decoding[:budget]
+        counts = [1] * len(seqs)
+        budget -= len(seqs)
+        for seq in prefilling:
             take = min(seq.num_runnable, budget)
             if take == 0:
                 break
