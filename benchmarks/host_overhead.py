@@ -73,5 +73,6 @@ def timed(fn: Callable[..., Any], name: str, spent: dict[str, float]) -> Callabl
             spent[name] += time.thread_time() - begin
     return run
 
+
 if __name__ == "__main__":
     main()

@@ -230,7 +230,7 @@ class BlockManager:
         # Most calls (a decode into a block the sequence owns alone) change nothing but the count.
         if table is not None and 0 < num_tokens and max(num_tokens, reserve_tokens) <= len(table) * bs:
             block = table[(num_tokens - 1) // bs]
-            if not isinstance(block, HostBlock) and self.blocks[block].ref_count == 1:
+            if on_device(block) and self.blocks[block].ref_count == 1:
                 self.num_tokens[seq_id] = num_tokens
                 return True
         new = table is None

@@ -422,7 +422,7 @@ class LLMEngine:
             return None
         elif seq.params.stop:  # a stop string's possible start is held back: text sent stays sent
             shown = max(len(seq.text) - seq.params.stop_hold, seq.text_sent)
-        else:
+        else:  # what the line above gives with no stop string, without its ~1 us a sequence
             shown = len(seq.text)
         text = seq.text
         delta, seq.text_sent = text[seq.text_sent:shown], shown

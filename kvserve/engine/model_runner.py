@@ -126,7 +126,8 @@ class ModelRunner:
             [t for s, start, end in zip(seqs, starts, ends) for t in s.tokens(start, end)]
         # Only a sequence that evicts holds fewer slots than tokens.
         evicted = [s.num_evicted for s in seqs] if any(s.kv_state is not None for s in seqs) else [0] * len(seqs)
-        slot_ends = [end - e for end, e in zip(ends, evicted)] if any(evicted) else ends
+        has_evicted = any(evicted)
+        slot_ends = [end - e for end, e in zip(ends, evicted)] if has_evicted else ends
         tables = [bm.tables[s.seq_id] for s in seqs]  # whole: the builder reads the blocks holding context
         step = StepMetadata.build(
             num_scheduled, slot_ends, tables, self.pool.block_size, self.device,
@@ -135,14 +136,13 @@ class ModelRunner:
             kv_plan=self.pool.plan_step(bm, ((s.seq_id, start - e, end - e)
                                              for s, start, end, e in zip(seqs, starts, ends, evicted)),
                                         list(ops.copies)),
-            evicted=evicted if slot_ends is not ends else None)
+            evicted=evicted if has_evicted else None)
         first_rows = {i: max(f - start, 0) for i, (f, start) in enumerate(zip(score_from or [], starts))
                       if f is not None}
         rows = step.query_start[1:] - 1
         # Row of position p of sequence i: query_start[i] + p - start_i.
         spans = [(i, *prompt_span(s, start, end)) for i, (s, start, end) in enumerate(zip(seqs, starts, ends))
-                 if s.params.prompt_logprobs is not None] \
-            if any(s.params.prompt_logprobs is not None for s in seqs) else []
+                 if s.params.prompt_logprobs is not None]
         extra = [torch.arange(lo, hi) + int(step.query_start[i]) - starts[i] for i, lo, hi in spans if hi > lo]
         if extra:
             rows = torch.cat([rows, *extra])

@@ -165,7 +165,8 @@ class RequestOutput:
     def of(cls, seq: Sequence, text: str, delta_text: str) -> "RequestOutput":
         """`text`: what the output shows of `seq.text` (a running one holds back a stop string's
         possible start)."""
-        return cls(seq.request_id, seq.index, seq.prompt, seq.prompt_token_ids, text, list(seq.output_token_ids), delta_text, seq.finished, seq.finish_reason,
+        return cls(seq.request_id, seq.index, seq.prompt, seq.prompt_token_ids, text,
+                   list(seq.output_token_ids), delta_text, seq.finished, seq.finish_reason,
                    seq.error, seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
                    seq.num_preemptions,
                    None if seq.params.logprobs is None else list(seq.output_logprobs),
