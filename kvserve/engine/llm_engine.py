@@ -31,6 +31,7 @@ from kvserve.engine.rank_setup import KVSizes, make_pool, rank_formats
 from kvserve.engine.tp_worker import tp_worker_main
 from kvserve.engine.remote_namespace import remote_namespace
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.penalties import apply_penalties
 from kvserve.engine.pending_tokens import PendingTokens
 from kvserve.engine.logprobs import prompt_span, token_logprobs
@@ -43,9 +44,6 @@ from kvserve.profiling import label
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# Tokens per step with chunked prefill: large enough that weights are read once for many tokens,
-# small enough that a step of prompt chunks does not stall the running streams for long.
 
 
 class LLMEngine:
@@ -126,6 +124,7 @@ class LLMEngine:
                                   cpu_stack=config.cpu_fused_step and self.device.type == "cpu" and self.tp is None)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer is not None
                              else cfg.eos_token_id)
+        self.output_processor = OutputProcessor(self.eos_token_id, self.max_model_len)
         self.tokens_computed = 0  # tokens run through the model, prefill and decode
         self.tokens_generated = 0  # tokens sampled, beams and forks included
         self.evicted_tokens: Counter[str] = Counter()  # by policy
@@ -408,7 +407,7 @@ class LLMEngine:
         """A sequence's output after `token` joined it: text, stop checks, and its end if it ends
         (None: a running sequence whose caller wants its final output only)."""
         try:
-            self._check_stop(seq, token, self._detokenize(seq))
+            self.output_processor.append_text(seq, token)
         except Exception as err:  # a fault in one request's bookkeeping ends that request only
             logger.exception("request %s failed", seq.request_id)
             seq.finish_reason, seq.error = "error", f"{type(err).__name__}: {err}"
@@ -417,16 +416,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
             if all(s.finished for s in self._requests[seq.request_id]):
                 del self._requests[seq.request_id]
-            shown = len(seq.text)
-        elif seq.params.output_kind == "final":
-            return None
-        elif seq.params.stop:  # a stop string's possible start is held back: text sent stays sent
-            shown = max(len(seq.text) - seq.params.stop_hold, seq.text_sent)
-        else:  # what the line above gives with no stop string, without its ~1 us a sequence
-            shown = len(seq.text)
-        text = seq.text
-        delta, seq.text_sent = text[seq.text_sent:shown], shown
-        return RequestOutput.of(seq, text[:shown], delta)
+        return self.output_processor.output(seq)
 
     @staticmethod
     def _score_from(seq: Sequence, num_scheduled: int) -> int | None:
@@ -574,34 +564,6 @@ class LLMEngine:
 
     def _detokenizer(self) -> Detokenizer | None:
         return None if self.tokenizer is None else Detokenizer(self.tokenizer)
-
-    @staticmethod
-    def _detokenize(seq: Sequence) -> int:
-        """Appends the text of the sequence's new tokens; returns its length."""
-        if seq.detokenizer is None:
-            return 0
-        delta = seq.detokenizer.step(seq.output_token_ids)
-        seq.text += delta
-        return len(delta)
-
-    def _check_stop(self, seq: Sequence, token: int, new_chars: int) -> None:
-        p = seq.params
-        if not p.ignore_eos and token == self.eos_token_id:
-            seq.finish_reason = "stop"
-        elif token in p.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif p.stop and (hit := self._find_stop(seq.text, p, new_chars)) >= 0:
-            seq.text = seq.text[:hit]
-            seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-
-    @staticmethod
-    def _find_stop(text: str, params: SamplingParams, new_chars: int) -> int:
-        """Where the first stop string starts in `text` (-1: nowhere), searched only where its
-        last `new_chars` characters can complete one: the whole text per token grows with the output."""
-        start = max(len(text) - new_chars - params.stop_hold, 0)
-        return min((i for s in params.stop if (i := text.find(s, start)) >= 0), default=-1)
 
     # -- reporting --------------------------------------------------------------------------
     def kv_usage(self) -> BlockUsage:

@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.sequence import RequestOutput
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.sequence import RequestOutput, Sequence
 from kvserve.server.async_engine import AsyncEngine, Done, Draining, QueueFull
 from kvserve.server.metrics import Metrics
 
@@ -87,14 +88,14 @@ def test_queue_bound_refuses_and_abort_frees_blocks(aengine: Callable[..., Async
 
 def test_error_in_one_request_fails_only_that_request(aengine: Callable[..., AsyncEngine]) -> None:
     a = aengine()
-    check_stop = a.engine._check_stop
 
-    def faulty(seq, token, new_chars):  # type: ignore[no-untyped-def]
-        if seq.request_id == "faulty" and len(seq.output_token_ids) == 3:
-            raise RuntimeError("boom")
-        check_stop(seq, token, new_chars)
+    class Faulty(OutputProcessor):
+        def append_text(self, seq: Sequence, token: int) -> None:
+            if seq.request_id == "faulty" and len(seq.output_token_ids) == 3:
+                raise RuntimeError("boom")
+            super().append_text(seq, token)
 
-    a.engine._check_stop = faulty  # type: ignore[method-assign]
+    a.engine.output_processor = Faulty(a.engine.eos_token_id, a.engine.max_model_len)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
 
     async def run() -> dict[str, RequestOutput]:
