@@ -115,10 +115,6 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
-        have = len(self.tables.get(seq_id, ()))
-        return self.blocks_for(num_tokens) - have <= len(self._free)
-
     # -- taking and returning blocks ------------------------------------------------------------
     def _uncache(self, block: Block) -> None:
         del self.cache[block.hash]
@@ -221,10 +217,11 @@ class BlockManager:
                 self.cache[h] = block_id
         return len(payloads) * bs
 
-    def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int = 0) -> bool:
+    def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int = 0, salt: str | None = None) -> bool:
         """Grow `seq_id`'s table to hold `max(num_tokens, reserve_tokens)` slots, record that it
         holds `num_tokens` tokens, and make the block the newest token lands in its own (copy on
-        write). Allocates nothing and returns False if blocks are short."""
+        write). Allocates nothing and returns False if blocks are short. `salt`: for a new table
+        (a sequence swapped back in), the cache salt its blocks are registered under."""
         table = self.tables.get(seq_id)
         bs = self.block_size
         # Most calls (a decode into a block the sequence owns alone) change nothing but the count.
@@ -243,6 +240,8 @@ class BlockManager:
             return False
         if new:
             self.tables[seq_id], self._hashes[seq_id] = table, []
+            if salt is not None:
+                self._roots[seq_id] = salt_root(salt)
         if need > 0:
             table.extend(self._take_free() for _ in range(need))
         if shared_last:

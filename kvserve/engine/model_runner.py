@@ -109,7 +109,13 @@ class ModelRunner:
         sequence i's queries count toward the attention scores its eviction policy reads (None:
         not scored). `pending`: the previous step's tokens, not yet read by the host, that some of
         these sequences end in. With tensor-parallel peers, they run the same step first."""
-        step = self.prepare(seqs, num_scheduled, ops, score_from, pending)
+        try:
+            step = self.prepare(seqs, num_scheduled, ops, score_from, pending)
+        except BaseException:
+            # The scheduler counts on its moves once made (a swapped-out sequence resumes from
+            # its copy; a swap-in frees its slots): they happen even if the step cannot run.
+            self.move_blocks(ops)
+            raise
         if self.peers is not None:
             self.peers.broadcast(step)
         return self.execute(step)

@@ -133,8 +133,7 @@ class Scheduler:
         """Admits waiting sequences while slots, blocks and `budget` allow; with `chunked`, the
         last one admitted may bring only part of its prompt this step (budget > 0 suffices)."""
         admitted: list[Sequence] = []
-        # A request with n samples forks into n running sequences after its prefill.
-        slots = self.max_num_seqs - sum(1 + s.num_forks for s in self.running)
+        slots = self.max_num_seqs - self._seats_taken()
         while self.waiting:
             # The beams of one request run together (a beam step needs all of them), so a group
             # that was preempted comes back all at once or not at all.
@@ -202,17 +201,31 @@ class Scheduler:
 
     def _swap_in(self) -> None:
         """Bring swapped sequences back while blocks allow, leaving every running sequence room to
-        take one more block this step, so none of them is preempted right after."""
+        take one more block this step, so none of them is preempted right after. With nothing
+        running, the head comes back if it fits at all; one that cannot (its next token needs
+        more blocks than are free) drops its copy and waits to be recomputed: left swapped, it
+        would wait forever, and with it every waiting sequence."""
         bm = self.block_manager
-        while self.swapped and len(self.running) < self.max_num_seqs:
+        seats = self._seats_taken()
+        while self.swapped and seats + 1 + self.swapped[0].num_forks <= self.max_num_seqs:
             seq = self.swapped[0]
-            if bm.blocks_for(seq.num_slots_to_run) + len(self.running) + 1 > len(bm.free_blocks):
+            headroom = len(self.running) + 1 if self.running else 0
+            if bm.blocks_for(seq.num_slots_to_run) + headroom > len(bm.free_blocks):
+                if not self.running:
+                    self.swap.discard(seq.seq_id)
+                    self._requeue(self.swapped.popleft())
+                    continue
                 break
-            allocated = bm.allocate(seq.seq_id, seq.num_slots_to_run)  # cannot fail: checked above
+            allocated = bm.allocate(seq.seq_id, seq.num_slots_to_run, salt=seq.cache_salt)  # checked above
             assert allocated
             self.swap.swap_in(seq.seq_id, bm.tables[seq.seq_id])
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.swapped.popleft())
+            seats += 1 + seq.num_forks
+
+    def _seats_taken(self) -> int:
+        """Running sequences, counting the samples a request with n of them forks after its prefill."""
+        return sum(1 + s.num_forks for s in self.running)
 
     def add_running(self, seq: Sequence) -> None:
         """A sample forked from a running sequence; its blocks are already shared."""
@@ -232,10 +245,14 @@ class Scheduler:
             self.preemptions["swap"] += 1
             self.swapped.append(seq)
             return
+        self.preemptions["recompute"] += 1
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back to the head of the queue, to be recomputed in full (then evicted again by its policy)."""
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.kv_state = None  # recomputed in full, then evicted again by its policy
-        self.preemptions["recompute"] += 1
+        seq.kv_state = None
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:

@@ -154,13 +154,12 @@ def test_reserve_tokens_allocates_reservation_up_front() -> None:
     check_invariants(bm)
 
 
-def test_can_allocate_agrees_with_allocate() -> None:
+def test_allocate_takes_what_is_free_and_no_more() -> None:
     bm = BlockManager(num_blocks=3, block_size=4)
     assert bm.allocate("a", 4)
-    assert bm.can_allocate("a", 12) and not bm.can_allocate("a", 13)
-    assert bm.can_allocate("b", 8) and not bm.can_allocate("b", 9)
-    assert not bm.allocate("b", 9)
+    assert not bm.allocate("b", 9) and "b" not in bm.tables  # a failed allocation changes nothing
     assert bm.allocate("b", 8)
+    assert not bm.allocate("a", 5) and len(bm.tables["a"]) == 1
 
 
 def test_peak_used() -> None:
