@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,7 @@ class EngineConfig:
     seed: int = _opt(0, "seeds random-weight models and requests without a seed", flag="engine-seed")
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
@@ -208,13 +210,19 @@ class EngineConfig:
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise ValueError(f"EngineConfig.async_scheduling must be one of {ASYNC_SCHEDULING}, "
                              f"got {self.async_scheduling!r}")
-        for name in ("cpu_kernels", "enable_chunked_prefill", "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         self._check_kv_format()
         if self.kv_rotation not in ROTATIONS:
             raise ValueError(f"EngineConfig.kv_rotation must be one of {', '.join(ROTATIONS)}, got {self.kv_rotation!r}")
         self._check_eviction()
+
+    def _check_types(self) -> None:
+        """Each field holds a value of its annotated type, checked first so that the checks below
+        may rely on it: a flag given as "no" or a count given as True would pass them."""
+        for name, allowed in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if not any(_is_a(value, t) for t in allowed):
+                names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+                raise ValueError(f"EngineConfig.{name} must be {names}, got {value!r}")
 
     def eviction_policy(self, name: str | None = None, budget: int | None = None,
                         owner: str = "EngineConfig") -> EvictionPolicy | None:
@@ -278,9 +286,6 @@ class EngineConfig:
                                  self.kv_sparse_capacity, self.kv_fp8_scales, self.kv_key_wide_channels)
         except ValueError as err:
             raise ValueError(f"EngineConfig.{err}") from None
-        for flag in ("kv_exact_sink", "kv_rotate_keys", "kv_symmetric_values"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"EngineConfig.{flag} must be true or false, got {getattr(self, flag)!r}")
         if not (is_int(self.kv_calibration_tokens) and self.kv_calibration_tokens >= 1):
             raise ValueError(f"EngineConfig.kv_calibration_tokens must be an integer >= 1, got "
                              f"{self.kv_calibration_tokens!r}")
@@ -415,3 +420,17 @@ class EngineConfig:
         if isinstance(self.kv_cache_memory, str):
             return parse_bytes(self.kv_cache_memory)
         return int(self.kv_cache_memory * available_memory(self.torch_device))
+
+
+# EngineConfig's fields and the types each accepts (the members of a union).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    name: typing.get_args(hint) or (hint,) for name, hint in typing.get_type_hints(EngineConfig).items()}
+
+
+def _is_a(value: object, kind: type) -> bool:
+    """`isinstance`, except that a bool is no number and an int is a float."""
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return is_int(value)
+    return isinstance(value, kind)

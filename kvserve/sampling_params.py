@@ -79,6 +79,9 @@ class SamplingParams:
             raise ValueError("SamplingParams.logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
         if self.beam_width > 1 and self.penalized:
             raise ValueError("SamplingParams.beam_width: penalties and logit_bias are not supported with beam search")
+        if self.beam_width > 1 and (self.stop or self.stop_token_ids):
+            # Hypotheses end on EOS or length only (HF num_beams): a stop would be ignored.
+            raise ValueError("SamplingParams.beam_width: stop and stop_token_ids are not supported with beam search")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not is_int(self.seed):

@@ -53,6 +53,14 @@ from kvserve.sampling_params import SamplingParams
     ("kv_key_wide_channels", 12),
     ("kv_key_wide_channels", False),  # a flag is no count
     ("kv_outliers", True),
+    # Every field is checked against its annotated type: a word is no flag, a flag no number.
+    ("cuda_graphs", "no"),
+    ("cpu_fused_step", "off"),
+    ("kv_cache_memory", True),
+    ("kv_cache_memory", [1]),
+    ("seed", "x"),
+    ("kv_remote_timeout", True),
+    ("host_swap_memory", 5),
 ])
 def test_engine_config_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
@@ -106,6 +114,13 @@ def test_parse_bytes_rejects_with_field_name(text: str) -> None:
 def test_sampling_params_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [("stop", ["\n"]), ("stop_token_ids", [2])])
+def test_beam_search_rejects_stops(field: str, value: object) -> None:
+    """Beam hypotheses end on EOS or length only: a stop would be silently ignored."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(beam_width=2, **{field: value})
 
 
 def test_sampling_params_rejects_empty_stop() -> None:

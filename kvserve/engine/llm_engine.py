@@ -214,6 +214,9 @@ class LLMEngine:
                              ("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if listed and any(not 0 <= t < vocab for t in listed):
                 raise ValueError(f"{name}: token ids must be in [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (k := getattr(params, name)) is not None and k > vocab:
+                raise ValueError(f"{name}: {k} exceeds the vocabulary ({vocab} tokens); -1 returns all")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} prompt tokens leave no room to generate within the "
                              f"context length max_model_len={self.max_model_len}")

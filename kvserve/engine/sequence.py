@@ -36,7 +36,10 @@ class TokenLogprobs:
     full: torch.Tensor | None   # [vocab] fp32 log-probabilities, when logprobs == -1
 
 
-@dataclass
+# Compared by identity: the scheduler finds a sequence in its queues with `in` and `remove`, where
+# comparing every field would cost a scan of its token lists, and two sequences with equal fields
+# (a request re-sent under its id) are still two.
+@dataclass(eq=False)
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]

@@ -10,6 +10,8 @@ import torch
 
 from kvserve import LLM, SamplingParams
 
+from tests.conftest import TINY
+
 PROMPTS = [[5, 9, 2, 7, 7, 1], [3, 3, 8, 100, 4, 4, 4, 4, 61, 2]]
 FORCED = [[17, 3, 99, 4, 4, 120, 6, 1], [2, 2, 2, 50, 0, 9, 8, 77]]
 
@@ -142,3 +144,19 @@ def test_prompt_logprobs_equal_hf_log_softmax(smol: LLM, hf_smol: Any) -> None:
     assert got == pytest.approx(want, abs=1e-3)
     for t, row in zip(out.prompt_logprobs[1:], ref[:-1]):
         assert list(t.top) == row.topk(5).indices.tolist()
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_more_logprobs_than_the_vocabulary_is_refused_alone(tiny_llm: Callable[..., LLM], field: str) -> None:
+    """Refused when added, naming the field; before, its top-k failed inside the step and took
+    the batch down with it."""
+    llm = tiny_llm()
+    engine = llm.engine
+    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=field):
+        engine.add_request([4, 5], SamplingParams(max_tokens=4, **{field: TINY.vocab_size + 1}))
+    engine.add_request([4, 5], SamplingParams(max_tokens=4, **{field: TINY.vocab_size}))
+    finished = []
+    while engine.has_unfinished():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert good in finished and len(finished) == 2
