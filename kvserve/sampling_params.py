@@ -9,13 +9,14 @@ from kvserve.eviction.policy import POLICY_NAMES
 from kvserve.validate import is_int
 
 OUTPUT_KINDS = ("cumulative", "final")
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
     n: int = 1                  # samples per prompt; they share the prompt's KV blocks
-    temperature: float = 1.0    # 0 means greedy
+    temperature: float = 1.0    # 0 (anything below 1e-5) means greedy
     top_k: int = 0              # 0 disables
     top_p: float = 1.0
     # Sample i of n uses seed + i. The random draw depends on (seed, position) alone, so in fp32
@@ -120,7 +121,14 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # vLLM's threshold: below it, logits / temperature overflows fp32 (or the temperature
+        # itself rounds to 0 there) and the distribution is a one-hot of the argmax anyway.
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def scale_temperature(self) -> float:
+        """What the logits are divided by for sampling and log-probabilities (greedy counts as 1)."""
+        return 1.0 if self.greedy else self.temperature
 
     @property
     def stop_hold(self) -> int:

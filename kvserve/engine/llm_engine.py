@@ -42,6 +42,7 @@ from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
 from kvserve.profiling import label
 from kvserve.sampling_params import SamplingParams
+from kvserve.validate import check_utf8
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            check_utf8("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, Iterable):
             raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -203,6 +205,8 @@ class LLMEngine:
         `cache_salt`: prefix-cache hits only among requests carrying the same salt (a tenant's)."""
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt: must be a non-empty string")
+        if cache_salt is not None:
+            check_utf8("cache_salt", cache_salt)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: must be SamplingParams, got {type(params).__name__}")
@@ -371,7 +375,7 @@ class LLMEngine:
             tokens = [s.params.forced_token_ids[len(s.output_token_ids)] if s.params.forced_token_ids is not None
                       else t for s, t in zip(seqs, self.runner.sample(seqs, rows_logits).tolist())]
             logprobs = token_logprobs(rows_logits, [s.params.logprobs for s in seqs],
-                                      [s.params.temperature for s in seqs], tokens)
+                                      [s.params.scale_temperature for s in seqs], tokens)
         return seqs, tokens, logprobs
 
     @staticmethod
@@ -474,7 +478,7 @@ class LLMEngine:
             owners += [seq] * (hi - lo)
             targets += seq.prompt_token_ids[lo + 1:hi + 1]
         scored = token_logprobs(logits, [s.params.prompt_logprobs for s in owners],
-                                [s.params.temperature for s in owners], targets)
+                                [s.params.scale_temperature for s in owners], targets)
         for seq, logprob in zip(owners, scored):
             seq.prompt_logprobs.append(logprob)
 

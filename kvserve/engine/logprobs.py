@@ -11,13 +11,13 @@ def token_logprobs(logits: torch.Tensor, ks: list[int | None], temperatures: lis
                    tokens: list[int]) -> list[TokenLogprobs | None]:
     """logits [R, vocab], the row each token of `tokens` was drawn from (or predicted by); row i
     asks for the top ks[i] (-1: everything; None: nothing, giving None) at temperatures[i]
-    (0 counts as 1). One log-softmax over the asking rows together, one top-k at the largest k."""
+    (SamplingParams.scale_temperature: greedy counts as 1). One log-softmax over the asking rows together, one top-k at the largest k."""
     rows = [i for i, k in enumerate(ks) if k is not None]
     out: list[TokenLogprobs | None] = [None] * len(ks)
     if not rows:
         return out
     device = logits.device
-    temperature = torch.tensor([temperatures[i] or 1.0 for i in rows], device=device)
+    temperature = torch.tensor([temperatures[i] for i in rows], device=device)
     logp = torch.log_softmax(logits[rows].float() / temperature[:, None], dim=-1)
     chosen = logp.gather(1, torch.tensor([tokens[i] for i in rows], device=device)[:, None]).squeeze(1).tolist()
     top_k = max(ks[i] for i in rows)  # type: ignore[type-var]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import GREEDY_BELOW, SamplingParams
+
+LOGIT_BOUND = torch.finfo(torch.float32).max * GREEDY_BELOW / 4
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
@@ -33,10 +35,14 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts:
 
     out_counts = counts([outputs[i] for i in rows])
     sub = sub - column("frequency_penalty") * out_counts - column("presence_penalty") * (out_counts > 0)
-    repetition = column("repetition_penalty")
+    # Extreme penalties must not round to 0 or inf in fp32 (0 * inf is NaN).
+    repetition = column("repetition_penalty").clamp(1e-30, 1e30)
     if (repetition != 1).any():
         seen = (out_counts + counts([prompts[i] for i in rows])) > 0
         sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+        # A tiny penalty sends logits to inf and softmax to NaN; this bound keeps them finite
+        # even after the smallest sampling temperature divides them.
+        sub = sub.clamp(-LOGIT_BOUND, LOGIT_BOUND)
     for j, i in enumerate(rows):  # a handful of entries per request, set in one indexed add
         if params[i].logit_bias:
             ids = torch.tensor(list(params[i].logit_bias), device=device)

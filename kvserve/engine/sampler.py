@@ -24,7 +24,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         return greedy
     device = logits.device
     # Host lists go through to_device: a plain copy would wait for the step's forward to end.
-    temperature = to_device(torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]), device)
+    temperature = to_device(torch.tensor([p.scale_temperature for p in params]), device)
     logits = logits / temperature[:, None]
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         logits = _top_k_top_p(logits, params)
@@ -55,5 +55,6 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     # Rows with top_p == 1 skip this: a dominant token's mass can round to exactly 1.0.
     drop |= ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & (top_p < 1)[:, None]
+    drop[:, 0] = False  # a top_p below fp32's smallest number rounds to 0 and would drop it too
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -25,6 +25,7 @@ from kvserve.server.front import EngineFront
 from kvserve.server.settings import ServerSettings
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, error_body,
                                      param_of)
+from kvserve.validate import check_utf8
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
@@ -61,7 +62,30 @@ class _Guard:
         if scope["type"] == "http" and (refusal := self.refusal(scope)) is not None:
             await refusal(scope, receive, send)
             return
+        if scope["type"] == "http" and "content-length" not in Headers(scope=scope):
+            # A chunked body declares no length: count it as it arrives, so it cannot pass the
+            # limit. The limit bounds what is held here; the route then reads it back.
+            body = await self.read_chunked(receive)
+            if body is None:
+                limit = self.settings.max_request_bytes
+                await _error(413, f"request body exceeds the server's limit of {limit} bytes "
+                                  f"(--max-request-bytes)")(scope, receive, send)
+                return
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+    async def read_chunked(self, receive: Receive) -> bytes | None:
+        """The whole body, or None once it passes the limit."""
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the route sees an empty body
+                break
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.settings.max_request_bytes:
+                return None
+        return bytes(body)
 
     def refusal(self, scope: Scope) -> JSONResponse | None:
         settings, headers = self.settings, Headers(scope=scope)
@@ -78,6 +102,19 @@ class _Guard:
             return _error(413, f"request body of {int(length)} bytes exceeds the server's limit of "
                                f"{settings.max_request_bytes} (--max-request-bytes)")
         return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives `body` once, then the client's own messages (its disconnect)."""
+    given = False
+
+    async def replayed() -> dict[str, Any]:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    return replayed
 
 
 def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> FastAPI:
@@ -140,6 +177,12 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
             return _error(400, "prompt: must hold at least one prompt", "prompt")
         if tokenizer is None and any(isinstance(p, str) for p in prompts):
             return _error(400, "this model has no tokenizer; send token ids as the prompt", "prompt")
+        try:
+            for p in prompts:
+                if isinstance(p, str):
+                    check_utf8("prompt", p)
+        except ValueError as err:
+            return _error(400, str(err), "prompt")
         # Off the event loop: a huge prompt must not stall /health and every other client.
         prompts = await asyncio.to_thread(lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
         return await _generate(req, prompts, req.max_tokens, False, request)
@@ -151,6 +194,11 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
         if tokenizer is None or not tokenizer.chat_template:
             return _error(400, "this model has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            for m in messages:
+                check_utf8("messages", m["content"])
+        except ValueError as err:
+            return _error(400, str(err), "messages")
         ids = await asyncio.to_thread(lambda: tokenizer.encode(
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)))
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),

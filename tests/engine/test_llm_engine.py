@@ -267,5 +267,7 @@ def test_cache_salt_keeps_tenants_prefix_hits_apart(tiny_llm: Callable[..., LLM]
     before = engine.block_manager.prefix_stats.cached_tokens
     llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False, cache_salt="tenant-b")  # the offline API
     assert engine.block_manager.prefix_stats.cached_tokens - before == 64
-    with pytest.raises(ValueError, match="cache_salt"):
-        engine.add_request(prompt, SamplingParams(max_tokens=2), cache_salt="")
+    for bad in ("", "tenant-\ud800"):  # a lone surrogate used to fail every later step
+        with pytest.raises(ValueError, match="cache_salt"):
+            engine.add_request(prompt, SamplingParams(max_tokens=2), cache_salt=bad)
+    assert not engine.has_unfinished() and cached_by("tenant-a") == 64

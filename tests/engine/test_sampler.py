@@ -247,3 +247,37 @@ def test_logit_bias_steers_generation_and_logprobs_follow(tiny_llm: Callable[...
 def test_bad_penalties_name_the_field(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="SamplingParams.(presence_penalty|frequency_penalty|repetition_penalty|logit_bias)"):
         SamplingParams(**bad)
+
+
+def test_vanishing_temperature_and_top_p_give_the_argmax() -> None:
+    # 1e-300 is a finite float but 0 in fp32: dividing by it, or keeping a top_p mass of it,
+    # must still give the limit of the distribution (its argmax), never NaN and a random id.
+    logits = flat_logits(8, 50, seed=4)
+    for params in (SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-6),
+                   SamplingParams(top_p=1e-300), SamplingParams(top_p=1e-300, top_k=3)):
+        out = sample(logits, [params] * 8, seeds=list(range(8)), positions=[5] * 8)
+        assert out.tolist() == logits.argmax(dim=-1).tolist(), params
+
+
+def test_extreme_repetition_penalties_keep_logits_finite() -> None:
+    from kvserve.engine.penalties import apply_penalties
+    logits = torch.tensor([[2.0, -1.0, 0.0, 3.0]] * 2)
+    params = [SamplingParams(repetition_penalty=1e-300), SamplingParams(repetition_penalty=1e300)]
+    out = apply_penalties(logits, params, prompts=[[0, 1, 2]] * 2, outputs=[[], []])
+    assert torch.isfinite(out).all()
+    # HF's rule, seen tokens only: positive logits divided by the penalty, negative ones multiplied.
+    assert out[0, 0] > 1e20 and -1e-20 < out[0, 1] < 0 and out[0, 3] == 3.0
+    assert 0 < out[1, 0] < 1e-20 and out[1, 1] < -1e20 and out[1, 3] == 3.0
+    probs = torch.softmax(out / 1e-5, dim=-1)
+    assert torch.isfinite(probs).all()
+
+
+def test_vanishing_temperature_logprobs_are_finite(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm()
+    greedy = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True),
+                          use_tqdm=False)[0]
+    tiny = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=1e-300, logprobs=2,
+                                                    ignore_eos=True), use_tqdm=False)[0]
+    assert tiny.token_ids == greedy.token_ids
+    assert [t.logprob for t in tiny.logprobs] == pytest.approx([t.logprob for t in greedy.logprobs])
+    assert all(math.isfinite(t.logprob) for t in tiny.logprobs)

@@ -34,3 +34,9 @@ def test_eos_ends_a_chat_reply(smol: LLM) -> None:
     out = smol.generate([prompt], SamplingParams(max_tokens=64, temperature=0), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == smol.tokenizer.eos_token_id
     assert out.text and "<|im_end|>" not in out.text
+
+
+def test_a_prompt_with_a_lone_surrogate_is_refused_naming_the_prompt(smol: LLM) -> None:
+    with pytest.raises(ValueError, match=r"^prompt: not valid Unicode \(lone surrogate at character 6\)"):
+        smol.generate(["Hello \ud800"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert smol.engine.kv_usage().used == 0 and not smol.engine.has_unfinished()

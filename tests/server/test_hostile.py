@@ -5,7 +5,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -95,6 +95,37 @@ def test_huge_prompts_get_413_and_health_stays_responsive(server: ServerProcess)
     t.join()
     assert r.status_code == 413 and "max-request-bytes" in r.json()["error"]["message"]
     assert max(stalls) < 2.0
+
+
+def test_a_chunked_body_is_held_to_the_size_limit(server: ServerProcess) -> None:
+    def chunked(text: str) -> Iterator[bytes]:  # no Content-Length: httpx sends it chunked
+        data = text.encode()
+        for start in range(0, len(data), 2**16):
+            yield data[start:start + 2**16]
+
+    def send(text: str) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/completions", content=chunked(text),
+                          headers={"content-type": "application/json"}, timeout=60)
+
+    big = send(json.dumps({"prompt": "word " * 1_000_000, "max_tokens": 1}))  # 5 MB, limit 4 MiB
+    assert big.status_code == 413 and "max-request-bytes" in big.json()["error"]["message"]
+    small = send(json.dumps({"prompt": "Hello" + " " * 100_000, "max_tokens": 1}))
+    assert small.status_code == 200 and len(small.json()["choices"]) == 1
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"], "max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 1}, "messages"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "cache_salt": "\ud800"}, "cache_salt"),
+])
+def test_lone_surrogates_are_400_naming_the_field(server: ServerProcess, path: str, body: dict,  # type: ignore[type-arg]
+                                                  param: str) -> None:
+    r = post(server, path, body)  # json.dumps writes the surrogate as JSON allows it
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    fine = [{"role": "user", "content": "fine"}] if param == "messages" else "fine"
+    assert post(server, path, {**body, param: fine}).status_code == 200
+    assert wait_idle(server)["running"] == 0
 
 
 def test_dns_rebinding_hosts_are_refused(server: ServerProcess) -> None:
