@@ -182,6 +182,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda"):
+            self._check_cuda()
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"EngineConfig.cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
         for name in ("block_size", "max_num_seqs"):
@@ -224,12 +226,23 @@ class EngineConfig:
                 names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
                 raise ValueError(f"EngineConfig.{name} must be {names}, got {value!r}")
 
+    def _check_cuda(self) -> None:
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ValueError(f"EngineConfig.device is {self.device!r} but {why}; use 'cpu' or 'auto'")
+        index = torch.device(self.device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise ValueError(f"EngineConfig.device is {self.device!r} but only {torch.cuda.device_count()} "
+                             f"GPU(s) are visible")
+
     def eviction_policy(self, name: str | None = None, budget: int | None = None,
                         owner: str = "EngineConfig") -> EvictionPolicy | None:
         """The engine's policy with a request's overrides (errors name `owner`'s field); None
         for no eviction."""
         name = self.kv_eviction if name is None else name
         if name == "none":
+            if budget is not None:  # a request's budget alone would be ignored without a word
+                raise ValueError(f"{owner}.kv_budget has no effect without kv_eviction (this one: 'none')")
             return None
         budget = self.kv_budget if budget is None else budget
         if budget is None:

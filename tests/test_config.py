@@ -6,6 +6,7 @@ passes a bad value learns which one from the message alone.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve.config import EngineConfig, parse_bytes
 from kvserve.sampling_params import SamplingParams
@@ -69,7 +70,7 @@ def test_engine_config_rejects(field: str, value: object) -> None:
 
 def test_engine_config_accepts_good_values() -> None:
     # The counterpart of the rejections: boundary values that must pass.
-    for kwargs in [{}, {"dtype": "fp32", "device": "cpu"}, {"device": "cuda:1"},
+    for kwargs in [{}, {"dtype": "fp32", "device": "cpu"},
                    {"cache_mode": "contiguous"}, {"cache_mode": "no-cache"},
                    {"block_size": 1, "max_num_seqs": 1, "max_model_len": 1, "max_num_batched_tokens": 1},
                    {"kv_cache_memory": 1.0}, {"kv_cache_memory": 0.01}, {"kv_cache_memory": "512MiB"}]:
@@ -134,3 +135,21 @@ def test_sampling_params_boundaries_and_normalisation() -> None:
     assert p.stop == ["END"]  # a single stop string becomes a list
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-5).greedy  # vLLM's 1e-5
     SamplingParams(top_p=1e-9, top_k=1)
+
+
+def test_a_cuda_device_that_is_not_there_is_refused_naming_the_field() -> None:
+    # It used to pass, and the model load died with "Torch not compiled with CUDA enabled".
+    beyond = f"cuda:{torch.cuda.device_count()}"
+    devices = [beyond] if torch.cuda.is_available() else ["cuda", "cuda:0", beyond]
+    for device in devices:
+        with pytest.raises(ValueError, match=f"^EngineConfig.device is '{device}' but"):
+            EngineConfig(device=device)
+
+
+def test_a_request_budget_without_eviction_is_refused() -> None:
+    config = EngineConfig()
+    assert config.eviction_policy(None, None, owner="SamplingParams") is None
+    for name in (None, "none"):  # the engine's "none", or the request's own
+        with pytest.raises(ValueError, match="^SamplingParams.kv_budget has no effect without kv_eviction"):
+            config.eviction_policy(name, 8, owner="SamplingParams")
+    assert config.eviction_policy("window", 8, owner="SamplingParams").budget == 8
