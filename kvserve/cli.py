@@ -5,13 +5,14 @@ import argparse
 import sys
 from typing import Any
 
+from kvserve.arg_types import at_least
 from kvserve.engine_args import add_engine_args, llm_from_args
 from kvserve.sampling_params import SamplingParams
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    g.add_argument("--max-tokens", type=at_least(1), default=256, help="tokens to generate (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")

@@ -1,10 +1,14 @@
 """The command line as a user runs it."""
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
+
+from kvserve.cli import build_parser
 
 
 def kvserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -19,6 +23,36 @@ def test_help_explains_commands() -> None:
         assert command in out.stdout
     gen = kvserve("generate", "--help")
     assert "--kv-cache-memory" in gen.stdout and "--temperature" in gen.stdout
+
+
+def options(parser: argparse.ArgumentParser, command: str = "kvserve") -> Iterator[tuple[str, argparse.Action]]:
+    """(command, action) for every option and positional of `parser` and of its subcommands, recursively."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from options(sub, f"{command} {name}")
+        else:
+            yield command, action
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    missing = [f"{command} {'/'.join(action.option_strings) or action.dest}"
+               for command, action in options(build_parser()) if not action.help]
+    assert not missing, f"options without help: {missing}"
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["generate", "--max-tokens", "0", "hi"], "--max-tokens"), (["bench", "throughput", "--num-requests", "0"], "--num-requests"),
+    (["bench", "replicas", "--replicas", "0"], "--replicas"), (["bench", "scaling", "--num-tokens", "-1"], "--num-tokens"),
+    (["doctor", "--tokens", "0"], "--tokens"), (["tune-kv", "--window-len", "1"], "--window-len"),
+    (["memory", "--preset", "tiny", "--batch", "x"], "--batch"),
+])
+def test_counts_below_their_minimum_are_usage_errors_naming_the_option(argv: list[str], option: str,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # They used to reach the engine (or a division) and fail there, after loading the model.
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2 and f"argument {option}: must be a whole number" in capsys.readouterr().err
 
 
 def test_invalid_sampling_parameter_is_a_clear_error() -> None:

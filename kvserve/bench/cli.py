@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvserve.arg_types import at_least
 from kvserve.bench.metrics import format_table, ratio, same_budget_table
 from kvserve.config import DTYPES
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
@@ -18,10 +19,14 @@ from kvserve.texts import DATA_HELP
 def _workload_args(p: argparse.ArgumentParser, num_requests: int, prompt_median: int, output_median: int,
                    requests_help: str = "requests in the workload") -> None:
     """The options of a benchmark whose requests are slices of a text (see `_workload`)."""
-    p.add_argument("--num-requests", type=int, default=num_requests, help=f"{requests_help} (default {num_requests})")
+    p.add_argument("--num-requests", type=at_least(1), default=num_requests, help=f"{requests_help} (default {num_requests})")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--prompt-len-median", type=int, default=prompt_median)
-    p.add_argument("--output-len-median", type=int, default=output_median)
+    p.add_argument("--prompt-len-median", type=at_least(1), default=prompt_median,
+                   help=f"median prompt length in tokens; prompts are slices of --data, their lengths "
+                        f"lognormal about this median (default {prompt_median})")
+    p.add_argument("--output-len-median", type=at_least(1), default=output_median,
+                   help=f"median tokens generated per request (greedy, EOS ignored), lognormal about this "
+                        f"median (default {output_median})")
     p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--out", default="bench_out", help="folder for the JSON and markdown results")
 
@@ -32,9 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     tp = kinds.add_parser("throughput", help="offline throughput on a text-sliced workload vs HF and llama.cpp")
     _workload_args(tp, num_requests=64, prompt_median=128, output_median=64)
-    tp.add_argument("--sigma", type=float, default=0.8, help="lognormal spread of lengths")
-    tp.add_argument("--max-prompt-len", type=int, default=1024)
-    tp.add_argument("--max-output-len", type=int, default=512)
+    tp.add_argument("--sigma", type=float, default=0.8, help="lognormal spread of lengths (default 0.8)")
+    tp.add_argument("--max-prompt-len", type=at_least(1), default=1024,
+                    help="longest prompt in tokens: longer draws are cut to it (default 1024)")
+    tp.add_argument("--max-output-len", type=at_least(1), default=512,
+                    help="most tokens a request generates: longer draws are cut to it (default 512)")
     tp.add_argument("--skip-hf", action="store_true", help="leave out HF transformers (static and continuous)")
     _hf_dtype_arg(tp)
     tp.add_argument("--skip-llama-cpp", action="store_true",
@@ -45,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     mem = kinds.add_parser("memory", help="prefix caching, n-sample sharing, swap vs recompute")
     mem.add_argument("--data", default=None, help=DATA_HELP)
-    mem.add_argument("--out", default="bench_out")
+    mem.add_argument("--out", default="bench_out", help="folder for memory.md (default bench_out)")
     add_engine_args(mem)
     mem.set_defaults(func=run, max_model_len=2048, max_num_seqs=8)
 
@@ -56,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     sk = kinds.add_parser("soak", help="server memory (RSS) over a long mixed run with clients hanging up")
     sk.add_argument("--duration", type=float, default=720, help="seconds of load (default 720)")
-    sk.add_argument("--concurrency", type=int, default=16, help="clients at once (default 16)")
+    sk.add_argument("--concurrency", type=at_least(1), default=16, help="clients at once (default 16)")
     sk.add_argument("--hangup", type=float, default=0.3, help="share of requests abandoned mid-way (default 0.3)")
     sk.add_argument("--sample", type=float, default=30, help="seconds between RSS samples (default 30)")
     _workload_args(sk, num_requests=400, prompt_median=128, output_median=32,
@@ -82,18 +89,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     at = kinds.add_parser("attention", help="attention backends on one layer: same pages, same queries")
     at.add_argument("--formats", default="auto,int8,int4", help="kv_cache_dtype values (default auto,int8,int4)")
-    at.add_argument("--out", default="bench_out")
+    at.add_argument("--out", default="bench_out", help="folder for attention.md (default bench_out)")
     at.set_defaults(func=run)
 
     rp = kinds.add_parser("replicas", help="replicas on Ray Serve: prefix-aware vs Ray's default vs round-robin "
                                            "routing, with and without the Redis KV tier")
-    rp.add_argument("--replicas", type=int, default=2, help="replicas (default 2)")
-    rp.add_argument("--num-system-prompts", type=int, default=8, help="system prompts the requests share (default 8)")
-    rp.add_argument("--num-requests", type=int, default=64, help="requests (default 64)")
-    rp.add_argument("--system-len", type=int, default=256, help="tokens per system prompt (default 256)")
-    rp.add_argument("--user-len", type=int, default=32, help="tokens of each request's own turn (default 32)")
-    rp.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
-    rp.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    rp.add_argument("--replicas", type=at_least(1), default=2, help="replicas (default 2)")
+    rp.add_argument("--num-system-prompts", type=at_least(1), default=8, help="system prompts the requests share (default 8)")
+    rp.add_argument("--num-requests", type=at_least(1), default=64, help="requests (default 64)")
+    rp.add_argument("--system-len", type=at_least(1), default=256, help="tokens per system prompt (default 256)")
+    rp.add_argument("--user-len", type=at_least(1), default=32, help="tokens of each request's own turn (default 32)")
+    rp.add_argument("--max-tokens", type=at_least(1), default=16, help="tokens generated per request (default 16)")
+    rp.add_argument("--concurrency", type=at_least(1), default=8, help="requests in flight at once (default 8)")
     rp.add_argument("--routers", default="prefix,power-of-two,round-robin",
                     help="comma-separated routers to compare (default: all three)")
     rp.add_argument("--remote", default="none,redis",
@@ -101,20 +108,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "before each configuration); default both")
     rp.add_argument("--router-stats-period", type=float, default=1.0,
                     help="seconds between each replica's report of its cached blocks (default 1)")
-    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--seed", type=int, default=0,
+                    help="seed of the system prompt each request draws (default 0)")
     rp.add_argument("--data", default=None, help=DATA_HELP)
-    rp.add_argument("--out", default="bench_out")
+    rp.add_argument("--out", default="bench_out", help="folder for replicas.md and replicas.json (default bench_out)")
     add_engine_args(rp)
     rp.set_defaults(func=run)
 
     sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
-    sc.add_argument("--prompt-len", type=int, default=32)
-    sc.add_argument("--num-tokens", type=int, default=512)
+    sc.add_argument("--prompt-len", type=at_least(1), default=32, help="prompt tokens of the one sequence timed (default 32)")
+    sc.add_argument("--num-tokens", type=at_least(1), default=512,
+                    help="tokens generated, each timed, so the context grows from --prompt-len by this many; "
+                         "--max-model-len defaults to their sum (default 512)")
     sc.add_argument("--skip-hf", action="store_true", help="leave out HF transformers' cached decoding")
     _hf_dtype_arg(sc)
     sc.add_argument("--skip-llama-cpp", action="store_true", help="leave out llama.cpp (bf16 GGUF)")
     _rounds_arg(sc)
-    sc.add_argument("--out", default="bench_out")
+    sc.add_argument("--out", default="bench_out", help="folder for scaling.md and scaling.png (default bench_out)")
     add_engine_args(sc)
     sc.set_defaults(func=run)
 

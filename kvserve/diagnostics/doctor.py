@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvserve.arg_types import at_least
 from kvserve.diagnostics import checks, performance
 from kvserve.diagnostics.checks import Check
 from kvserve.engine_args import add_engine_args, llm_from_args
@@ -30,7 +31,7 @@ _PROMPT_LEN = 32
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("doctor", help="check the KV cache's correctness and find where the time goes",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=256, help="tokens decoded per consistency check (default 256)")
+    p.add_argument("--tokens", type=at_least(1), default=256, help="tokens decoded per consistency check (default 256)")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help=f"KV formats to compare with the model dtype ('' skips; default {','.join(DEFAULT_FORMATS)})")
     p.add_argument("--skip-performance", action="store_true", help="correctness checks only")

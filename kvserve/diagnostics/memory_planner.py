@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvserve.arg_types import at_least
 from kvserve.bench import workload
 from kvserve.cache.kv_format import FORMAT_NAMES, make_format
 from kvserve.cache.kv_plan import KVPlan, plan_path
@@ -308,13 +309,6 @@ _EXAMPLES = """examples:
 """
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def _kv_dtype(text: str) -> str:
     if text not in KV_DTYPES and plan_path(text) is None:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(KV_DTYPES)} or plan:PATH, got {text!r}")
@@ -343,16 +337,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in model shape")
     source.add_argument("--config", help="a Hugging Face config.json, or the model directory holding it")
     source.add_argument("--gguf", help="a .gguf file (only its metadata is read)")
-    source.add_argument("--layers", type=_positive_int, help="explicit shape: layers (with --kv-heads, --head-dim)")
-    model.add_argument("--kv-heads", type=_positive_int, help="explicit shape: K/V heads per layer")
-    model.add_argument("--head-dim", type=_positive_int, help="explicit shape: elements per head")
-    model.add_argument("--heads", type=_positive_int,
+    source.add_argument("--layers", type=at_least(1), help="explicit shape: layers (with --kv-heads, --head-dim)")
+    model.add_argument("--kv-heads", type=at_least(1), help="explicit shape: K/V heads per layer")
+    model.add_argument("--head-dim", type=at_least(1), help="explicit shape: elements per head")
+    model.add_argument("--heads", type=at_least(1),
                        help="explicit shape: query heads, for --compare-attention (default: --kv-heads)")
 
     cache = p.add_argument_group("cache")
     cache.add_argument("--dtype", default="fp16", type=_kv_dtype, metavar="{" + ",".join(KV_DTYPES) + "} | plan:PATH",
                        help="KV format, as the engine's --kv-cache-dtype, or a per-layer plan file (default fp16)")
-    cache.add_argument("--group-size", type=_positive_int, default=None,
+    cache.add_argument("--group-size", type=at_least(1), default=None,
                        help="channels per fp16 scale and zero-point for int4, kivi values and outlier "
                             "(default 32)")
     cache.add_argument("--exact-sink", action="store_true",
@@ -363,26 +357,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                             "--kv-key-wide-channels (a multiple of 8; default 0)")
     cache.add_argument("--symmetric-values", action="store_true",
                        help="kivi values without zero-points, as the engine's --kv-symmetric-values")
-    cache.add_argument("--batch", type=_positive_int, default=1, help="sequences in the batch (default 1)")
-    cache.add_argument("--seq-len", type=_positive_int, default=2048, help="tokens per sequence (default 2048)")
-    cache.add_argument("--block-size", type=_positive_int, default=16, help="tokens per paged block (default 16)")
-    cache.add_argument("--max-len", type=_positive_int, default=None,
+    cache.add_argument("--batch", type=at_least(1), default=1, help="sequences in the batch (default 1)")
+    cache.add_argument("--seq-len", type=at_least(1), default=2048, help="tokens per sequence (default 2048)")
+    cache.add_argument("--block-size", type=at_least(1), default=16, help="tokens per paged block (default 16)")
+    cache.add_argument("--max-len", type=at_least(1), default=None,
                        help="tokens a contiguous cache reserves per sequence (default: the model's context; "
                             "--seq-len for an explicit shape)")
 
     plan = p.add_argument_group("planning")
     plan.add_argument("--budget", type=_byte_size, default=None,
                       help="KV memory to fill, e.g. 80GiB: prints how many --seq-len sequences fit")
-    plan.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+    plan.add_argument("--tensor-parallel-size", type=at_least(1), default=1,
                       help="plan one rank of an engine split over this many (each rank's pool holds only its "
                            "KV heads; --budget is then per rank); default 1")
     plan.add_argument("--compare-attention", action="store_true",
                       help="show the same model with MHA, GQA and MQA side by side")
-    plan.add_argument("--lengths-median", type=_positive_int, default=None,
+    plan.add_argument("--lengths-median", type=at_least(1), default=None,
                       help="estimate contiguous vs paged waste over lognormal lengths with this median")
     plan.add_argument("--lengths-sigma", type=float, default=0.8,
                       help="lognormal spread of those lengths (default 0.8)")
-    plan.add_argument("--num-seqs", type=_positive_int, default=1000,
+    plan.add_argument("--num-seqs", type=at_least(1), default=1000,
                       help="lengths to draw for the waste estimate (default 1000)")
     plan.add_argument("--seed", type=int, default=0, help="seed for the drawn lengths (default 0)")
     p.set_defaults(func=run)

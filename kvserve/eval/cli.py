@@ -6,21 +6,49 @@ import argparse
 import importlib.util
 import json
 import math
+import shutil
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from kvserve.arg_types import at_least, comma_list, one_of
 from kvserve.attention.rotation import ROTATIONS
-from kvserve.config import DTYPES
-from kvserve.eviction.policy import SCORED
-from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
+from kvserve.cache.kv_format import FORMAT_NAMES
+from kvserve.cache.kv_plan import plan_path
+from kvserve.config import DTYPES, EngineConfig
+from kvserve.eviction.policy import POLICY_NAMES, SCORED
+from kvserve.engine_args import add_engine_args, engine_kwargs, kv_format_overrides
 from kvserve.texts import DATA_HELP, load_text
 
-if TYPE_CHECKING:
-    from kvserve import LLM
-
 DEFAULT_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi4", "kivi2", "outlier", "sparse")
+EVICTION_ROWS = tuple(p for p in POLICY_NAMES if p != "none")  # "none" would repeat the format's own row
+# The module HF's QuantizedCache needs per backend, and the bits each quantizes to (transformers'
+# QuantoQuantizedLayer and HQQQuantizedLayer refuse others).
+HF_BACKENDS = {"quanto": ("optimum.quanto", (2, 4)), "hqq": ("hqq", (1, 2, 3, 4, 8))}
+GREEDY_PROMPT_LEN = 256  # longer than the default kivi window, so that greedy runs read quantized pages too
+GREEDY_PROMPT_GAP = 499  # tokens between greedy prompt starts, counted from the text's end
+# A row: its label, and the engine options that make it.
+Row = tuple[str, dict[str, Any]]
+
+
+def _format_spec(text: str) -> str:
+    """A format as kv_format_overrides reads it: `name` or `name@residual`."""
+    name, at, residual = text.partition("@")
+    if name != "auto" and name not in FORMAT_NAMES and plan_path(name) is None:
+        raise argparse.ArgumentTypeError(f"{name!r} is not auto, plan:PATH or one of {', '.join(FORMAT_NAMES)}")
+    if at and not residual.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: the residual after @ must be a whole number >= 0")
+    return text
+
+
+def _executable(text: str) -> str:
+    """An argparse type: a program that exists (a path, or a name on PATH); else the kvpress rows
+    would fail only after every other row has run."""
+    if shutil.which(text) is None:
+        raise argparse.ArgumentTypeError(f"no executable {text!r}")
+    return text
 
 
 def add_parser(sub: Any) -> None:
@@ -29,35 +57,39 @@ def add_parser(sub: Any) -> None:
                                    "format, against the reference cache (the model dtype), and HF "
                                    "transformers' QuantizedCache at the same bits. Writes a table and a "
                                    "plot of quality vs bytes per token.")
-    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+    p.add_argument("--formats", type=comma_list(_format_spec), default=",".join(DEFAULT_FORMATS),
                    help="comma-separated kv_cache_dtype values, each optionally name@residual for its own "
                         f"full-precision window (default: {','.join(DEFAULT_FORMATS)})")
-    p.add_argument("--rotations", default=None,
+    p.add_argument("--rotations", type=comma_list(one_of(ROTATIONS)), default=None,
                    help="comma-separated kv_rotation values to run every format with, one row each "
                         f"({', '.join(ROTATIONS)}; default: --kv-rotation alone)")
-    p.add_argument("--windows", type=int, default=4, help="text windows (default 4)")
-    p.add_argument("--window-len", type=int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
-    p.add_argument("--first-window", type=int, default=0,
+    p.add_argument("--windows", type=at_least(1), default=4, help="text windows (default 4)")
+    p.add_argument("--window-len", type=at_least(2), default=512,
+                   help="tokens per window, its first half prefilled and its second decoded (default 512)")
+    p.add_argument("--stride", type=at_least(1), default=512, help="tokens between window starts (default 512)")
+    p.add_argument("--first-window", type=at_least(0), default=0,
                    help="windows skipped at the text's start, to measure further windows (default 0)")
-    p.add_argument("--greedy-prompts", type=int, default=8, help="prompts for greedy agreement (default 8)")
-    p.add_argument("--greedy-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
-    p.add_argument("--passkey-lengths", default="256,512,1024",
-                   help="context lengths for passkey retrieval (default 256,512,1024)")
-    p.add_argument("--passkey-trials", type=int, default=5, help="keys per length (default 5)")
-    p.add_argument("--evictions", default="",
+    p.add_argument("--greedy-prompts", type=at_least(0), default=8,
+                   help="prompts for greedy agreement (default 8; 0 skips it)")
+    p.add_argument("--greedy-tokens", type=at_least(1), default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--passkey-lengths", type=comma_list(at_least(1)), default="256,512,1024",
+                   help="context lengths for passkey retrieval (default 256,512,1024; '' skips it)")
+    p.add_argument("--passkey-trials", type=at_least(1), default=5, help="keys per length (default 5)")
+    p.add_argument("--evictions", type=comma_list(one_of(EVICTION_ROWS)), default="",
                    help="comma-separated kv_eviction policies to add as rows at --kv-budget (window, h2o, snapkv, "
                         "tova, strided); with --no-kv-evict-during-decode each evicts once when the prompt ends")
-    p.add_argument("--kvpress", default=None, metavar="PYTHON",
+    p.add_argument("--kvpress", type=_executable, default=None, metavar="PYTHON",
                    help="a python with kvpress 0.5.5 (benchmarks/kvpress_env.sh makes one): adds its presses for "
                         "the --evictions policies it has (window, snapkv, tova, h2o) on the same windows")
-    p.add_argument("--hf-bits", default="4,2", help="HF QuantizedCache bits to run (default 4,2; '' skips)")
-    p.add_argument("--hf-backend", default="quanto", help="quanto (default) or hqq")
+    p.add_argument("--hf-bits", type=comma_list(at_least(1)), default="4,2",
+                   help="HF QuantizedCache bits to run: 2 or 4 with quanto, 1, 2, 3, 4 or 8 with hqq "
+                        "(default 4,2; '' skips)")
+    p.add_argument("--hf-backend", choices=sorted(HF_BACKENDS), default="quanto", help="quanto (default) or hqq")
     p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--out", default="bench_out", help="folder for eval.md, eval.json and eval.png")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the passkeys and of where each is hidden (default 0)")
     add_engine_args(p)
-    p.set_defaults(func=cmd_eval, kv_cache_memory="512MiB", max_model_len=2048)
+    p.set_defaults(func=partial(cmd_eval, parser=p), kv_cache_memory="512MiB", max_model_len=2048)
 
 
 def _format_label(name: str, rotation: str, args: argparse.Namespace) -> str:
@@ -73,41 +105,87 @@ def _format_label(name: str, rotation: str, args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
-def cmd_eval(args: argparse.Namespace) -> None:
+def _engine_options(args: argparse.Namespace, origin: str, spec: str, **overrides: Any) -> dict[str, Any]:
+    """A row's engine options, `spec` being `name` or `name@residual`. No prefix caching: a cached
+    prompt is run in other batch shapes than a fresh one, and bf16 rounding alone would then split
+    greedy paths. Checked as an EngineConfig here, so that a combination the engine refuses fails
+    before the first model loads, named by the option (`origin`) that asked for the row."""
+    options = engine_kwargs(args, max_num_seqs=max(args.max_num_seqs, args.windows, args.greedy_prompts),
+                            enable_prefix_caching=False, **kv_format_overrides(spec, args), **overrides)
+    try:
+        EngineConfig(**options)
+    except ValueError as err:
+        raise ValueError(f"{origin}: {err}") from None
+    return options
+
+
+def _rows(args: argparse.Namespace) -> list[Row]:
+    """Every row the engine runs: the reference cache (the model dtype), each format with each
+    rotation, each eviction policy."""
+    rows = [(f"reference ({args.dtype})", _engine_options(args, "the engine options", "auto", kv_rotation="none"))]
+    for name in args.formats:
+        for rotation in args.rotations or [args.kv_rotation]:
+            rows.append((_format_label(name, rotation, args),
+                         _engine_options(args, f"--formats {name} (rotation {rotation})", name, kv_rotation=rotation)))
+    protocol = "during decode" if args.kv_evict_during_decode else "once at the prompt's end"
+    for policy in args.evictions:
+        heads = " heads averaged" if args.kv_mean_heads and policy in SCORED else ""
+        rows.append((f"evict {policy}{heads} @{args.kv_budget} ({protocol})",
+                     _engine_options(args, f"--evictions {policy}", args.kv_cache_dtype, kv_eviction=policy)))
+    return rows
+
+
+def _check_together(args: argparse.Namespace) -> None:
+    """What must fit in --max-model-len, and the HF bits against their backend: the engine and HF
+    would refuse them only once a run reaches them, after the slow ones before it."""
+    from kvserve.eval.quality import PASSKEY_ANSWER_TOKENS
+
+    limit = args.max_model_len
+    if args.window_len > limit:
+        raise ValueError(f"--window-len {args.window_len} exceeds --max-model-len {limit}")
+    if args.greedy_prompts and GREEDY_PROMPT_LEN + args.greedy_tokens > limit:
+        raise ValueError(f"--greedy-tokens {args.greedy_tokens} after {GREEDY_PROMPT_LEN}-token prompts exceed "
+                         f"--max-model-len {limit}")
+    if too_long := [n for n in args.passkey_lengths if n + PASSKEY_ANSWER_TOKENS > limit]:
+        raise ValueError(f"--passkey-lengths {too_long}: with the {PASSKEY_ANSWER_TOKENS} tokens of the answer, "
+                         f"more than --max-model-len {limit}")
+    _, bits = HF_BACKENDS[args.hf_backend]
+    if wrong := [b for b in args.hf_bits if b not in bits]:
+        raise ValueError(f"--hf-bits {wrong}: the {args.hf_backend} backend quantizes to one of "
+                         f"{', '.join(map(str, bits))} bits")
+
+
+def cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from kvserve import LLM
     from kvserve.eval import quality
 
+    try:  # options valid alone but not together are usage errors too, refused before any model loads
+        _check_together(args)
+        (reference_label, reference_options), *others = _rows(args)
+        source = load_text(args.data)
+    except ValueError as err:
+        parser.error(str(err))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    formats = [f for f in args.formats.split(",") if f]
-
-    def make_llm(spec: str, **overrides: Any) -> LLM:
-        """`name` or `name@residual`. No prefix caching: a cached prompt is run in other batch
-        shapes than a fresh one, and bf16 rounding alone would then split greedy paths."""
-        return llm_from_args(args, max_num_seqs=max(args.max_num_seqs, args.windows, args.greedy_prompts),
-                             enable_prefix_caching=False, **kv_format_overrides(spec, args), **overrides)
-
-    rotations = [r for r in args.rotations.split(",") if r] if args.rotations else [args.kv_rotation]
-    reference = make_llm("auto", kv_rotation="none")
+    reference = LLM(**reference_options)
     tok = reference.tokenizer
-    source = load_text(args.data)
+    if tok is None:  # random:<preset> weights come without one
+        raise ValueError("--model: this model has no tokenizer, and eval reads text")
     text = source.text
     # Enough text for the windows from the front and the greedy prompts from the back (at least
-    # 499 tokens apart each, at no more than 8 characters a token).
-    if args.first_window < 0 or args.windows < 1:
-        raise ValueError(f"--first-window must be >= 0 and --windows >= 1, got {args.first_window}, {args.windows}")
+    # GREEDY_PROMPT_GAP tokens apart each, at no more than 8 characters a token).
     starts = [(args.first_window + i) * args.stride for i in range(args.windows)]
-    chars = max(40 * (starts[-1] + args.window_len), 8 * 499 * (args.greedy_prompts + 1))
+    chars = max(40 * (starts[-1] + args.window_len), 8 * GREEDY_PROMPT_GAP * (args.greedy_prompts + 1))
     ids = tok.encode(text[:chars], add_special_tokens=False)
     windows = [ids[start:start + args.window_len] for start in starts]
     if len(windows[-1]) < args.window_len:
         raise ValueError("--windows/--stride: the text is too short for these windows")
     prefill = args.window_len // 2
     targets = torch.tensor([w[prefill:] for w in windows])
-    # Prompts longer than the default kivi window, so that greedy runs read quantized pages too.
-    greedy_prompts = [ids[-(i + 1) * 499 - 256:-(i + 1) * 499] for i in range(args.greedy_prompts)]
+    greedy_prompts = [ids[-(i + 1) * GREEDY_PROMPT_GAP - GREEDY_PROMPT_LEN:-(i + 1) * GREEDY_PROMPT_GAP]
+                      for i in range(args.greedy_prompts)]
     greedy = quality.SamplingParams(max_tokens=args.greedy_tokens, temperature=0, ignore_eos=True)
-    passkeys = {n: quality.passkey_prompts(tok, n, args.passkey_trials, args.seed)
-                for n in (int(x) for x in args.passkey_lengths.split(",") if x)}
+    passkeys = {n: quality.passkey_prompts(tok, n, args.passkey_trials, args.seed) for n in args.passkey_lengths}
 
     ref_logprobs = quality.forced_logprobs(reference, windows, prefill)
     ref_greedy = [o.token_ids for o in reference.generate(greedy_prompts, greedy, use_tqdm=False)]
@@ -127,25 +205,18 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(_format_row(row), flush=True)
         return row
 
-    rows = [measure(reference, f"reference ({args.dtype})")]
+    rows = [measure(reference, reference_label)]
     del reference
-    for name in formats:
-        for rotation in rotations:
-            rows.append(measure(make_llm(name, kv_rotation=rotation), _format_label(name, rotation, args)))
-    evictions = [e for e in args.evictions.split(",") if e]
-    protocol = "during decode" if args.kv_evict_during_decode else "once at the prompt's end"
-    for policy in evictions:
-        heads = " heads averaged" if args.kv_mean_heads and policy in SCORED else ""
-        rows.append(measure(make_llm(args.kv_cache_dtype, kv_eviction=policy),
-                            f"evict {policy}{heads} @{args.kv_budget} ({protocol})"))
+    for label, options in others:
+        rows.append(measure(LLM(**options), label))
 
     notes = []
-    if evictions and args.kvpress:
-        rows += kvpress_rows(args, windows, prefill, evictions)
-    if bits := [int(b) for b in args.hf_bits.split(",") if b]:
+    if args.evictions and args.kvpress:
+        rows += kvpress_rows(args, windows, prefill, args.evictions)
+    if args.hf_bits:
         missing = _hf_backend_missing(args.hf_backend)
         if missing is None:
-            rows += _hf_rows(args, windows, prefill, bits, model_cfg)
+            rows += _hf_rows(args, windows, prefill, args.hf_bits, model_cfg)
         else:
             notes.append(f"HF QuantizedCache rows skipped: {missing}")
             print(notes[-1], flush=True)
@@ -188,9 +259,7 @@ def kvpress_rows(args: argparse.Namespace, windows: list[list[int]], prefill: in
 
 def _hf_backend_missing(backend: str) -> str | None:
     """Why HF's QuantizedCache cannot run here (its backend is an optional extra), or None."""
-    module = {"quanto": "optimum.quanto", "hqq": "hqq"}.get(backend)
-    if module is None:
-        return f"--hf-backend {backend!r} is not quanto or hqq"
+    module, _ = HF_BACKENDS[backend]
     try:
         found = importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # the parent package (optimum) is absent

@@ -79,6 +79,7 @@ def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> fl
     return sum(prefix(o, r) for o, r in zip(outputs, reference)) / len(reference)
 
 
+PASSKEY_ANSWER_TOKENS = 8  # generated after a passkey prompt: the key's 5 digits, with room to spare
 _FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
@@ -100,5 +101,5 @@ def passkey_prompts(tokenizer: object, context_len: int, trials: int, seed: int)
 
 
 def passkey_accuracy(llm: LLM, prompts: list[tuple[str, str]]) -> float:
-    outs = llm.generate([p for p, _ in prompts], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    outs = llm.generate([p for p, _ in prompts], SamplingParams(max_tokens=PASSKEY_ANSWER_TOKENS, temperature=0), use_tqdm=False)
     return sum(key in out.text for out, (_, key) in zip(outs, prompts)) / len(prompts)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvserve.arg_types import at_least
 from kvserve.cache.kv_plan import KVPlan
 from kvserve.config import EngineConfig
 from kvserve.engine.rank_setup import KVSizes
@@ -90,8 +91,8 @@ def add_parser(sub: Any) -> None:
                        help="KV bytes per token (all layers): the least loss within it")
     p.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES),
                    help=f"formats a layer may take besides the model dtype (default {','.join(DEFAULT_CANDIDATES)})")
-    p.add_argument("--windows", type=int, default=4, help="calibration windows (default 4)")
-    p.add_argument("--window-len", type=int, default=512, help="tokens per window, half prefilled (default 512)")
+    p.add_argument("--windows", type=at_least(1), default=4, help="calibration windows (default 4)")
+    p.add_argument("--window-len", type=at_least(2), default=512, help="tokens per window, half prefilled (default 512)")
     p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--plan", default="kv_plan.json", help="where to write the plan (default kv_plan.json)")
     add_engine_args(p)

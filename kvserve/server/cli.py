@@ -11,6 +11,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvserve.arg_types import at_least
 from kvserve.engine_args import add_engine_args, engine_kwargs, llm_from_args
 from kvserve.replicas.settings import ROUTERS
 
@@ -20,10 +21,10 @@ def add_parser(sub: Any) -> None:
                        description="Serves /v1/completions, /v1/chat/completions, /v1/models, /health, "
                                    "/metrics (Prometheus) and a live KV-cache dashboard at /.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--max-waiting", type=int, default=512,
-                   help="requests that may wait for a batch slot; past it the server answers 429 "
-                        "(default 512)")
+    p.add_argument("--port", type=at_least(0), default=8000, help="port (default 8000)")
+    p.add_argument("--max-waiting", type=at_least(1), default=512,
+                   help="requests that may wait for a batch slot, beyond those the batch's free slots take at "
+                        "once; past it the server answers 429 (default 512)")
     p.add_argument("--retry-after", type=int, default=1,
                    help="seconds a 429 tells the client to wait (Retry-After header; default 1)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -55,7 +56,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--router-stats-period", type=float, default=1.0,
                    help="with --replicas: seconds between each replica's report of its cached blocks and queue "
                         "to the router (default 1)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="level of kvserve's and uvicorn's logs (default info)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -1,8 +1,13 @@
-"""`kvserve eval`'s rows are named by every layout option that shaped their pages."""
+"""`kvserve eval`'s rows are named by every layout option that shaped their pages; its options are
+checked, alone and together, before any model loads."""
 from __future__ import annotations
 
-from kvserve.cli import build_parser
-from kvserve.eval.cli import _format_label
+from pathlib import Path
+
+import pytest
+
+from kvserve.cli import build_parser, main
+from kvserve.eval.cli import DEFAULT_FORMATS, _format_label
 
 
 def label(name: str, rotation: str, *flags: str) -> str:
@@ -16,3 +21,68 @@ def test_rows_name_sinks_wide_channels_symmetric_values_and_what_is_rotated() ->
     assert (label("kivi2@0", "hadamard", *flags)
             == "kivi2@0 exact sink 24 wide key channels symmetric values values rotated (hadamard)")
     assert label("kivi4", "random", "--kv-exact-sink") == "kivi4 exact sink rotated (random)"
+
+
+def run_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[object, str]:
+    """`kvserve eval` on a model that cannot load: an option's error can only come first if the
+    options are checked before any model loads. (exit code, stderr)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--model", str(tmp_path / "no-such-model.gguf"), "--out", str(tmp_path), *flags])
+    return exit_.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "option"), [
+    (["--passkey-trials", "0"], "--passkey-trials"),  # was a ZeroDivisionError after the reference run
+    (["--passkey-lengths", "256,0"], "--passkey-lengths"),
+    (["--passkey-lengths", "256,many"], "--passkey-lengths"),
+    (["--formats", "int8,int3"], "--formats"),
+    (["--formats", "kivi2@recent"], "--formats"),
+    (["--rotations", "hadamard,spin"], "--rotations"),
+    (["--evictions", "h2o,lru"], "--evictions"),
+    (["--evictions", "none"], "--evictions"),  # "evict none" would repeat the format's row
+    (["--stride", "0"], "--stride"),
+    (["--window-len", "1"], "--window-len"),  # nothing to prefill and decode
+    (["--windows", "0"], "--windows"),
+    (["--first-window", "-1"], "--first-window"),
+    (["--greedy-prompts", "-1"], "--greedy-prompts"),
+    (["--greedy-tokens", "0"], "--greedy-tokens"),
+    (["--hf-bits", "4,two"], "--hf-bits"),
+    (["--hf-backend", "bitsandbytes"], "--hf-backend"),
+    (["--kvpress", "/no/such/python"], "--kvpress"),
+])
+def test_a_bad_option_is_a_usage_error_before_any_model_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               flags: list[str], option: str) -> None:
+    code, err = run_eval(tmp_path, capsys, *flags)
+    assert code == 2 and f"argument {option}:" in err, (code, err)
+
+
+@pytest.mark.parametrize(("flags", "option"), [
+    (["--evictions", "h2o"], "--evictions h2o"),  # no --kv-budget
+    (["--evictions", "h2o", "--kv-budget", "64", "--kv-cache-dtype", "kivi2"], "--evictions h2o"),
+    (["--formats", "int8,kivi2", "--kv-eviction", "window", "--kv-budget", "64"], "--formats kivi2"),
+    (["--window-len", "4096"], "--window-len"),  # beyond --max-model-len 2048
+    (["--greedy-tokens", "2000"], "--greedy-tokens"),
+    (["--passkey-lengths", "256,4096"], "--passkey-lengths"),
+    (["--hf-bits", "3"], "--hf-bits"),  # quanto quantizes to 2 or 4 bits
+    (["--data", "/no/such/text.txt"], "--data"),
+])
+def test_options_that_do_not_go_together_are_a_usage_error_before_any_model_loads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], option: str) -> None:
+    code, err = run_eval(tmp_path, capsys, *flags)
+    assert code == 2 and f"kvserve eval: error: {option}" in err, (code, err)
+
+
+def test_list_options_are_read_into_lists_with_their_defaults() -> None:
+    args = build_parser().parse_args(["eval", "--formats", "int8,kivi2@32,", "--hf-bits", ""])
+    assert args.formats == ["int8", "kivi2@32"] and args.hf_bits == []
+    defaults = build_parser().parse_args(["eval"])
+    assert defaults.formats == list(DEFAULT_FORMATS) and defaults.passkey_lengths == [256, 512, 1024]
+    assert defaults.evictions == [] and defaults.rotations is None and defaults.hf_bits == [4, 2]
+
+
+def test_a_model_without_a_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
+    """random:<preset> weights have no tokenizer (this was an AttributeError traceback)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--model", "random:tiny", "--max-model-len", "512", "--passkey-lengths", "64",
+              "--hf-bits", "", "--out", str(tmp_path)])
+    assert "--model: this model has no tokenizer" in str(exit_.value.code)
