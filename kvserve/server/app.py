@@ -18,6 +18,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
+from tokenizers.decoders import ByteLevel
 
 from kvserve.engine.sequence import RequestOutput, TokenLogprobs
 from kvserve.server.async_engine import Done, Draining, QueueFull
@@ -161,17 +162,20 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
     async def dashboard() -> str:
         return resources.files("kvserve.server").joinpath("dashboard.html").read_text()
 
-    def unknown_model(req: _Common) -> JSONResponse | None:
-        if req.model is None or req.model == model_name:
-            return None
-        return JSONResponse(error_body(f"the model {req.model!r} does not exist; this server serves "
-                                       f"{model_name!r} (GET /v1/models)", "model", "invalid_request_error",
-                                       "model_not_found"), status_code=404)
+    def refusal(req: _Common) -> JSONResponse | None:
+        """An unknown model or an option the engine does not do, before any work on the prompt."""
+        if req.model is not None and req.model != model_name:
+            return JSONResponse(error_body(f"the model {req.model!r} does not exist; this server serves "
+                                           f"{model_name!r} (GET /v1/models)", "model", "invalid_request_error",
+                                           "model_not_found"), status_code=404)
+        if (bad := req.unsupported()) is not None:
+            return _error(400, bad[1], bad[0])
+        return None
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        if (missing := unknown_model(req)) is not None:
-            return missing
+        if (refused := refusal(req)) is not None:
+            return refused
         prompts = req.prompts()
         if not prompts:
             return _error(400, "prompt: must hold at least one prompt", "prompt")
@@ -189,8 +193,8 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
-        if (missing := unknown_model(req)) is not None:
-            return missing
+        if (refused := refusal(req)) is not None:
+            return refused
         if tokenizer is None or not tokenizer.chat_template:
             return _error(400, "this model has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -208,10 +212,10 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
     def token_text(token: int) -> str:
         return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
 
+    token_bytes = _token_bytes(tokenizer, token_text)
+
     async def _generate(req: _Common, prompts: list[list[int]], max_tokens: int, chat: bool,
                         request: Request) -> Response:
-        if (bad := req.unsupported()) is not None:
-            return _error(400, bad[1], bad[0])
         echo = isinstance(req, CompletionRequest) and req.echo
         score_only = isinstance(req, CompletionRequest) and req.score_only
         try:
@@ -231,7 +235,7 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
             param = param_of(str(err))
             return _error(400, str(err), "messages" if chat and param == "prompt" else param)
         reply = _Reply(request_id, model_name, chat, rids, params.n if params.beam_width == 1 else 1,
-                       _Rendering(token_text, echo, score_only))
+                       _Rendering(token_text, token_bytes, echo, score_only))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_stream(reply, sink, include_usage), media_type="text/event-stream")
@@ -290,14 +294,45 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
 DISCONNECT_POLL_S = 0.5
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet inverted: the character each byte is written as in a
+    token's piece -> that byte. Printable Latin-1 bytes stand for themselves; the other 68 are
+    written as U+0100 onwards, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(rest)}}
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
+def _token_bytes(tokenizer: Any, token_text: Callable[[int], str]) -> Callable[[int], bytes]:
+    """A token's own UTF-8 bytes, as OpenAI's chat logprobs give them. A byte-level BPE token may
+    hold part of a character (an emoji is often three tokens), whose text alone is U+FFFD: its
+    bytes come from its piece. Added tokens (<|im_end|>) are stored as plain text, and other
+    tokenizers' tokens are their text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(getattr(backend, "decoder", None), ByteLevel):
+        return lambda token: token_text(token).encode()
+    added = set(tokenizer.added_tokens_decoder)
+
+    def token_bytes(token: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(token)
+        if token in added or piece is None:  # None: an id past the tokenizer's vocabulary
+            return token_text(token).encode()
+        return bytes(_BYTE_OF[c] for c in piece)
+    return token_bytes
+
+
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 @dataclass(frozen=True)
 class _Rendering:
-    """How outputs become OpenAI text and logprobs: token strings, and completions' echo."""
+    """How outputs become OpenAI text and logprobs: token strings and bytes, and completions' echo."""
     token_text: Callable[[int], str]
+    token_bytes: Callable[[int], bytes]
     echo: bool = False
     score_only: bool = False  # echo with max_tokens 0: the prompt alone, its one engine token dropped
 
@@ -313,9 +348,11 @@ class _Rendering:
         tail = [] if self.score_only else list(zip(out.token_ids[start:], (out.logprobs or [])[start:]))
         return head + tail
 
-    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
+    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int = 0) -> dict[str, Any]:
+        """`offset`: where the first entry's token starts in the choice's text (the characters of
+        the tokens a stream already sent)."""
         tokens = [self.token_text(t) for t, _ in entries]
-        offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=0)) if tokens else []
+        offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=offset)) if tokens else []
         return {"tokens": tokens, "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
                 "top_logprobs": [{self.token_text(k): v for k, v in lp.top.items()} if lp else None
                                  for _, lp in entries],
@@ -323,8 +360,7 @@ class _Rendering:
 
     def chat_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
         def item(token: int, logprob: float) -> dict[str, Any]:
-            text = self.token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": self.token_text(token), "logprob": logprob, "bytes": list(self.token_bytes(token))}
         return {"content": [{**item(t, lp.logprob), "top_logprobs": [item(k, v) for k, v in lp.top.items()]}
                             for t, lp in entries if lp is not None]}
 
@@ -337,6 +373,7 @@ class _Reply:
                  rendering: _Rendering) -> None:
         self.id, self.model, self.chat, self.n, self.rendering = request_id, model, chat, n, rendering
         self.sent: dict[int, int] = {}  # per choice, output tokens whose logprobs were streamed
+        self.sent_chars: dict[int, int] = {}  # per choice, characters of the tokens streamed (text_offset)
         self.created = int(time.time())
         self.prompt_index = {rid: i for i, rid in enumerate(engine_ids)}
         self.pending = set(engine_ids)
@@ -394,8 +431,12 @@ class _Reply:
                            out.finish_reason if out.finished else None)
         if out.logprobs is not None:
             entries = r.entries(out, start, first and r.echo)
-            chunk["choices"][0]["logprobs"] = (r.chat_logprobs(entries) if self.chat
-                                               else r.completion_logprobs(entries))
+            if self.chat:
+                chunk["choices"][0]["logprobs"] = r.chat_logprobs(entries)
+            else:
+                offset = self.sent_chars.get(index, 0)
+                logprobs = chunk["choices"][0]["logprobs"] = r.completion_logprobs(entries, offset)
+                self.sent_chars[index] = offset + sum(map(len, logprobs["tokens"]))
         self.sent[index] = len(out.logprobs or [])
         return chunk
 

@@ -8,17 +8,18 @@ stepping.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.sequence import RequestOutput
+from kvserve.engine.sequence import RequestOutput, Sequence
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.kv_state import kv_state
 from kvserve.server.metrics import Metrics
@@ -52,6 +53,19 @@ def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]
         loop.call_soon_threadsafe(_deliver, items)
     except RuntimeError:  # that event loop has closed: nobody is listening any more
         pass
+
+
+def _past_seats(seats: int, queue: Iterable[Sequence]) -> int:
+    """Requests of `queue` (in admission order) that `seats` free batch seats leave waiting. A
+    sequence takes a seat for each sample or beam it forks into, and the scheduler admits in
+    order, so every one behind the first that does not fit waits too. A request counts once,
+    however many of its samples or beams wait (preemption puts them back one by one)."""
+    waiting: set[str] = set()
+    for seq in queue:
+        seats -= 1 + seq.num_forks
+        if seats < 0:
+            waiting.add(seq.request_id)
+    return len(waiting)
 
 
 def request_ids(request_id: str, num_prompts: int) -> list[str]:
@@ -119,20 +133,28 @@ class AsyncEngine:
         sink: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         ids = request_ids(request_id, len(prompts))
-
-        if len(prompts) > self.max_waiting:  # it could never be queued: not a matter of retrying
+        # Not even an idle server could take them all (a prompt takes a batch seat per sample or
+        # beam): not a matter of retrying. Checked here, before the engine thread validates each.
+        max_num_seqs = self.engine.scheduler.max_num_seqs
+        most = max_num_seqs // max(params.n, params.beam_width) + self.max_waiting
+        if len(prompts) > most:
             self.metrics.rejected.labels(reason="invalid").inc()
-            raise ValueError(f"prompt: {len(prompts)} prompts in one request exceed the server's queue "
-                             f"(--max-waiting {self.max_waiting}); send at most {self.max_waiting}")
+            raise ValueError(f"prompt: {len(prompts)} prompts in one request exceed what the server takes at "
+                             f"once: {most} (a batch of max_num_seqs={max_num_seqs} sequences, then "
+                             f"--max-waiting {self.max_waiting}); send at most {most}")
 
         def add(engine: LLMEngine) -> list[str]:
             if self._draining:
                 raise Draining("the server is shutting down")
-            if len(engine.scheduler.waiting) + len(prompts) > self.max_waiting:
-                self.metrics.rejected.labels(reason="queue_full").inc()
-                raise QueueFull(f"{len(engine.scheduler.waiting)} requests are waiting "
-                                f"(max_waiting={self.max_waiting})")
             seqs = [engine.make_sequence(p, params, rid, cache_salt) for p, rid in zip(prompts, ids)]
+            sched = engine.scheduler
+            # The bound is on requests waiting for a batch seat: those that the next step admits
+            # into free seats do not wait, so a burst that fits the batch is taken whole.
+            free = sched.max_num_seqs - sum(1 + s.num_forks for s in (*sched.running, *sched.swapped))
+            if _past_seats(free, itertools.chain(sched.waiting, seqs)) > self.max_waiting:
+                self.metrics.rejected.labels(reason="queue_full").inc()
+                raise QueueFull(f"{_past_seats(free, sched.waiting)} requests are waiting for a batch seat "
+                                f"(max_waiting={self.max_waiting})")
             for seq in seqs:
                 engine.add_sequence(seq)
                 self._sinks[seq.request_id] = (loop, sink)

@@ -8,13 +8,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvserve.sampling_params import SamplingParams
 
 
+# Every request model is strict, as OpenAI checks types: pydantic would otherwise take
+# `max_tokens: true` as 1, `"5"` as 5 and `stream: "no"` as False. A float field still takes an integer.
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     # Clients send fields we have no use for (`user`, `metadata`...): ignored, as OpenAI does.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -84,14 +87,30 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    def unsupported(self) -> str | None:
+        """Why the model cannot read this message's content, or None."""
+        # An assistant turn may carry no text (OpenAI's tool calls); any other turn without it
+        # would be rendered as an empty message the client never meant.
+        if self.content is None:
+            return None if self.role == "assistant" else f"a {self.role} message needs content"
+        if isinstance(self.content, str):
+            return None
+        for part in self.content:
+            if part.get("type") != "text":
+                return f"content parts of type {part.get('type')!r} are not supported; this model reads text"
+            if not isinstance(part.get("text"), str):
+                return "a text content part needs a string `text`"
+        return None
+
     def text(self) -> str:
+        """The message as the chat template takes it, once `unsupported` found nothing."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(part["text"] for part in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -101,10 +120,29 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Refused unless they ask for nothing (see `unsupported`): accepting them silently would
+    # answer a tool call or a JSON schema with free text.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                return name, f"{name}: tool calling is not supported"
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                return name, f"{name}: tool calling is not supported"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format", (f"response_format: only type 'text' is supported, got "
+                                       f"{self.response_format.get('type')!r}")
+        for i, message in enumerate(self.messages):
+            if (why := message.unsupported()) is not None:
+                return f"messages.{i}.content", f"messages.{i}.content: {why}"
         return super().unsupported()
 
     def logprob_counts(self) -> tuple[int | None, int | None]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -84,6 +85,35 @@ def test_queue_bound_refuses_and_abort_frees_blocks(aengine: Callable[..., Async
 
     asyncio.run(run())
     assert a.metrics.rejected.labels(reason="queue_full")._value.get() == 1
+
+
+@pytest.mark.parametrize("n, burst, taken", [(1, 12, 10), (4, 5, 4)])
+def test_a_burst_that_fits_the_batch_is_taken(aengine: Callable[..., AsyncEngine], n: int, burst: int,
+                                              taken: int) -> None:
+    """A burst that lands between two steps: the batch's free seats (8, a seat per sample) take
+    what they can, and only the requests left over count against max_waiting (2). Every one
+    counted before, so a burst that fits an idle batch got 429s."""
+    a = aengine(max_waiting=2, max_num_seqs=8)
+    params = SamplingParams(max_tokens=4, n=n, ignore_eos=True)
+    gate = threading.Event()
+
+    async def run() -> list[str]:
+        # The engine thread is busy (as in a step) while the whole burst reaches its inbox.
+        a.call_soon(lambda e: gate.wait())
+        try:
+            tasks = [asyncio.ensure_future(a.submit([[1, 2, 3]], params, f"r{i}")) for i in range(burst)]
+            await asyncio.sleep(0.1)
+        finally:
+            gate.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, QueueFull) for r in results if isinstance(r, BaseException))
+        accepted = [r for r in results if not isinstance(r, BaseException)]
+        for ids, sink in accepted:
+            assert len([o for o in await collect(sink, len(ids)) if o.finished]) == n
+        return [rid for ids, _ in accepted for rid in ids]
+
+    assert asyncio.run(run()) == [f"r{i}" for i in range(taken)]
+    assert a.metrics.rejected.labels(reason="queue_full")._value.get() == burst - taken
 
 
 def test_error_in_one_request_fails_only_that_request(aengine: Callable[..., AsyncEngine]) -> None:

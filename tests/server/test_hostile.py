@@ -1,6 +1,7 @@
 """The faults a hostile tester found in the server (issue 10, part 4), each as a test."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -10,7 +11,9 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
+from kvserve import LLM
 from kvserve.bench.serve_load import ServerProcess
+from kvserve.server.app import _token_bytes
 from kvserve.server.settings import ServerSettings
 
 
@@ -58,10 +61,29 @@ def test_max_completion_tokens_is_named_as_sent(server: ServerProcess) -> None:
 
 
 def test_more_prompts_than_the_queue_holds_is_400_not_429(make_server: Callable[..., ServerProcess]) -> None:
-    srv = make_server("--max-waiting", "8")
-    r = post(srv, "/v1/completions", {"prompt": ["a"] * 9, "max_tokens": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "retry-after" not in r.headers
-    assert post(srv, "/v1/completions", {"prompt": ["a"] * 8, "max_tokens": 1}).status_code == 200
+    srv = make_server("--max-waiting", "8", "--max-num-seqs", "4")
+    # 4 run, 8 wait: 12 at most, or 6 with 2 samples each (a seat per sample).
+    for prompts, n, status in ((13, 1, 400), (12, 1, 200), (11, 2, 400), (10, 2, 200)):
+        r = post(srv, "/v1/completions", {"prompt": ["a"] * prompts, "n": n, "max_tokens": 1})
+        assert r.status_code == status, r.text
+        if status == 400:
+            assert r.json()["error"]["param"] == "prompt" and "retry-after" not in r.headers
+
+
+def test_a_burst_that_fits_the_batch_gets_no_429(make_server: Callable[..., ServerProcess]) -> None:
+    # --max-waiting bounds the requests waiting for a batch seat; those that the next step admits
+    # do not wait. It counted every request the engine had not yet stepped, so on an idle server
+    # with 16 seats most of a burst of 16 got 429.
+    srv = make_server("--max-waiting", "2", "--max-num-seqs", "16")
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            replies = await asyncio.gather(*(http.post(f"{srv.url}/v1/completions",
+                                                       json={"prompt": f"Request {i}:", "max_tokens": 4})
+                                             for i in range(16)))
+        return [r.status_code for r in replies]
+
+    assert asyncio.run(burst()) == [200] * 16
 
 
 def test_a_non_streaming_client_that_hangs_up_is_aborted(server: ServerProcess) -> None:
@@ -211,3 +233,78 @@ def test_a_non_streaming_request_cut_by_shutdown_gets_503(make_server: Callable[
     assert r.status_code == 503 and "shut down" in r.json()["error"]["message"]
     assert r.json()["error"]["type"] == "service_unavailable"
     assert srv.proc.wait(60) == 0
+
+
+# Issue 10, part 5: the second hostile round.
+
+def test_chat_logprob_bytes_are_each_tokens_own(server: ServerProcess) -> None:
+    # The model answers with crabs, each 🦀 three byte-level tokens whose text alone is U+FFFD.
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Repeat exactly: 🦀"}],
+                                              "max_tokens": 6, "temperature": 0, "logprobs": True,
+                                              "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text, content = choice["message"]["content"], choice["logprobs"]["content"]
+    assert "🦀" in text and any(entry["token"] == "\ufffd" for entry in content)
+    assert b"".join(bytes(entry["bytes"]) for entry in content) == text.encode()
+    for entry in content:  # greedy: the first alternative is the token itself
+        assert entry["top_logprobs"][0]["bytes"] == entry["bytes"]
+
+
+def test_token_bytes_read_the_byte_level_alphabet(smol: LLM) -> None:
+    tokenizer = smol.tokenizer
+    token_bytes = _token_bytes(tokenizer, lambda token: tokenizer.decode([token]))
+    texts = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
+    # Every token that is whole characters (special tokens included) has its text's bytes...
+    assert all(token_bytes(token) == text.encode() for token, text in enumerate(texts) if "\ufffd" not in text)
+    # ...and the pieces of characters add up to them.
+    ids = tokenizer.encode("日本語 🦀 naïve")
+    assert b"".join(map(token_bytes, ids)) == "日本語 🦀 naïve".encode()
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]},
+     "messages.0.content"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+])
+def test_unsupported_chat_features_are_400_naming_the_field(server: ServerProcess, fields: dict,  # type: ignore[type-arg]
+                                                            param: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/completions", "max_tokens", True),
+    ("/v1/completions", "max_tokens", "5"),
+    ("/v1/completions", "n", "2"),
+    ("/v1/completions", "logprobs", True),
+    ("/v1/completions", "seed", "7"),
+    ("/v1/completions", "top_k", True),
+    ("/v1/chat/completions", "max_completion_tokens", "5"),
+    ("/v1/chat/completions", "top_logprobs", True),
+    ("/v1/chat/completions", "max_tokens", True),
+])
+def test_integer_fields_refuse_bools_and_strings(server: ServerProcess, path: str, field: str,
+                                                 value: object) -> None:
+    base: dict[str, object] = ({"prompt": "hi"} if path == "/v1/completions"
+                               else {"messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    r = post(server, path, {**base, "max_tokens": 2, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert post(server, path, {**base, "max_tokens": 2, field: 2}).status_code == 200
+
+
+def test_streamed_text_offsets_equal_the_whole_reply(server: ServerProcess) -> None:
+    for body in ({"prompt": "Count: one, two,", "max_tokens": 8, "logprobs": 1, "temperature": 0},
+                 {"prompt": "Count: one, two,", "max_tokens": 8, "logprobs": 1, "temperature": 0, "echo": True}):
+        whole = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+        offsets: list[int] = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and (lp := json.loads(line[6:])["choices"][0]["logprobs"]):
+                    offsets += lp["text_offset"]
+        assert offsets == whole["text_offset"] and offsets[-1] > 0

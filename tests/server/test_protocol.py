@@ -50,8 +50,54 @@ def test_scoring_fields_become_sampling_params() -> None:
 
 def test_chat_content_parts_are_joined() -> None:
     req = ChatCompletionRequest(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}]}])
-    assert req.messages[0].text() == "ab"
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert req.messages[0].text() == "ab" and req.unsupported() is None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", True), ("n", "2"), ("max_tokens", True), ("max_tokens", "5"), ("seed", "3"), ("top_k", False),
+    ("logprobs", True), ("kv_budget", "64"), ("prompt", [True, 2]), ("temperature", "0.5"), ("top_p", True),
+    ("stream", "true"), ("echo", 1)])
+def test_completion_fields_are_strictly_typed(field: str, value: object) -> None:
+    with pytest.raises(ValidationError) as err:
+        CompletionRequest.model_validate({"prompt": "hi", field: value})
+    assert err.value.errors()[0]["loc"][0] == field
+    assert CompletionRequest(prompt="hi", temperature=1).temperature == 1.0  # an integer is a number
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", True), ("max_completion_tokens", "5"), ("top_logprobs", True), ("logprobs", 1), ("n", 2.0)])
+def test_chat_fields_are_strictly_typed(field: str, value: object) -> None:
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}], field: value})
+    assert err.value.errors()[0]["loc"][0] == field
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content"),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": None}]}, "messages.1.content"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content"),
+])
+def test_unsupported_chat_features_are_named(fields: dict, param: str) -> None:  # type: ignore[type-arg]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}], **fields})
+    assert req.unsupported()[0] == param  # type: ignore[index]
+
+
+@pytest.mark.parametrize("fields", [
+    {"tools": []}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}]}])
+def test_chat_options_that_ask_for_nothing_are_accepted(fields: dict) -> None:  # type: ignore[type-arg]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}], **fields})
+    assert req.unsupported() is None
 
 
 @pytest.mark.parametrize("message, param", [
