@@ -65,6 +65,14 @@ class PrefixStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class PromptGrant:
+    """A prompt's blocks were given: how many of its tokens need no computing, and the blocks the
+    remote tier serves, to be loaded before the step runs."""
+    cached: int                                # tokens in the pool, or arriving with `loads`
+    loads: tuple[tuple[int, bytes], ...] = ()  # (device block, its pages from the remote tier)
+
+
 class HostBlock(int):
     """A table entry that lives in host memory: an offloaded block. Its value is the id kernels
     address it by (the device pool's size + `host_index`), so block tables stay plain integer
@@ -95,15 +103,10 @@ class BlockManager:
         self.num_tokens: dict[str, int] = {}
         self._hashes: dict[str, list[bytes]] = {}  # each sequence's registered full-block hashes
         self._roots: dict[str, bytes] = {}          # salted sequences' first parent hash
-        # Copy-on-write copies (src, dst) recorded for the step being scheduled (see take_moves).
-        self.pending_copies: list[tuple[int, int]] = []
         self.prefix_stats = PrefixStats()
         self.num_host_blocks = num_host_blocks
         self._host_free = [HostBlock(i, num_blocks) for i in reversed(range(num_host_blocks))]
-        self.pending_offloads: list[tuple[int, HostBlock]] = []  # (device block, host block) to copy
-        self.pending_compactions: list[Compaction] = []
         self.remote = remote
-        self.pending_loads: list[tuple[int, bytes]] = []  # (device block, payload from the remote tier)
         self.evicted_blocks = 0  # blocks returned to the pool by compaction, since the start
         self.peak_used = 0
 
@@ -129,9 +132,6 @@ class BlockManager:
         block_id = next(iter(self._free))
         if self.blocks[block_id].hash is not None:  # evict: its contents are about to be overwritten
             self._forget(block_id)
-            # A remote load still pending for it (its allocation was rolled back) must not land
-            # on the new owner's data.
-            self.pending_loads = [(b, p) for b, p in self.pending_loads if b != block_id]
         del self._free[block_id]
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -154,11 +154,13 @@ class BlockManager:
         self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
 
     def allocate_prompt(self, seq_id: str, token_ids: list[int], reserve_tokens: int = 0,
-                        use_cache: bool = True, salt: str | None = None, prefill_chunk: int | None = None) -> int | None:
+                        use_cache: bool = True, salt: str | None = None,
+                        prefill_chunk: int | None = None) -> PromptGrant | None:
         """Give a new sequence its blocks, reusing its longest cached prefix (unless not
         `use_cache`) among blocks cached under the same `salt`; with `prefill_chunk`, blocks only up to the
         next multiple of it past that prefix (a prompt that runs, and is evicted, chunk by chunk).
-        Returns how many tokens are already in the pool, or None (changing nothing) if blocks are short."""
+        Returns how many tokens are already in the pool (or come from the remote tier, with the
+        loads that bring them), or None (changing nothing) if blocks are short."""
         hits: list[int] = []
         hashes: list[bytes] = []
         root = salt_root(salt)
@@ -184,10 +186,11 @@ class BlockManager:
             self._share(block_id)
         fresh = [self._take_free() for _ in range(need)]
         self.tables[seq_id] = hits + fresh
+        loads: tuple[tuple[int, bytes], ...] = ()
         if self.remote is not None and self.enable_prefix_caching and use_cache and prefill_chunk is None:
-            remote = self._load_remote(token_ids, hashes, fresh, parent=hashes[-1] if hashes else root)
-            self.prefix_stats.remote_tokens += remote
-            cached += remote
+            loads = self._load_remote(token_ids, hashes, fresh, parent=hashes[-1] if hashes else root)
+            self.prefix_stats.remote_tokens += len(loads) * self.block_size
+            cached += len(loads) * self.block_size
         self.num_tokens[seq_id] = room
         self._hashes[seq_id] = hashes
         if root is not None:
@@ -195,12 +198,13 @@ class BlockManager:
         self.prefix_stats.prompt_tokens += len(token_ids)
         self.prefix_stats.cached_tokens += cached
         self._note_peak()
-        return cached
+        return PromptGrant(cached, loads)
 
-    def _load_remote(self, token_ids: list[int], hashes: list[bytes], fresh: list[int], parent: bytes | None) -> int:
+    def _load_remote(self, token_ids: list[int], hashes: list[bytes], fresh: list[int],
+                     parent: bytes | None) -> tuple[tuple[int, bytes], ...]:
         """Asks the remote tier for the full blocks after the local hit (`hashes`, extended in
-        place with the ones it serves), which go into the first `fresh` blocks, loaded and cached.
-        Returns the tokens they hold."""
+        place with the ones it serves), which go into the first `fresh` blocks, cached at once.
+        Returns the (block, pages) loads that fill them."""
         bs = self.block_size
         wanted: list[tuple[bytes, tuple[int, ...]]] = []
         for i in range(len(hashes), (len(token_ids) - 1) // bs):
@@ -208,20 +212,32 @@ class BlockManager:
             parent = block_hash(parent, chunk)
             wanted.append((parent, chunk))
         payloads = self.remote.fetch([h for h, _ in wanted])
+        loads = []
         for block_id, (h, chunk), payload in zip(fresh, wanted, payloads):
-            self.pending_loads.append((block_id, payload))
+            loads.append((block_id, payload))
             hashes.append(h)
             if h not in self.cache:
                 block = self.blocks[block_id]
                 block.hash, block.token_ids = h, chunk
                 self.cache[h] = block_id
-        return len(payloads) * bs
+        return tuple(loads)
 
-    def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int = 0, salt: str | None = None) -> bool:
+    def drop_loads(self, loads: tuple[tuple[int, bytes], ...]) -> None:
+        """Remote loads that will not run (the scheduler gave their blocks back in the step that
+        granted them): their blocks leave the prefix cache, since they will never hold those pages."""
+        for block_id, _ in loads:
+            block = self.blocks[block_id]
+            if block.ref_count == 0 and block.hash is not None:
+                self._forget(block_id)
+
+    def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int = 0,
+                 salt: str | None = None) -> tuple[tuple[int, int], ...] | None:
         """Grow `seq_id`'s table to hold `max(num_tokens, reserve_tokens)` slots, record that it
         holds `num_tokens` tokens, and make the block the newest token lands in its own (copy on
-        write). Allocates nothing and returns False if blocks are short. `salt`: for a new table
-        (a sequence swapped back in), the cache salt its blocks are registered under."""
+        write). Returns the copy-on-write copies (source, destination) the runner must make before
+        the step writes, possibly none; allocates nothing and returns None if blocks are short.
+        `salt`: for a new table (a sequence swapped back in), the cache salt its blocks are
+        registered under."""
         table = self.tables.get(seq_id)
         bs = self.block_size
         # Most calls (a decode into a block the sequence owns alone) change nothing but the count.
@@ -229,7 +245,7 @@ class BlockManager:
             block = table[(num_tokens - 1) // bs]
             if on_device(block) and self.blocks[block].ref_count == 1:
                 self.num_tokens[seq_id] = num_tokens
-                return True
+                return ()
         new = table is None
         table = [] if new else table
         need = -(-max(num_tokens, reserve_tokens) // bs) - len(table)
@@ -237,40 +253,34 @@ class BlockManager:
         shared_last = (0 <= last < len(table) and on_device(table[last])
                        and self.blocks[table[last]].ref_count > 1)
         if need + shared_last > len(self._free):
-            return False
+            return None
         if new:
             self.tables[seq_id], self._hashes[seq_id] = table, []
             if salt is not None:
                 self._roots[seq_id] = salt_root(salt)
         if need > 0:
             table.extend(self._take_free() for _ in range(need))
+        copies: tuple[tuple[int, int], ...] = ()
         if shared_last:
             copy = self._take_free()
-            self.pending_copies.append((table[last], copy))
+            copies = ((table[last], copy),)
             self._release(table[last])
             table[last] = copy
         self.num_tokens[seq_id] = num_tokens
         if need > 0 or shared_last:
             self._note_peak()
-        return True
-
-    def take_moves(self) -> tuple[list[Compaction], list[tuple[int, HostBlock]], list[tuple[int, bytes]],
-                                  list[tuple[int, int]]]:
-        """(compactions, offloads, remote loads, copy-on-write copies) recorded since the last
-        call, handed over once."""
-        moves = self.pending_compactions, self.pending_offloads, self.pending_loads, self.pending_copies
-        self.pending_compactions, self.pending_offloads, self.pending_loads, self.pending_copies = [], [], [], []
-        return moves
+        return copies
 
     def compact(self, seq_id: str, layer: torch.Tensor, head: torch.Tensor, src: torch.Tensor,
-                dst: torch.Tensor, kept: int) -> bool:
+                dst: torch.Tensor, kept: int) -> Compaction | None:
         """Token eviction: slot `src` moves into slot `dst` (indices within the sequence) per
         (layer, head), the sequence keeps `kept` slots, and the blocks past them return to the
         pool. A block it writes (a destination, or the partial block new tokens will fill) is
         made its own first: copied when shared or registered in the prefix cache (the original
         stays cached), else, when blocks are short, dropped from the cache, since its contents
-        will no longer match its tokens. Returns False, changing nothing, when blocks for the
-        copies of shared blocks are short."""
+        will no longer match its tokens. Returns the moves for the pool, which must be applied
+        before any block the sequence gave back is written again; None, changing nothing, when
+        blocks for the copies of shared blocks are short."""
         table = self.tables[seq_id]
         bs = self.block_size
         keep_blocks = self.blocks_for(kept)
@@ -280,7 +290,7 @@ class BlockManager:
             written.add(kept // bs)
         shared = [i for i in sorted(written) if self.blocks[table[i]].ref_count > 1]
         if len(shared) > len(self._free):
-            return False
+            return None
         # A cached block is copied too while blocks allow, so that the prefix stays servable.
         cached = [i for i in sorted(written) if self.blocks[table[i]].hash is not None and i not in shared]
         copied = sorted(shared + cached) if len(shared) + len(cached) <= len(self._free) else shared
@@ -296,29 +306,30 @@ class BlockManager:
             if self.blocks[table[i]].hash is not None:
                 self._uncache(self.blocks[table[i]])
         # Sources may sit in the tail: their pool slots are taken before it is released (the
-        # runner applies compactions before any other move can reuse those blocks).
+        # caller applies the compaction before any other move can reuse those blocks).
         blocks = torch.tensor(table, dtype=torch.long)
-        self.pending_compactions.append(Compaction(tuple(copies), layer, head, blocks[src // bs] * bs + src % bs,
-                                                   blocks[dst // bs] * bs + dst % bs))
+        compaction = Compaction(tuple(copies), layer, head, blocks[src // bs] * bs + src % bs,
+                                blocks[dst // bs] * bs + dst % bs)
         for block_id in reversed(table[keep_blocks:]):
             self._release(block_id)
         self.evicted_blocks += len(table) - keep_blocks
         del table[keep_blocks:]
         self.num_tokens[seq_id] = kept
-        return True
+        return compaction
 
-    def offload_coldest(self, seq_id: str) -> bool:
+    def offload_coldest(self, seq_id: str) -> tuple[int, HostBlock] | None:
         """Move the sequence's oldest device block that only it owns to a host block, freeing the
-        device block. Its last block stays: the next token may be written there."""
+        device block. Its last block stays: the next token may be written there. Returns the
+        (device block, host block) copy to make before the device block is reused, or None when
+        no block can go."""
         table = self.tables[seq_id]
         for i, block_id in enumerate(table[:-1]):
             if on_device(block_id) and self.blocks[block_id].ref_count == 1 and self._host_free:
                 host = self._host_free.pop()
-                self.pending_offloads.append((block_id, host))
                 table[i] = host
                 self._release(block_id)
-                return True
-        return False
+                return block_id, host
+        return None
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent; writes are copied on demand."""

@@ -1,9 +1,10 @@
 """Tiers below the device pool for preempted sequences: host memory, then a memory-mapped file.
 
 A swapped-out sequence's blocks are copied into tier slots and its device blocks are released;
-swapping in copies them back into fresh device blocks. The copies are recorded here and applied
-by the model runner before its next forward pass, in an order that keeps every read ahead of any
-overwrite: swap-outs, then swap-ins, then the slots that were read are released.
+swapping in copies them back into fresh device blocks. `swap_out` and `swap_in` return the copies;
+the scheduler puts them in its step's block moves, and the model runner applies them before its
+next forward pass, in an order that keeps every read ahead of any overwrite: swap-outs, then
+swap-ins, then the slots that were read are released.
 """
 from __future__ import annotations
 
@@ -58,8 +59,6 @@ class SwapSpace:
         for tier in self.tiers:
             tier.free = list(range(tier.num_slots))
         self.swapped: dict[str, list[tuple[int, int]]] = {}  # seq_id -> (tier index, slot) per block
-        self._out: list[tuple[int, int, int]] = []   # (device block, tier, slot)
-        self._in: list[tuple[int, int, int]] = []    # (tier, slot, device block)
         self.swap_outs: Counter[str] = Counter()     # blocks swapped out, per tier
         self.swap_ins: Counter[str] = Counter()
 
@@ -67,38 +66,34 @@ class SwapSpace:
     def free_slots(self) -> int:
         return sum(len(t.free) for t in self.tiers)
 
-    def swap_out(self, seq_id: str, device_table: list[int]) -> bool:
-        """Reserve slots (host first) and record the copies; False, changing nothing, if full."""
+    def swap_out(self, seq_id: str, device_table: list[int]) -> tuple[tuple[int, int, int], ...] | None:
+        """Reserve slots (host first). Returns the copies (device block, tier, slot) to make before
+        the device blocks are reused; None, changing nothing, if the tiers are full."""
         if len(device_table) > self.free_slots:
-            return False
+            return None
         slots = []
         for block in device_table:
             tier = next(i for i, t in enumerate(self.tiers) if t.free)
-            slot = self.tiers[tier].free.pop()
-            slots.append((tier, slot))
-            self._out.append((block, tier, slot))
+            slots.append((tier, self.tiers[tier].free.pop()))
             self.swap_outs[self.tiers[tier].name] += 1
         self.swapped[seq_id] = slots
-        return True
+        return tuple((block, tier, slot) for block, (tier, slot) in zip(device_table, slots))
 
-    def swap_in(self, seq_id: str, device_table: list[int]) -> None:
-        """Record copies back into the first blocks of `device_table` (it may have grown room for
-        the token that was waiting when the sequence was preempted); slots free once copied."""
+    def swap_in(self, seq_id: str, device_table: list[int]) -> tuple[tuple[int, int, int], ...]:
+        """Returns the copies (tier, slot, device block) back into the first blocks of
+        `device_table` (it may have grown room for the token that was waiting when the sequence
+        was preempted); the slots free once copied."""
         slots = self.swapped.pop(seq_id)
-        for (tier, slot), block in zip(slots, device_table[:len(slots)], strict=True):
-            self._in.append((tier, slot, block))
+        copies = tuple((tier, slot, block)
+                       for (tier, slot), block in zip(slots, device_table[:len(slots)], strict=True))
+        for tier, _ in slots:
             self.swap_ins[self.tiers[tier].name] += 1
+        return copies
 
     def discard(self, seq_id: str) -> None:
         """A swapped sequence was aborted: its slots are free again."""
         for tier, slot in self.swapped.pop(seq_id, []):
             self.tiers[tier].free.append(slot)
-
-    def take(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-        """(swap-outs, swap-ins) recorded since the last call, handed over once."""
-        moves = self._out, self._in
-        self._out, self._in = [], []
-        return moves
 
     def apply(self, pool: KVPool, swap_out: Sequence[tuple[int, int, int]],
               swap_in: Sequence[tuple[int, int, int]]) -> None:

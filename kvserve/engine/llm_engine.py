@@ -19,6 +19,7 @@ from kvserve.attention.rotation import kv_rotation
 from kvserve.cache.block_bytes import read_blocks
 from kvserve.cache.block_manager import BlockManager, BlockUsage
 from kvserve.cache.block_ops import BlockOps
+from kvserve.cache.compaction import Compaction
 from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
@@ -323,7 +324,10 @@ class LLMEngine:
         outputs = [] if pending is None else self._read_pending(pending)
         self._register_blocks(batch.seqs)  # before any eviction
         if not plain:
-            self._evict(batch.seqs, batch.num_scheduled, score_from, result.scores or {})
+            compactions = self._evict(batch.seqs, batch.num_scheduled, score_from, result.scores or {})
+            if compactions:
+                # Now, while no block the sequences gave back can have been handed out again.
+                self.runner.move_blocks(BlockOps(compactions=compactions))
         if launched is not None:
             for seq in ready:  # one that the read above finished drops its sample
                 if not seq.finished:
@@ -445,11 +449,13 @@ class LLMEngine:
         return first if first < end else None
 
     def _evict(self, seqs: list[Sequence], num_scheduled: list[int], score_from: list[int | None],
-               scores: dict[int, torch.Tensor]) -> None:
+               scores: dict[int, torch.Tensor]) -> tuple[Compaction, ...]:
         """Each evicting sequence's slots grow by the tokens the step computed; one whose prompt
-        is computed and whose policy is due drops tokens, and the block manager compacts it."""
+        is computed and whose policy is due drops tokens, and the block manager compacts it.
+        Returns the compactions, for the pool."""
         cfg = self.model_config
         ran = {s.seq_id for s in seqs}
+        compactions: list[Compaction] = []
         for i, seq in enumerate(seqs):
             if seq.eviction is None:
                 continue
@@ -466,9 +472,13 @@ class LLMEngine:
             if seq.beam is not None and any(b.seq_id not in ran for b in self._requests[seq.request_id]):
                 continue  # it will recompute its last token in its slot (_step_beams): no moves now
             moves, after = state.evicted()
-            if self.block_manager.compact(seq.seq_id, moves.layer, moves.head, moves.src, moves.dst, moves.kept):
+            compaction = self.block_manager.compact(seq.seq_id, moves.layer, moves.head, moves.src, moves.dst,
+                                                    moves.kept)
+            if compaction is not None:
+                compactions.append(compaction)
                 seq.kv_state = after
                 self.evicted_tokens[seq.eviction.name] += after.num_evicted - state.num_evicted
+        return tuple(compactions)
 
     def _score_prompts(self, seqs: list[Sequence], num_scheduled: list[int], logits: torch.Tensor) -> None:
         """Prompt logprobs of the positions this step ran (rows in `prompt_span` order)."""

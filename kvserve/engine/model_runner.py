@@ -175,11 +175,13 @@ class ModelRunner:
                          pending.device[to_device(torch.tensor(src), pending.device.device)].to(self.device))
 
     def move_blocks(self, ops: BlockOps) -> None:
-        """The block moves of a step in which no sequence runs: async scheduling skips the sequences
-        awaiting their last token, and the step may preempt all the others (a swap-out lost here
-        would readmit a sequence over pages never written). No write plan: a compressed pool's
-        would retire staged blocks that only a forward pass seals (their copy-on-write copies
-        belong to sequences this step preempted, so they need no staging copy)."""
+        """Block moves outside a forward pass: those of a step in which no sequence runs (async
+        scheduling skips the sequences awaiting their last token, and the step may preempt all
+        the others: a swap-out lost here would readmit a sequence over pages never written), and
+        the compactions of the evictions a step decided, right after it. No write plan: a
+        compressed pool's would retire staged blocks that only a forward pass seals (the
+        copy-on-write copies of a step without sequences belong to sequences it preempted, so
+        they need no staging copy; evicting pools stage nothing)."""
         moves = BlockMoves(ops, None)
         if self.peers is not None:
             self.peers.broadcast(moves)

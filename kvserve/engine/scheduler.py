@@ -5,9 +5,9 @@ import itertools
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvserve.cache.block_manager import BlockManager, on_device
+from kvserve.cache.block_manager import BlockManager, HostBlock, PromptGrant, on_device
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.engine.sequence import Sequence, SequenceStatus
@@ -24,6 +24,21 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_scheduled)
+
+
+@dataclass
+class StepMoves:
+    """The block moves one `schedule()` call decides, gathered as its helpers return them. Each
+    call makes its own and turns it into its output's `BlockOps`: no move outlives its step."""
+    swap_out: list[tuple[int, int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int, int]] = field(default_factory=list)
+    offloads: list[tuple[int, HostBlock]] = field(default_factory=list)
+    loads: list[tuple[int, bytes]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def ops(self) -> BlockOps:
+        return BlockOps(swap_out=tuple(self.swap_out), swap_in=tuple(self.swap_in), offloads=tuple(self.offloads),
+                        loads=tuple(self.loads), copies=tuple(self.copies))
 
 
 class Scheduler:
@@ -67,26 +82,24 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
+        moves = StepMoves()
         if self.chunked_prefill:
-            return self._schedule_chunked()
+            return self._schedule_chunked(moves)
         # Swapped sequences hold finished work: they come back before new ones are admitted.
-        admitted = [] if self.swapped else self._admit(self.max_num_batched_tokens, chunked=False)
+        admitted = [] if self.swapped else self._admit(self.max_num_batched_tokens, moves, chunked=False)
         if admitted:
-            return SchedulerOutput(admitted, [s.num_runnable for s in admitted], True, [], self._block_ops())
-        self._swap_in()
-        preempted = self._make_room_for_decode()
+            return SchedulerOutput(admitted, [s.num_runnable for s in admitted], True, [], moves.ops())
+        self._swap_in(moves)
+        preempted = self._make_room_for_decode(moves)
         running = [s for s in self.running if not s.awaiting_length_finish]
         if self.recompute_all:
             for seq in running:
                 seq.num_computed_tokens = 0
-        return SchedulerOutput(running, [s.num_runnable for s in running], False, preempted, self._block_ops())
+        return SchedulerOutput(running, [s.num_runnable for s in running], False, preempted, moves.ops())
 
-    def _block_ops(self) -> BlockOps:
-        return BlockOps.collect(self.block_manager, self.swap)
-
-    def _schedule_chunked(self) -> SchedulerOutput:
-        self._swap_in()
-        preempted = self._make_room_for_decode()
+    def _schedule_chunked(self, moves: StepMoves) -> SchedulerOutput:
+        self._swap_in(moves)
+        preempted = self._make_room_for_decode(moves)
         budget = self.max_num_batched_tokens
         # Decodes first (one token each), then the remainders of partly prefilled prompts.
         decoding, prefilling = [], []
@@ -109,14 +122,14 @@ class Scheduler:
             counts.append(take)
             budget -= take
         if budget > 0 and not self.swapped:
-            for seq in self._admit(budget, chunked=True):
+            for seq in self._admit(budget, moves, chunked=True):
                 take = min(seq.num_runnable, budget)
                 if take == 0:  # a group member admitted with its fellows; its tokens run next step
                     continue
                 seqs.append(seq)
                 counts.append(take)
                 budget -= take
-        return SchedulerOutput(seqs, counts, not decoding, preempted, self._block_ops())
+        return SchedulerOutput(seqs, counts, not decoding, preempted, moves.ops())
 
     def complete_step(self, out: SchedulerOutput) -> list[int]:
         """After the model ran `out`: every scheduled sequence's computed tokens advance (the one
@@ -129,7 +142,7 @@ class Scheduler:
                 done.append(i)
         return done
 
-    def _admit(self, budget: int, chunked: bool) -> list[Sequence]:
+    def _admit(self, budget: int, moves: StepMoves, chunked: bool) -> list[Sequence]:
         """Admits waiting sequences while slots, blocks and `budget` allow; with `chunked`, the
         last one admitted may bring only part of its prompt this step (budget > 0 suffices)."""
         admitted: list[Sequence] = []
@@ -144,18 +157,17 @@ class Scheduler:
             if sum(1 + s.num_forks for s in group) > slots or budget <= 0 or (need > budget and not chunked):
                 break
             # Prompt logprobs need every prompt position's logits: no prefix taken from the cache.
-            cached = [self.block_manager.allocate_prompt(s.seq_id, s.token_ids, self.reserve_tokens,
+            grants = [self.block_manager.allocate_prompt(s.seq_id, s.token_ids, self.reserve_tokens,
                                                          use_cache=s.params.prompt_logprobs is None,
                                                          salt=s.cache_salt,
                                                          prefill_chunk=s.eviction and s.eviction.prefill_chunk)
                       for s in group]
-            if None in cached:
-                for seq, got in zip(group, cached):
-                    if got is not None:
-                        self.block_manager.free(seq.seq_id)
+            if any(grant is None for grant in grants):
+                self._roll_back(group, grants)
                 break
-            for seq, hit in zip(group, cached):
-                seq.num_computed_tokens = hit
+            for seq, grant in zip(group, grants):
+                seq.num_computed_tokens = grant.cached
+                moves.loads += grant.loads
                 budget -= seq.num_runnable
                 slots -= 1 + seq.num_forks
                 seq.first_scheduled_time = seq.first_scheduled_time or time.perf_counter()
@@ -165,13 +177,22 @@ class Scheduler:
                 admitted.append(seq)
         return admitted
 
+    def _roll_back(self, group: list[Sequence], grants: list[PromptGrant | None]) -> None:
+        """A group that did not fit gives back the blocks its first members were granted. Their
+        remote loads go too: the blocks may be reused in this very step, and a load landing there
+        would overwrite the new owner's data."""
+        for seq, grant in zip(group, grants):
+            if grant is not None:
+                self.block_manager.free(seq.seq_id)
+        self.block_manager.drop_loads(tuple(load for grant in grants if grant is not None for load in grant.loads))
+
     def _group_at_head(self) -> list[Sequence]:
         head = self.waiting[0]
         if head.beam is None:
             return [head]
         return list(itertools.takewhile(lambda s: s.beam is head.beam, self.waiting))
 
-    def _make_room_for_decode(self) -> list[Sequence]:
+    def _make_room_for_decode(self, moves: StepMoves) -> list[Sequence]:
         """Every running sequence needs a slot for its next token; when blocks run out, the most
         recently admitted sequence (with its fellow beams) is preempted by recompute or swap, and
         a sequence too long to be readmitted offloads cold blocks instead."""
@@ -179,8 +200,12 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if seq.awaiting_length_finish or self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run,
-                                                                         self.reserve_tokens):
+            if seq.awaiting_length_finish:
+                i += 1
+                continue
+            copies = self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run, self.reserve_tokens)
+            if copies is not None:
+                moves.copies += copies
                 i += 1
                 continue
             # The most recent sequence that could be admitted again; one that has outgrown the
@@ -189,17 +214,19 @@ class Scheduler:
             # Not one awaiting its last token (async scheduling): its blocks are about to be freed.
             victim = next((s for s in reversed(self.running) if not s.awaiting_length_finish
                            and bm.blocks_for(s.num_tokens) <= bm.num_blocks), seq)
-            if victim is seq and seq.beam is None and bm.offload_coldest(seq.seq_id):
+            offload = bm.offload_coldest(seq.seq_id) if victim is seq and seq.beam is None else None
+            if offload is not None:
+                moves.offloads.append(offload)
                 continue
             group = [s for s in self.running if s.beam is victim.beam] if victim.beam else [victim]
             for member in group:
                 self.running.remove(member)
-                self.preempt(member)
+                moves.swap_out += self.preempt(member)
                 preempted.append(member)
             i = 0  # members may have sat before i; allocating again is a no-op for the others
         return preempted
 
-    def _swap_in(self) -> None:
+    def _swap_in(self, moves: StepMoves) -> None:
         """Bring swapped sequences back while blocks allow, leaving every running sequence room to
         take one more block this step, so none of them is preempted right after. With nothing
         running, the head comes back if it fits at all; one that cannot (its next token needs
@@ -216,9 +243,10 @@ class Scheduler:
                     self._requeue(self.swapped.popleft())
                     continue
                 break
-            allocated = bm.allocate(seq.seq_id, seq.num_slots_to_run, salt=seq.cache_salt)  # checked above
-            assert allocated
-            self.swap.swap_in(seq.seq_id, bm.tables[seq.seq_id])
+            # Blocks suffice (checked above), and a new table shares no block to copy.
+            copies = bm.allocate(seq.seq_id, seq.num_slots_to_run, salt=seq.cache_salt)
+            assert copies == ()
+            moves.swap_in += self.swap.swap_in(seq.seq_id, bm.tables[seq.seq_id])
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.swapped.popleft())
             seats += 1 + seq.num_forks
@@ -232,21 +260,24 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> tuple[tuple[int, int, int], ...]:
+        """Returns the swap-out copies (device block, tier, slot) of a sequence preempted by swap,
+        to run before its blocks are reused; none for one preempted by recompute."""
         seq.num_preemptions += 1
         table = self.block_manager.tables[seq.seq_id]
         # Beams stay on the recompute path: they must come back together (see `_admit`).
         resident = all(map(on_device, table))
-        swapped = (self.swap is not None and seq.beam is None and resident
-                   and self.prefer_swap(seq.num_slots) and self.swap.swap_out(seq.seq_id, table))
+        swap_out = self.swap.swap_out(seq.seq_id, table) if (
+            self.swap is not None and seq.beam is None and resident and self.prefer_swap(seq.num_slots)) else None
         self.block_manager.free(seq.seq_id)
-        if swapped:
+        if swap_out is not None:
             seq.status = SequenceStatus.SWAPPED
             self.preemptions["swap"] += 1
             self.swapped.append(seq)
-            return
+            return swap_out
         self.preemptions["recompute"] += 1
         self._requeue(seq)
+        return ()
 
     def _requeue(self, seq: Sequence) -> None:
         """Back to the head of the queue, to be recomputed in full (then evicted again by its policy)."""

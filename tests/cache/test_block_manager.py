@@ -31,7 +31,7 @@ def check_invariants(bm: BlockManager) -> None:
 def test_blocks_only_when_crossing_boundary(tokens: int, blocks: int) -> None:
     # block_size 4: tokens 1..4 fit in one block, the 5th needs a second.
     bm = BlockManager(num_blocks=10, block_size=4)
-    assert bm.allocate("a", tokens)
+    assert bm.allocate("a", tokens) is not None
     assert len(bm.tables["a"]) == blocks
     assert len(bm.free_blocks) == 10 - blocks
 
@@ -41,7 +41,7 @@ def test_growing_one_token_at_a_time() -> None:
     bm = BlockManager(num_blocks=10, block_size=4)
     history: list[list[int]] = []
     for n in range(1, 14):
-        assert bm.allocate("a", n)
+        assert bm.allocate("a", n) is not None
         history.append(list(bm.tables["a"]))
     sizes = [len(t) for t in history]
     assert sizes == [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4]
@@ -52,13 +52,13 @@ def test_growing_one_token_at_a_time() -> None:
 
 def test_failed_allocate_changes_nothing() -> None:
     bm = BlockManager(num_blocks=3, block_size=4)
-    assert bm.allocate("a", 8)             # 2 blocks, 1 left
+    assert bm.allocate("a", 8) is not None  # 2 blocks, 1 left
     tables = {k: list(v) for k, v in bm.tables.items()}
     free = list(bm.free_blocks)
     tokens = dict(bm.num_tokens)
-    assert not bm.allocate("b", 5)         # new sequence needs 2
-    assert not bm.allocate("a", 13)        # existing sequence needs 2 more
-    assert not bm.allocate("c", 1, reserve_tokens=8)  # reservation needs 2
+    assert bm.allocate("b", 5) is None      # new sequence needs 2
+    assert bm.allocate("a", 13) is None     # existing sequence needs 2 more
+    assert bm.allocate("c", 1, reserve_tokens=8) is None  # reservation needs 2
     assert {k: list(v) for k, v in bm.tables.items()} == tables  # no empty table left for b or c
     assert list(bm.free_blocks) == free
     assert bm.num_tokens == tokens
@@ -71,17 +71,17 @@ def test_failed_allocate_after_empty_table() -> None:
     # still change nothing: before it, "a" is known with 0 tokens; after it, it must be the same,
     # and the token record must never outlive the table (usage() and the scheduler rely on both).
     bm = BlockManager(num_blocks=1, block_size=4)
-    assert bm.allocate("a", 0)
+    assert bm.allocate("a", 0) is not None
     assert bm.tables == {"a": []} and bm.num_tokens == {"a": 0}
-    assert not bm.allocate("a", 8)
+    assert bm.allocate("a", 8) is None
     assert set(bm.num_tokens) <= set(bm.tables), "num_tokens has an entry with no table"
     assert bm.tables == {"a": []} and bm.num_tokens == {"a": 0}
 
 
 def test_free_returns_all_blocks() -> None:
     bm = BlockManager(num_blocks=8, block_size=2)
-    assert bm.allocate("a", 5)             # 3 blocks
-    assert bm.allocate("b", 4)             # 2 blocks
+    assert bm.allocate("a", 5) is not None  # 3 blocks
+    assert bm.allocate("b", 4) is not None  # 2 blocks
     a_blocks = list(bm.tables["a"])
     bm.free("a")
     assert "a" not in bm.tables and "a" not in bm.num_tokens
@@ -112,7 +112,7 @@ def test_random_operations_keep_invariants() -> None:
             have = model.get(seq_id, 0)
             need = -(-max(tokens, reserve) // 4) - have
             free_now = 24 - sum(model.values())
-            ok = bm.allocate(seq_id, tokens, reserve)
+            ok = bm.allocate(seq_id, tokens, reserve) is not None
             assert ok == (need <= free_now)
             if ok:
                 model[seq_id] = have + max(need, 0)
@@ -141,25 +141,25 @@ def test_usage_waste_hand_worked() -> None:
 
 def test_reserve_tokens_allocates_reservation_up_front() -> None:
     bm = BlockManager(num_blocks=10, block_size=4)
-    assert bm.allocate("a", 3, reserve_tokens=20)  # ceil(20/4) = 5 blocks for 3 tokens
+    assert bm.allocate("a", 3, reserve_tokens=20) is not None  # ceil(20/4) = 5 blocks for 3 tokens
     assert len(bm.tables["a"]) == 5
     assert bm.num_tokens["a"] == 3
     # Growing within the reservation takes no new block.
     for n in range(4, 21):
-        assert bm.allocate("a", n, reserve_tokens=20)
+        assert bm.allocate("a", n, reserve_tokens=20) is not None
         assert len(bm.tables["a"]) == 5
     # Past the reservation it grows like any other sequence.
-    assert bm.allocate("a", 21, reserve_tokens=20)
+    assert bm.allocate("a", 21, reserve_tokens=20) is not None
     assert len(bm.tables["a"]) == 6
     check_invariants(bm)
 
 
 def test_allocate_takes_what_is_free_and_no_more() -> None:
     bm = BlockManager(num_blocks=3, block_size=4)
-    assert bm.allocate("a", 4)
-    assert not bm.allocate("b", 9) and "b" not in bm.tables  # a failed allocation changes nothing
-    assert bm.allocate("b", 8)
-    assert not bm.allocate("a", 5) and len(bm.tables["a"]) == 1
+    assert bm.allocate("a", 4) is not None
+    assert bm.allocate("b", 9) is None and "b" not in bm.tables  # a failed allocation changes nothing
+    assert bm.allocate("b", 8) is not None
+    assert bm.allocate("a", 5) is None and len(bm.tables["a"]) == 1
 
 
 def test_peak_used() -> None:
@@ -174,22 +174,21 @@ def test_peak_used() -> None:
     assert bm.peak_used == 5
     bm.allocate("d", 16)  # 7 used: new peak
     assert bm.peak_used == 7
-    assert not bm.allocate("e", 16)  # a failed allocation does not move the peak
+    assert bm.allocate("e", 16) is None  # a failed allocation does not move the peak
     assert bm.peak_used == 7
 
 
 def test_offloaded_entries_are_host_blocks_addressed_past_the_device_pool() -> None:
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False, num_host_blocks=3)
-    assert bm.allocate("a", 7)  # 4 blocks: the whole device pool
+    assert bm.allocate("a", 7) is not None  # 4 blocks: the whole device pool
     device = list(bm.tables["a"])
-    assert bm.offload_coldest("a") and bm.offload_coldest("a")
+    offloads = [bm.offload_coldest("a"), bm.offload_coldest("a")]
     table = bm.tables["a"]
     hosts = [b for b in table if isinstance(b, HostBlock)]
     # The two oldest blocks moved; kernels read them by id num_blocks + host index.
     assert table[2:] == device[2:] and len(hosts) == 2 and table[:2] == hosts
     assert [int(b) for b in hosts] == [4 + b.host_index for b in hosts]
     assert sorted(b.host_index for b in hosts) == [0, 1]
-    _, offloads, _, _ = bm.take_moves()
     assert offloads == [(device[0], hosts[0]), (device[1], hosts[1])]
     assert bm.usage().offloaded == 2 and len(bm.free_blocks) == 2
     bm.free("a")
@@ -205,12 +204,12 @@ def test_compaction_frees_the_tail_blocks_hand_count() -> None:
     """50 slots in blocks of 8 (7 blocks) kept down to 20 (3 blocks): 4 blocks come back; slots
     map through the table as it stood, sources in released blocks included."""
     bm = BlockManager(num_blocks=10, block_size=8, enable_prefix_caching=False)
-    assert bm.allocate("a", 50)
+    assert bm.allocate("a", 50) is not None
     table = list(bm.tables["a"])
-    assert bm.compact("a", *_moves([45, 49], [3, 17]), kept=20)
+    c = bm.compact("a", *_moves([45, 49], [3, 17]), kept=20)
+    assert c is not None
     assert bm.tables["a"] == table[:3] and bm.num_tokens["a"] == 20
     assert bm.evicted_blocks == 4 and len(bm.free_blocks) == 10 - 3
-    (c,), _, _, _ = bm.take_moves()
     assert c.copies == ()
     assert c.src.tolist() == [table[5] * 8 + 5, table[6] * 8 + 1]
     assert c.dst.tolist() == [table[0] * 8 + 3, table[2] * 8 + 1]
@@ -223,13 +222,13 @@ def test_compaction_copies_shared_and_cached_blocks_it_writes() -> None:
     the prefix cache is copied too, so the cached prefix stays intact."""
     bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True)
     tokens = list(range(16))
-    assert bm.allocate_prompt("a", tokens) == 0
+    assert bm.allocate_prompt("a", tokens).cached == 0
     bm.register_full_blocks("a", tokens, 16)
     bm.fork("a", "b")
     original = list(bm.tables["a"])
     # Keep 6 slots: writes land in block 0 (slot 2) and block 1 (slot 5), and block 1 is partial.
-    assert bm.compact("a", *_moves([14, 15], [2, 5]), kept=6)
-    (c,), _, _, _ = bm.take_moves()
+    c = bm.compact("a", *_moves([14, 15], [2, 5]), kept=6)
+    assert c is not None
     assert [s for s, _ in c.copies] == original[:2]
     fresh = [d for _, d in c.copies]
     assert bm.tables["a"] == fresh and bm.tables["b"] == original
@@ -237,7 +236,7 @@ def test_compaction_copies_shared_and_cached_blocks_it_writes() -> None:
     assert c.dst.tolist() == [fresh[0] * 4 + 2, fresh[1] * 4 + 1]
     assert c.src.tolist() == [original[3] * 4 + 2, original[3] * 4 + 3]  # read before release
     bm.free("b")
-    assert bm.allocate_prompt("c", tokens + [99]) == 16  # the whole prefix is still served
+    assert bm.allocate_prompt("c", tokens + [99]).cached == 16  # the whole prefix is still served
     bm.free("a")
     bm.free("c")
     assert len(bm.free_blocks) == 12
@@ -245,20 +244,20 @@ def test_compaction_copies_shared_and_cached_blocks_it_writes() -> None:
 
 def test_compaction_changes_nothing_when_copies_cannot_be_made() -> None:
     bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
-    assert bm.allocate("a", 16)
+    assert bm.allocate("a", 16) is not None
     bm.fork("a", "b")
-    assert not bm.compact("a", *_moves([13], [1]), kept=8)
-    assert bm.tables["a"] == bm.tables["b"] and bm.take_moves() == ([], [], [], [])
+    assert bm.compact("a", *_moves([13], [1]), kept=8) is None
+    assert bm.tables["a"] == bm.tables["b"]
 
 
 @pytest.mark.parametrize("caching", [True, False])
 def test_unregistered_blocks_are_the_full_ones_register_full_blocks_would_hash(caching: bool) -> None:
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=caching)
     tokens = list(range(10))
-    assert bm.allocate_prompt("a", tokens) == 0
+    assert bm.allocate_prompt("a", tokens).cached == 0
     assert not bm.has_unregistered_blocks("a", 3)  # no block is full yet
     assert bm.has_unregistered_blocks("a", 10) == caching  # blocks 0 and 1 are
     assert len(bm.register_full_blocks("a", tokens, 10)) == (2 if caching else 0)
     assert not bm.has_unregistered_blocks("a", 10)
-    assert bm.allocate("a", 12)
+    assert bm.allocate("a", 12) is not None
     assert bm.has_unregistered_blocks("a", 12) == caching  # block 2 filled

@@ -8,8 +8,9 @@ Reading every sequence's block table slot by slot through that simulated pool mu
 sequence's own tokens: this is what shows that prefix-cache hits and copy-on-write are correct.
 
 Token eviction (`compact`) drops slots of a sequence: the shadow then tracks which position each
-slot holds, and reading the table must give back the tokens at those positions. Compactions are
-applied before everything else of the next forward, as the runner does.
+slot holds, and reading the table must give back the tokens at those positions. A compaction
+waits for the next apply, where it goes before every other move, as in `BlockOps`; the engine
+applies it sooner, right after the step that decided it, which is one of the orders drawn here.
 
 Preemption by swap runs the real `SwapSpace` over a real (tiny) `KVPool`: every write and every
 copy is mirrored into the pool's K tensor (the token id as a float), and the machine keeps a shadow
@@ -28,7 +29,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import torch
 
 from kvserve.cache.block_manager import BlockManager
-from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.compaction import Compaction
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.swap_space import SwapSpace
@@ -78,6 +78,12 @@ class Model:
     tiers: TierPool = field(default_factory=dict)
     pending_swaps: list[SwapOp] = field(default_factory=list)
     swapped_in: set[str] = field(default_factory=set)  # swapped in since the last apply
+    # The moves the manager and swap space returned since the last apply, as the scheduler
+    # gathers a step's (the engine hands its compactions to the runner the same way).
+    compactions: list[Compaction] = field(default_factory=list)
+    swap_out: list[tuple[int, int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def with_copies(pool: Pool, copies: list[tuple[int, int]], block_size: int) -> Pool:
@@ -119,20 +125,20 @@ def with_compactions(pool: Pool, compactions: list[Compaction], block_size: int)
 
 
 def apply_copies(bm: BlockManager, model: Model) -> None:
-    """What the scheduler and ModelRunner.forward do: collect the step's block moves, apply the
-    compactions, the swaps, then the copy-on-write copies (the shadows and the real pool alike)."""
-    ops = BlockOps.collect(bm, model.swap)
-    model.pool = with_compactions(model.pool, list(ops.compactions), bm.block_size)
+    """What ModelRunner.apply does with a step's block moves: the compactions, the swaps, then
+    the copy-on-write copies (the shadows and the real pool alike)."""
+    model.pool = with_compactions(model.pool, model.compactions, bm.block_size)
     if model.kv is not None:
-        model.kv.compact(ops.compactions)
+        model.kv.compact(tuple(model.compactions))
     if model.swap is not None:
         model.pool, model.tiers = with_swaps(model.pool, model.tiers, model.pending_swaps, bm.block_size)
-        model.swap.apply(model.kv, ops.swap_out, ops.swap_in)
+        model.swap.apply(model.kv, model.swap_out, model.swap_in)
     model.pending_swaps.clear()
     model.swapped_in.clear()
-    model.pool = with_copies(model.pool, list(ops.copies), bm.block_size)
+    model.pool = with_copies(model.pool, model.copies, bm.block_size)
     if model.kv is not None:
-        model.kv.copy_blocks(list(ops.copies))
+        model.kv.copy_blocks(model.copies)
+    model.compactions, model.swap_out, model.swap_in, model.copies = [], [], [], []
 
 
 def write(bm: BlockManager, model: Model, seq_id: str, start: int, end: int) -> None:
@@ -140,7 +146,7 @@ def write(bm: BlockManager, model: Model, seq_id: str, start: int, end: int) -> 
 
     A write must land in a block this sequence alone owns (else it would change a sibling's or a
     cached prefix's K/V) and that is not in the prefix cache (whose contents must stay fixed)."""
-    assert not bm.pending_copies and not bm.pending_compactions, "moves must be applied before the forward writes"
+    assert not model.copies and not model.compactions, "moves must be applied before the forward writes"
     seq = model.seqs[seq_id]
     table = bm.tables[seq_id]
     bs = bm.block_size
@@ -190,9 +196,9 @@ def check_invariants(bm: BlockManager, model: Model) -> None:
     assert set(bm.tables) == set(bm.num_tokens) == set(model.seqs)
     # The contents once the pending swaps and copies land (the next forward applies them, in
     # that order, before reading).
-    compacted = with_compactions(model.pool, bm.pending_compactions, bm.block_size)
+    compacted = with_compactions(model.pool, model.compactions, bm.block_size)
     swapped_pool, tiers_view = with_swaps(compacted, model.tiers, model.pending_swaps, bm.block_size)
-    view = with_copies(swapped_pool, bm.pending_copies, bm.block_size)
+    view = with_copies(swapped_pool, model.copies, bm.block_size)
     for key, block_id in bm.cache.items():
         block = bm.blocks[block_id]
         assert block.hash == key, f"cache entry for block {block_id} has a different hash"
@@ -231,7 +237,7 @@ def check_swap_invariants(bm: BlockManager, model: Model, tiers_view: TierPool) 
         assert seq_id not in bm.tables and seq_id not in bm.num_tokens, f"swapped {seq_id} has a block table"
         assert seq_id not in model.seqs
     held = [ts for slots in swap.swapped.values() for ts in slots]
-    pending_in = [(t, s) for t, s, _ in swap._in]
+    pending_in = [(t, s) for t, s, _ in model.swap_in]
     assert len(set(held + pending_in)) == len(held) + len(pending_in), "a tier slot is held twice"
     usage = {u.name: u for u in swap.usage()}
     for index, tier in enumerate(swap.tiers):
@@ -322,13 +328,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
             tokens = [0]
         seq_id = self._new_id()
         before = (dict(self.bm.tables), self.bm.free_blocks, dict(self.bm.cache))
-        cached = self.bm.allocate_prompt(seq_id, tokens, self.reserve)
-        if cached is None:
+        grant = self.bm.allocate_prompt(seq_id, tokens, self.reserve)
+        if grant is None:
             # All or nothing: a refused admission changes nothing.
             assert before == (dict(self.bm.tables), self.bm.free_blocks, dict(self.bm.cache))
             event("admit: refused")
             return
-        bs = self.bm.block_size
+        bs, cached = self.bm.block_size, grant.cached
+        assert grant.loads == ()  # no remote tier
         event("admit: prefix-cache hit" if cached else "admit: no hit")
         # Only whole blocks hit, and the last prompt token is always computed.
         assert cached % bs == 0 and cached <= len(tokens) - 1
@@ -356,14 +363,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.bm.register_full_blocks(seq_id, list(seq.tokens), seq.registered)
             return
         n = len(seq.tokens)
-        before = (dict(self.bm.tables), self.bm.free_blocks, list(self.bm.pending_copies))
-        if not self.bm.allocate(seq_id, n - seq.evicted, self.reserve):
+        before = (dict(self.bm.tables), self.bm.free_blocks)
+        copies = self.bm.allocate(seq_id, n - seq.evicted, self.reserve)
+        if copies is None:
             # All or nothing: the scheduler preempts someone and retries.
-            assert before == (dict(self.bm.tables), self.bm.free_blocks, list(self.bm.pending_copies))
+            assert before == (dict(self.bm.tables), self.bm.free_blocks)
             event("decode: no room")
             return
         assert self.bm.num_tokens[seq_id] == n - seq.evicted
-        event("decode: copy-on-write" if self.bm.pending_copies else "decode: own block")
+        self.model.copies += copies
+        event("decode: copy-on-write" if copies else "decode: own block")
         apply_copies(self.bm, self.model)
         write(self.bm, self.model, seq_id, n - 1, n)
 
@@ -388,7 +397,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if seq_id is None:
             return
         seq = self.model.seqs.pop(seq_id)
-        event("free: with a pending copy" if self.bm.pending_copies else "free")
+        event("free: with a pending copy" if self.model.copies else "free")
         self.bm.free(seq_id)
         assert seq_id not in self.bm.tables and seq_id not in self.bm.num_tokens
         self.freed_tokens.append(seq.tokens)
@@ -402,16 +411,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if swap is None or seq_id is None:
             return
         table = list(self.bm.tables[seq_id])
-        before = (dict(swap.swapped), [list(t.free) for t in swap.tiers], list(swap._out))
-        if not swap.swap_out(seq_id, self.bm.tables[seq_id]):
+        before = (dict(swap.swapped), [list(t.free) for t in swap.tiers])
+        copies = swap.swap_out(seq_id, self.bm.tables[seq_id])
+        if copies is None:
             # Tiers full: nothing changes and the sequence stays running.
             assert len(table) > swap.free_slots
-            assert before == (dict(swap.swapped), [list(t.free) for t in swap.tiers], list(swap._out))
+            assert before == (dict(swap.swapped), [list(t.free) for t in swap.tiers])
             assert self.bm.tables[seq_id] == table
             event("swap out: tiers full")
             return
         slots = swap.swapped[seq_id]
         assert len(slots) == len(table)
+        assert copies == tuple((block, tier, slot) for (tier, slot), block in zip(slots, table))
+        self.model.swap_out += copies
         for (tier, slot), block in zip(slots, table):
             self.model.pending_swaps.append(("out", block, tier, slot))
         for name in sorted({swap.tiers[tier].name for tier, _ in slots}):
@@ -428,15 +440,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         ids = sorted(self.model.swapped)
         seq_id = ids[index % len(ids)]
         seq = self.model.swapped[seq_id]
-        before = (dict(self.bm.tables), self.bm.free_blocks, list(self.bm.pending_copies))
-        if not self.bm.allocate(seq_id, len(seq.tokens) - seq.evicted):
-            assert before == (dict(self.bm.tables), self.bm.free_blocks, list(self.bm.pending_copies))
+        before = (dict(self.bm.tables), self.bm.free_blocks)
+        copies = self.bm.allocate(seq_id, len(seq.tokens) - seq.evicted)
+        if copies is None:
+            assert before == (dict(self.bm.tables), self.bm.free_blocks)
             event("swap in: no room")
             return
+        assert copies == (), "a new table shares no block to copy"
         slots = swap.swapped[seq_id]
         table = self.bm.tables[seq_id]
         assert all(self.bm.blocks[b].ref_count == 1 for b in table), "swapped in into a shared block"
-        swap.swap_in(seq_id, table)
+        back = swap.swap_in(seq_id, table)
+        assert back == tuple((tier, slot, block) for (tier, slot), block in zip(slots, table))
+        self.model.swap_in += back
         for (tier, slot), block in zip(slots, table):
             self.model.pending_swaps.append(("in", tier, slot, block))
         event("swap in")
@@ -460,7 +476,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def evict(self, index: int, data: st.DataObject) -> None:
         """LLMEngine._evict after a forward: keep a subset of a sequence's slots (as a policy
         would, one head), moving kept slots from past the kept count into dropped ones below it.
-        The engine evicts right after a forward, which applied every move recorded before it."""
+        The engine evicts right after a forward, which applied every move returned before it."""
         apply_copies(self.bm, self.model)
         seq_id = self._pick(index)
         if seq_id is None:
@@ -475,8 +491,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         sources = [i for i in keep if i >= kept]
         zeros = torch.zeros(len(holes), dtype=torch.long)
         before = (dict(self.bm.tables), self.bm.free_blocks, dict(self.bm.cache))
-        if not self.bm.compact(seq_id, zeros, zeros, torch.tensor(sources, dtype=torch.long),
-                               torch.tensor(holes, dtype=torch.long), kept):
+        compaction = self.bm.compact(seq_id, zeros, zeros, torch.tensor(sources, dtype=torch.long),
+                                     torch.tensor(holes, dtype=torch.long), kept)
+        if compaction is None:
             assert before == (dict(self.bm.tables), self.bm.free_blocks, dict(self.bm.cache))
             event("evict: no room for copies")
             return
@@ -484,7 +501,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq.held = [held[moved.get(i, i)] for i in range(kept)]
         assert self.bm.num_tokens[seq_id] == kept
         assert len(self.bm.tables[seq_id]) == self.bm.blocks_for(kept)
-        event("evict: copies" if self.bm.pending_compactions[-1].copies else "evict")
+        self.model.compactions.append(compaction)
+        event("evict: copies" if compaction.copies else "evict")
 
     @rule()
     def run_copies(self) -> None:
@@ -510,7 +528,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert all(b.ref_count == 0 for b in self.bm.blocks)
         assert len(self.bm.free_blocks) == self.bm.num_blocks
         if swap is not None:
-            assert not swap.swapped and not swap._in and not swap._out
+            assert not swap.swapped
             for u in swap.usage():
                 assert u.used == 0 and u.free == u.total, f"{u.name} tier not entirely free: {u}"
             if swap._file is not None:
@@ -547,7 +565,7 @@ def test_eviction_is_lru_deeper_first_and_never_full_blocks_go_first(
     # Distinct tokens per sequence, so no two sequences share a block.
     prompts = [[1000 * (i + 1) + t for t in range(full * bs + tail)] for i, (full, tail) in enumerate(shapes)]
     for i, prompt in enumerate(prompts):
-        assert bm.allocate_prompt(f"s{i}", prompt) == 0
+        assert bm.allocate_prompt(f"s{i}", prompt).cached == 0
         bm.register_full_blocks(f"s{i}", prompt, len(prompt))  # as after the prefill step
     full_blocks = {i: bm.tables[f"s{i}"][:shapes[i][0]] for i in range(len(shapes))}
     never_full = set(range(num_blocks)) - {b for blocks in full_blocks.values() for b in blocks}
@@ -555,7 +573,7 @@ def test_eviction_is_lru_deeper_first_and_never_full_blocks_go_first(
         bm.free(f"s{i}")
     if touch is not None:
         # A hit makes the sequence's blocks the most recently used once freed again.
-        assert bm.allocate_prompt("again", prompts[touch]) == shapes[touch][0] * bs
+        assert bm.allocate_prompt("again", prompts[touch]).cached == shapes[touch][0] * bs
         assert bm.tables["again"][:shapes[touch][0]] == full_blocks[touch]
         bm.free("again")
         order = [i for i in order if i != touch] + [touch]
@@ -564,7 +582,7 @@ def test_eviction_is_lru_deeper_first_and_never_full_blocks_go_first(
     # never evicted while a block that continues it stays cached (it could no longer be hit).
     expected_cached = [b for i in order for b in reversed(full_blocks[i])]
     # Taking every block for an unrelated sequence shows the order they are reused in.
-    assert bm.allocate("taker", num_blocks * bs)
+    assert bm.allocate("taker", num_blocks * bs) is not None
     taken = bm.tables["taker"]
     assert set(taken[:len(never_full)]) == never_full, "a cached block was evicted before a never-full one"
     assert taken[len(never_full):] == expected_cached
@@ -582,13 +600,12 @@ def test_partial_eviction_keeps_the_remaining_prefix_hittable(bs: int, full: int
     num_blocks = full + 1 + extra
     bm = BlockManager(num_blocks, bs)
     prompt = list(range(full * bs + 1))  # `full` full blocks and a one-token tail
-    assert bm.allocate_prompt("a", prompt) == 0
+    assert bm.allocate_prompt("a", prompt).cached == 0
     bm.register_full_blocks("a", prompt, len(prompt))
     bm.free("a")
     evict = min(evict, full)
     # Use up every never-full block, then `evict` cached ones.
-    assert bm.allocate("taker", (num_blocks - full + evict) * bs)
+    assert bm.allocate("taker", (num_blocks - full + evict) * bs) is not None
     assert bm.usage().cached == full - evict
     bm.free("taker")
-    cached = bm.allocate_prompt("b", prompt)
-    assert cached == (full - evict) * bs
+    assert bm.allocate_prompt("b", prompt).cached == (full - evict) * bs

@@ -6,10 +6,11 @@ from kvserve.cache.block_manager import BlockManager, block_hash
 
 def run_prompt(bm: BlockManager, seq_id: str, tokens: list[int]) -> int | None:
     """Admit, pretend the prefill wrote every token, and register the full blocks."""
-    cached = bm.allocate_prompt(seq_id, tokens)
-    if cached is not None:
-        bm.register_full_blocks(seq_id, tokens, len(tokens))
-    return cached
+    grant = bm.allocate_prompt(seq_id, tokens)
+    if grant is None:
+        return None
+    bm.register_full_blocks(seq_id, tokens, len(tokens))
+    return grant.cached
 
 
 def test_shared_prefix_reuses_blocks_and_leaves_the_last_token() -> None:
@@ -79,12 +80,11 @@ def test_fork_shares_and_copy_on_write_splits_the_partial_block() -> None:
     bm.fork("p", "c")
     assert bm.tables["c"] == bm.tables["p"] and bm.usage().used == 2
     shared_partial = bm.tables["p"][1]
-    assert bm.allocate("c", 7)                     # c writes token 7 into the shared block
-    assert bm.pending_copies == [(shared_partial, bm.tables["c"][1])]
+    copies = bm.allocate("c", 7)                   # c writes token 7 into the shared block
+    assert copies == ((shared_partial, bm.tables["c"][1]),)
     assert bm.tables["c"][0] == bm.tables["p"][0]  # the full block stays shared
     assert bm.blocks[shared_partial].ref_count == 1
-    assert bm.allocate("p", 7)                     # p is now sole owner: no copy
-    assert len(bm.pending_copies) == 1
+    assert bm.allocate("p", 7) == ()               # p is now sole owner: no copy
     bm.free("p")
     bm.free("c")
     assert all(b.ref_count == 0 for b in bm.blocks)

@@ -83,7 +83,7 @@ class Driver:
         starts = list(self.len)
         ends = [s + n for s, n in zip(starts, new)]
         for sid, end in zip(self.ids, ends):
-            assert self.bm.allocate(sid, end)
+            assert self.bm.allocate(sid, end) is not None
         step = StepMetadata.build(new, ends, [self.bm.tables[s][:self.bm.blocks_for(e)]
                                               for s, e in zip(self.ids, ends)], self.bs, torch.device("cpu"),
                                   kv_plan=self.pool.plan_step(self.bm, list(zip(self.ids, starts, ends))))

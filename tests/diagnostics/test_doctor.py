@@ -4,6 +4,7 @@ not isolate, a mask that lets a token see the next one, a beam score off by a co
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from kvserve.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
 from kvserve.cache import block_manager
-from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.block_manager import BlockManager, PromptGrant
 from kvserve.cache.kv_pool import DenseLayerKV
 from kvserve.cli import build_parser
 from kvserve.diagnostics import doctor
@@ -81,10 +82,10 @@ def test_a_beam_score_bug_fails_beam_rescoring(monkeypatch: pytest.MonkeyPatch) 
 def test_a_prefix_hit_that_skips_a_token_fails_hit_vs_miss(monkeypatch: pytest.MonkeyPatch) -> None:
     allocate = BlockManager.allocate_prompt
 
-    def overclaimed(self: BlockManager, *args: Any, **kwargs: Any) -> int | None:
-        cached = allocate(self, *args, **kwargs)
+    def overclaimed(self: BlockManager, *args: Any, **kwargs: Any) -> PromptGrant | None:
+        grant = allocate(self, *args, **kwargs)
         # A hit claims one token more than its blocks hold: that token's K/V is never written.
-        return cached + 1 if cached else cached
+        return replace(grant, cached=grant.cached + 1) if grant is not None and grant.cached else grant
 
     monkeypatch.setattr(BlockManager, "allocate_prompt", overclaimed)
     report = run("--formats", "")

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
+from typing import Any
 
-from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.block_manager import BlockManager, PromptGrant
+from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.sampling_params import SamplingParams
@@ -267,3 +269,54 @@ def test_chunked_prefill_budget_goes_to_decodes_before_new_prompts() -> None:
     sched.add(make_seq("p", 30))
     out = sched.schedule()
     assert ids(out.seqs) == ["d0", "d1", "d2", "d3", "p"] and out.num_scheduled == [1, 1, 1, 1, 2]
+
+
+class ServingRemoteTier:
+    """A remote KV tier that holds every block asked for (its pages: its hash), as a warm Redis."""
+
+    def __init__(self) -> None:
+        self.fetched: list[bytes] = []
+
+    def fetch(self, hashes: list[bytes]) -> list[bytes]:
+        self.fetched += hashes
+        return [b"pages of " + h for h in hashes]
+
+
+def test_a_rolled_back_group_drops_its_remote_loads_and_their_cache_entries() -> None:
+    """A beam group whose first member got blocks from the remote tier and whose second did not
+    fit gives the blocks back: a decode in the same step takes one of them, so no load may land
+    there, and no cache entry may name a block whose pages never came. Once the group fits, its
+    members' loads go into the step that admits it."""
+    remote = ServingRemoteTier()
+    bm = BlockManager(num_blocks=6, block_size=4, remote=remote)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=1000)
+    runner = make_seq("r", 4)
+    sched.add(runner)
+    run_model(sched, sched.schedule())  # one block; its next token needs a second
+    beam = BeamGroup(width=2, length_penalty=1.0, early_stopping=False, max_tokens=4, eos_token_id=None)
+    first = Sequence("g", list(range(100, 109)), SamplingParams(), seed=0, beam=beam)  # 2 remote blocks + 1
+    second = Sequence("g", list(range(200, 209)), SamplingParams(), seed=0, beam=beam, index=1)
+    sched.add(first)
+    sched.add(second)
+    grants: list[PromptGrant | None] = []
+    allocate_prompt = bm.allocate_prompt
+
+    def recording(*args: Any, **kwargs: Any) -> PromptGrant | None:
+        grants.append(allocate_prompt(*args, **kwargs))
+        return grants[-1]
+
+    bm.allocate_prompt = recording
+    out = sched.schedule()  # first takes 3 of the 5 free blocks, second cannot take 3 more
+    assert len(remote.fetched) == 2 and ids(out.seqs) == ["r"] and grants[1] is None
+    assert bm.tables["r"][1] in [b for b, _ in grants[0].loads]  # the decode took a block to be loaded
+    assert out.block_ops.loads == ()
+    assert not any(h in bm.cache for h in remote.fetched)
+    assert list(sched.waiting) == [first, second] and first.seq_id not in bm.tables
+    check_blocks(sched)
+    run_model(sched, out)
+    sched.finish(runner)
+    out = sched.schedule()
+    assert out.seqs == [first, second]
+    assert [b for b, _ in out.block_ops.loads] == bm.tables[first.seq_id][:2] + bm.tables[second.seq_id][:2]
+    assert [p for _, p in out.block_ops.loads] == [b"pages of " + h for h in remote.fetched[2:]]
+    assert first.num_computed_tokens == second.num_computed_tokens == 8

@@ -28,7 +28,7 @@ def test_packed_prefill_logits_match_hf(smol: LLM, hf_smol: Any) -> None:
     prompts = [smol.tokenizer.encode(p) for p in PROMPTS[:4]]
     lens = [len(p) for p in prompts]
     for i, n in enumerate(lens):
-        assert engine.block_manager.allocate(f"parity-{i}", n)
+        assert engine.block_manager.allocate(f"parity-{i}", n) is not None
     try:
         step = StepMetadata.build(lens, lens, [engine.block_manager.tables[f"parity-{i}"]
                                                for i in range(len(lens))],
