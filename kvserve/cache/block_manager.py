@@ -222,13 +222,21 @@ class BlockManager:
                 self.cache[h] = block_id
         return tuple(loads)
 
-    def drop_loads(self, loads: tuple[tuple[int, bytes], ...]) -> None:
-        """Remote loads that will not run (the scheduler gave their blocks back in the step that
-        granted them): their blocks leave the prefix cache, since they will never hold those pages."""
-        for block_id, _ in loads:
-            block = self.blocks[block_id]
-            if block.ref_count == 0 and block.hash is not None:
-                self._forget(block_id)
+    def roll_back(self, granted: list[tuple[str, int, PromptGrant]]) -> None:
+        """Undoes `allocate_prompt` for (sequence, prompt length, grant) of a group that did not
+        fit whole: the blocks go back, their remote loads will not run (those blocks leave the
+        prefix cache, since they will never hold those pages: they may be reused in this very
+        step), and the prefix statistics forget them (the group counts once it is admitted)."""
+        for seq_id, _, _ in granted:  # every member first: one may share a block loaded for another
+            self.free(seq_id)
+        for _, num_tokens, grant in granted:
+            self.prefix_stats.prompt_tokens -= num_tokens
+            self.prefix_stats.cached_tokens -= grant.cached
+            self.prefix_stats.remote_tokens -= len(grant.loads) * self.block_size
+            for block_id, _ in grant.loads:
+                block = self.blocks[block_id]
+                if block.ref_count == 0 and block.hash is not None:
+                    self._forget(block_id)
 
     def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int = 0,
                  salt: str | None = None) -> tuple[tuple[int, int], ...] | None:

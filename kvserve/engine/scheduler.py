@@ -7,7 +7,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvserve.cache.block_manager import BlockManager, HostBlock, PromptGrant, on_device
+from kvserve.cache.block_manager import BlockManager, HostBlock, on_device
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.engine.sequence import Sequence, SequenceStatus
@@ -163,7 +163,8 @@ class Scheduler:
                                                          prefill_chunk=s.eviction and s.eviction.prefill_chunk)
                       for s in group]
             if any(grant is None for grant in grants):
-                self._roll_back(group, grants)
+                self.block_manager.roll_back([(s.seq_id, len(s.token_ids), grant)
+                                              for s, grant in zip(group, grants) if grant is not None])
                 break
             for seq, grant in zip(group, grants):
                 seq.num_computed_tokens = grant.cached
@@ -176,15 +177,6 @@ class Scheduler:
                 self.running.append(seq)
                 admitted.append(seq)
         return admitted
-
-    def _roll_back(self, group: list[Sequence], grants: list[PromptGrant | None]) -> None:
-        """A group that did not fit gives back the blocks its first members were granted. Their
-        remote loads go too: the blocks may be reused in this very step, and a load landing there
-        would overwrite the new owner's data."""
-        for seq, grant in zip(group, grants):
-            if grant is not None:
-                self.block_manager.free(seq.seq_id)
-        self.block_manager.drop_loads(tuple(load for grant in grants if grant is not None for load in grant.loads))
 
     def _group_at_head(self) -> list[Sequence]:
         head = self.waiting[0]

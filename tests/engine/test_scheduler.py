@@ -5,6 +5,7 @@ count as computed and each sequence they complete gets one new output token.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -306,7 +307,9 @@ def test_a_rolled_back_group_drops_its_remote_loads_and_their_cache_entries() ->
         return grants[-1]
 
     bm.allocate_prompt = recording
+    before = dataclasses.replace(bm.prefix_stats)
     out = sched.schedule()  # first takes 3 of the 5 free blocks, second cannot take 3 more
+    assert bm.prefix_stats == before  # a group that did not fit is not counted (it was, then again)
     assert len(remote.fetched) == 2 and ids(out.seqs) == ["r"] and grants[1] is None
     assert bm.tables["r"][1] in [b for b, _ in grants[0].loads]  # the decode took a block to be loaded
     assert out.block_ops.loads == ()
@@ -320,3 +323,6 @@ def test_a_rolled_back_group_drops_its_remote_loads_and_their_cache_entries() ->
     assert [b for b, _ in out.block_ops.loads] == bm.tables[first.seq_id][:2] + bm.tables[second.seq_id][:2]
     assert [p for _, p in out.block_ops.loads] == [b"pages of " + h for h in remote.fetched[2:]]
     assert first.num_computed_tokens == second.num_computed_tokens == 8
+    stats = bm.prefix_stats
+    assert (stats.prompt_tokens - before.prompt_tokens, stats.cached_tokens - before.cached_tokens,
+            stats.remote_tokens - before.remote_tokens) == (18, 16, 16)
