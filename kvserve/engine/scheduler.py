@@ -146,6 +146,8 @@ class Scheduler:
         """Admits waiting sequences while slots, blocks and `budget` allow; with `chunked`, the
         last one admitted may bring only part of its prompt this step (budget > 0 suffices)."""
         admitted: list[Sequence] = []
+        if not self.waiting:  # most decode steps: no need to count the seats
+            return admitted
         slots = self.max_num_seqs - self._seats_taken()
         while self.waiting:
             # The beams of one request run together (a beam step needs all of them), so a group
@@ -197,7 +199,8 @@ class Scheduler:
                 continue
             copies = self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run, self.reserve_tokens)
             if copies is not None:
-                moves.copies += copies
+                if copies:
+                    moves.copies += copies
                 i += 1
                 continue
             # The most recent sequence that could be admitted again; one that has outgrown the
@@ -224,6 +227,8 @@ class Scheduler:
         running, the head comes back if it fits at all; one that cannot (its next token needs
         more blocks than are free) drops its copy and waits to be recomputed: left swapped, it
         would wait forever, and with it every waiting sequence."""
+        if not self.swapped:  # most steps: no need to count the seats
+            return
         bm = self.block_manager
         seats = self._seats_taken()
         while self.swapped and seats + 1 + self.swapped[0].num_forks <= self.max_num_seqs:
