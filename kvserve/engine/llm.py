@@ -24,6 +24,11 @@ class LLM:
                  cache_salt: str | None = None, final_only: bool = False) -> dict[str, int]:
         """Queues the prompts; returns each request id with its number of samples, in order.
         `final_only`: the engine reports each sample once, finished (SamplingParams.output_kind)."""
+        if self.engine.has_unfinished():
+            # Each call steps the engine and keeps only its own outputs: a second one open at the
+            # same time would take the first one's outputs, and that one would wait forever.
+            raise RuntimeError("LLM: another generate() or stream() of this LLM is still running; finish or "
+                               "close it first (for concurrent requests, serve them: kvserve serve)")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
@@ -43,12 +48,17 @@ class LLM:
         `cache_salt`: prefix-cache hits only among requests carrying the same salt."""
         requests = self._add_all(prompts, params, cache_salt, final_only=True)
         done: dict[tuple[str, int], RequestOutput] = {}
-        with tqdm(total=sum(requests.values()), desc="generating", unit="seq", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id, out.index] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=sum(requests.values()), desc="generating", unit="seq", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id, out.index] = out
+                            bar.update(1)
+        finally:
+            # After an error or Ctrl-C, requests left running would be run first by the next call.
+            for request_id in requests:
+                self.engine.abort(request_id)
         return [done[rid, i] for rid, n in requests.items() for i in range(n)]
 
     def stream(self, prompts: Prompt | Seq[Prompt],

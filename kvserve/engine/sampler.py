@@ -46,7 +46,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[1]
     device = logits.device
-    top_k = to_device(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]), device)
+    # Clamped: any top_k is valid, but one past int64 would not fit the tensor.
+    top_k = to_device(torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]), device)
     top_p = to_device(torch.tensor([p.top_p for p in params]), device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]

@@ -84,6 +84,40 @@ def test_stream_consumer_stopping_early_aborts(tiny_llm: Callable[..., LLM]) -> 
     assert not llm.engine.has_unfinished()
 
 
+def test_an_interrupted_generate_leaves_nothing_running(tiny_llm: Callable[..., LLM],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or an error) inside generate: its requests used to stay running, and the next call
+    ran them to max_tokens first (or, after a failed step, spun on empty steps forever)."""
+    llm = tiny_llm()
+    step, calls = llm.engine.step, []
+
+    def interrupted() -> list[Any]:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished() and llm.engine.kv_usage().used == 0
+    assert token_ids(llm, PROMPTS[:1]) == token_ids(tiny_llm(), PROMPTS[:1])
+
+
+def test_a_second_call_while_a_stream_is_open_is_refused(tiny_llm: Callable[..., LLM]) -> None:
+    """Each call keeps only its own outputs from the steps it runs: two open at once used to hang."""
+    llm = tiny_llm()
+    stream = llm.stream(PROMPTS[:2], GREEDY)
+    first = next(stream)
+    with pytest.raises(RuntimeError, match="another generate\\(\\) or stream\\(\\)"):
+        llm.generate(PROMPTS[2:3], GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="still running"):
+        next(llm.stream(PROMPTS[2:3], GREEDY))
+    finals = [o.token_ids for o in [first, *stream] if o.finished]
+    assert finals == token_ids(tiny_llm(), PROMPTS[:2])  # the open stream was not disturbed
+    assert token_ids(llm, PROMPTS[2:3]) == token_ids(tiny_llm(), PROMPTS[2:3])
+
+
 def test_final_output_kind_reports_each_sample_once_finished(tiny_llm: Callable[..., LLM]) -> None:
     engine = tiny_llm().engine
     params = [SamplingParams(max_tokens=m, temperature=t, seed=3, n=n, ignore_eos=True, output_kind=kind)

@@ -281,3 +281,11 @@ def test_vanishing_temperature_logprobs_are_finite(tiny_llm: Callable[..., LLM])
     assert tiny.token_ids == greedy.token_ids
     assert [t.logprob for t in tiny.logprobs] == pytest.approx([t.logprob for t in greedy.logprobs])
     assert all(math.isfinite(t.logprob) for t in tiny.logprobs)
+
+
+def test_a_top_k_past_int64_is_the_whole_vocabulary(tiny_llm: Callable[..., LLM]) -> None:
+    # Valid for SamplingParams, it used to overflow the sampler's tensor and fail the whole batch.
+    llm = tiny_llm()
+    outs = [llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6, top_k=k, seed=5, ignore_eos=True),
+                         use_tqdm=False)[0].token_ids for k in (0, 2**64, 10**400)]
+    assert outs[0] == outs[1] == outs[2]
