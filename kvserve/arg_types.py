@@ -3,23 +3,46 @@ exits with a usage error before anything loads."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
 
 
-def at_least(minimum: int) -> Callable[[str], int]:
-    """A whole number >= minimum."""
+def at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """A whole number >= minimum (and <= maximum)."""
     def whole_number(text: str) -> int:
         try:
             value: int | None = int(text)
         except ValueError:
             value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text!r}")
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be a whole number {bounds}, got {text!r}")
         return value
     return whole_number
+
+
+def seconds(positive: bool) -> Callable[[str], float]:
+    """A finite number of seconds, > 0 if `positive`, else >= 0 (nan would never time out)."""
+    def duration(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"must be a number of seconds {'> 0' if positive else '>= 0'}, "
+                                             f"got {text!r}")
+        return value
+    return duration
+
+
+def non_empty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def one_of(names: Sequence[str]) -> Callable[[str], str]:
@@ -35,3 +58,11 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
     def values(text: str) -> list[T]:
         return [item(x) for x in text.split(",") if x]
     return values
+
+
+def folder(text: str) -> str:
+    """An output folder: made if missing, refused up front if a file holds its name (the command
+    would otherwise fail only when it writes, after all its work)."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    return text

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvserve.eviction.policy import POLICY_NAMES
-from kvserve.validate import is_int
+from kvserve.validate import check_utf8, is_int
 
 OUTPUT_KINDS = ("cumulative", "final")
 GREEDY_BELOW = 1e-5
@@ -89,6 +89,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("SamplingParams.stop must be a list of non-empty strings")
+        for stop in self.stop:
+            check_utf8("SamplingParams.stop", stop)  # no decoded text holds a lone surrogate
         if not isinstance(self.stop_token_ids, list) or not _are_token_ids(self.stop_token_ids):
             raise ValueError("SamplingParams.stop_token_ids must be a list of token ids (integers >= 0)")
         for name in ("ignore_eos", "early_stopping"):

@@ -5,6 +5,7 @@ import argparse
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,8 @@ def test_every_option_of_every_command_has_help() -> None:
     (["bench", "replicas", "--replicas", "0"], "--replicas"), (["bench", "scaling", "--num-tokens", "-1"], "--num-tokens"),
     (["doctor", "--tokens", "0"], "--tokens"), (["tune-kv", "--window-len", "1"], "--window-len"),
     (["memory", "--preset", "tiny", "--batch", "x"], "--batch"),
+    (["serve", "--port", "70000"], "--port"),  # it used to listen on 70000 mod 65536
+    (["serve", "--replicas", "0"], "--replicas"), (["serve", "--max-request-bytes", "10"], "--max-request-bytes"),
 ])
 def test_counts_below_their_minimum_are_usage_errors_naming_the_option(argv: list[str], option: str,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,6 +56,29 @@ def test_counts_below_their_minimum_are_usage_errors_naming_the_option(argv: lis
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(argv)
     assert exit_.value.code == 2 and f"argument {option}: must be a whole number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, option, message", [
+    (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout", "must be a number of seconds >= 0"),
+    (["serve", "--router-stats-period", "-1"], "--router-stats-period", "must be a number of seconds > 0"),
+    (["serve", "--served-model-name", ""], "--served-model-name", "must not be empty"),
+])
+def test_serve_options_that_were_taken_silently_are_usage_errors(argv: list[str], option: str, message: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2 and f"argument {option}: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["doctor"], ["eval"], ["bench", "throughput"], ["bench", "scaling"]])
+def test_an_out_folder_that_is_a_file_is_refused_before_any_work(command: list[str], tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # doctor used to run every check, then die with a FileExistsError traceback.
+    taken = tmp_path / "results"
+    taken.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([*command, "--out", str(taken)])
+    assert exit_.value.code == 2 and "argument --out: " in capsys.readouterr().err
 
 
 def test_invalid_sampling_parameter_is_a_clear_error() -> None:

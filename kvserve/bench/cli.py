@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvserve.arg_types import at_least
+from kvserve.arg_types import at_least, folder
 from kvserve.bench.metrics import format_table, ratio, same_budget_table
 from kvserve.config import DTYPES
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
@@ -28,7 +28,7 @@ def _workload_args(p: argparse.ArgumentParser, num_requests: int, prompt_median:
                    help=f"median tokens generated per request (greedy, EOS ignored), lognormal about this "
                         f"median (default {output_median})")
     p.add_argument("--data", default=None, help=DATA_HELP)
-    p.add_argument("--out", default="bench_out", help="folder for the JSON and markdown results")
+    p.add_argument("--out", type=folder, default="bench_out", help="folder for the JSON and markdown results")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     mem = kinds.add_parser("memory", help="prefix caching, n-sample sharing, swap vs recompute")
     mem.add_argument("--data", default=None, help=DATA_HELP)
-    mem.add_argument("--out", default="bench_out", help="folder for memory.md (default bench_out)")
+    mem.add_argument("--out", type=folder, default="bench_out", help="folder for memory.md (default bench_out)")
     add_engine_args(mem)
     mem.set_defaults(func=run, max_model_len=2048, max_num_seqs=8)
 
@@ -89,7 +89,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     at = kinds.add_parser("attention", help="attention backends on one layer: same pages, same queries")
     at.add_argument("--formats", default="auto,int8,int4", help="kv_cache_dtype values (default auto,int8,int4)")
-    at.add_argument("--out", default="bench_out", help="folder for attention.md (default bench_out)")
+    at.add_argument("--out", type=folder, default="bench_out", help="folder for attention.md (default bench_out)")
     at.set_defaults(func=run)
 
     rp = kinds.add_parser("replicas", help="replicas on Ray Serve: prefix-aware vs Ray's default vs round-robin "
@@ -111,7 +111,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--seed", type=int, default=0,
                     help="seed of the system prompt each request draws (default 0)")
     rp.add_argument("--data", default=None, help=DATA_HELP)
-    rp.add_argument("--out", default="bench_out", help="folder for replicas.md and replicas.json (default bench_out)")
+    rp.add_argument("--out", type=folder, default="bench_out", help="folder for replicas.md and replicas.json (default bench_out)")
     add_engine_args(rp)
     rp.set_defaults(func=run)
 
@@ -124,7 +124,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _hf_dtype_arg(sc)
     sc.add_argument("--skip-llama-cpp", action="store_true", help="leave out llama.cpp (bf16 GGUF)")
     _rounds_arg(sc)
-    sc.add_argument("--out", default="bench_out", help="folder for scaling.md and scaling.png (default bench_out)")
+    sc.add_argument("--out", type=folder, default="bench_out", help="folder for scaling.md and scaling.png (default bench_out)")
     add_engine_args(sc)
     sc.set_defaults(func=run)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvserve.arg_types import at_least
+from kvserve.arg_types import at_least, folder
 from kvserve.diagnostics import checks, performance
 from kvserve.diagnostics.checks import Check
 from kvserve.engine_args import add_engine_args, llm_from_args
@@ -37,7 +37,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--skip-performance", action="store_true", help="correctness checks only")
     p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--json", action="store_true", help="print the report as JSON (checks, performance)")
-    p.add_argument("--out", default=None, help="also write doctor.json and doctor.md into this folder")
+    p.add_argument("--out", type=folder, default=None, help="also write doctor.json and doctor.md into this folder")
     add_engine_args(p)
     p.set_defaults(func=cmd_doctor, kv_cache_memory="256MiB")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvserve.arg_types import at_least, comma_list, one_of
+from kvserve.arg_types import at_least, comma_list, folder, one_of
 from kvserve.attention.rotation import ROTATIONS
 from kvserve.cache.kv_format import FORMAT_NAMES
 from kvserve.cache.kv_plan import plan_path
@@ -86,7 +86,7 @@ def add_parser(sub: Any) -> None:
                         "(default 4,2; '' skips)")
     p.add_argument("--hf-backend", choices=sorted(HF_BACKENDS), default="quanto", help="quanto (default) or hqq")
     p.add_argument("--data", default=None, help=DATA_HELP)
-    p.add_argument("--out", default="bench_out", help="folder for eval.md, eval.json and eval.png")
+    p.add_argument("--out", type=folder, default="bench_out", help="folder for eval.md, eval.json and eval.png")
     p.add_argument("--seed", type=int, default=0, help="seed of the passkeys and of where each is hidden (default 0)")
     add_engine_args(p)
     p.set_defaults(func=partial(cmd_eval, parser=p), kv_cache_memory="512MiB", max_model_len=2048)

@@ -11,7 +11,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvserve.arg_types import at_least
+from kvserve.arg_types import at_least, non_empty, seconds
 from kvserve.engine_args import add_engine_args, engine_kwargs, llm_from_args
 from kvserve.replicas.settings import ROUTERS
 
@@ -21,16 +21,16 @@ def add_parser(sub: Any) -> None:
                        description="Serves /v1/completions, /v1/chat/completions, /v1/models, /health, "
                                    "/metrics (Prometheus) and a live KV-cache dashboard at /.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=at_least(0), default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=at_least(0, 65535), default=8000, help="port (default 8000)")
     p.add_argument("--max-waiting", type=at_least(1), default=512,
                    help="requests that may wait for a batch slot, beyond those the batch's free slots take at "
                         "once; past it the server answers 429 (default 512)")
-    p.add_argument("--retry-after", type=int, default=1,
+    p.add_argument("--retry-after", type=at_least(0), default=1,
                    help="seconds a 429 tells the client to wait (Retry-After header; default 1)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=seconds(positive=False), default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before aborting them "
                         "(default 30)")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--served-model-name", type=non_empty, default=None,
                    help="the model id clients see in /v1/models and responses (default: from the file)")
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (the API, /metrics, "
@@ -40,12 +40,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--allowed-hosts", default=None,
                    help="comma-separated Host header names to answer ('*': any); default: the loopback names "
                         "when bound to loopback, the bound address otherwise, any for 0.0.0.0")
-    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+    p.add_argument("--max-request-bytes", type=at_least(1024), default=4 * 2**20,
                    help="largest request body accepted; larger ones get 413 (default 4 MiB)")
     p.add_argument("--start-redis", action="store_true",
                    help="start a redis-server of this server's own (loopback, nothing on disk) and use it as "
                         "--kv-remote: a quick try of the shared KV tier on one machine")
-    p.add_argument("--replicas", type=int, default=1,
+    p.add_argument("--replicas", type=at_least(1), default=1,
                    help="engines to run, as one Ray Serve deployment behind a router (ray[serve]: pip install "
                         "'kvserve[ray]'); a local Ray cluster starts unless RAY_ADDRESS names one; 1: one engine "
                         "in this process (default)")
@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
                    help="with --replicas: prefix sends a request to the replica holding the longest run of its "
                         "prompt's blocks, balanced against queue length; power-of-two is Ray Serve's default; "
                         "round-robin reads no state (default: prefix)")
-    p.add_argument("--router-stats-period", type=float, default=1.0,
+    p.add_argument("--router-stats-period", type=seconds(positive=True), default=1.0,
                    help="with --replicas: seconds between each replica's report of its cached blocks and queue "
                         "to the router (default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

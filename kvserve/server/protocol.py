@@ -36,9 +36,13 @@ class _Common(BaseModel):
     cache_salt: str | None = None  # vLLM's extension: prefix-cache hits only within one salt (tenant)
     kv_eviction: str | None = None  # ours: token eviction policy for this request (EngineConfig.kv_eviction)
     kv_budget: int | None = None    # ours: tokens its KV cache keeps per head with kv_eviction
+    min_tokens: int = 0  # vLLM's extension: refused unless 0 (see `unsupported`)
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(field, why) for a request asking for something the engine does not do."""
+        """(field, why) for a request asking for something the engine does not do: answering it
+        as if the field were absent would hand back something the client did not ask for."""
+        if self.min_tokens:
+            return "min_tokens", "min_tokens: not supported (use ignore_eos for a fixed length)"
         return None
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
@@ -70,6 +74,15 @@ class CompletionRequest(_Common):
     max_tokens: int = 16  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False  # the prompt's text (and its logprobs) before the completion's
+    best_of: int | None = None  # refused unless it asks for nothing more than n
+    suffix: str | None = None   # refused unless empty: no insertion mode
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.best_of not in (None, self.n):
+            return "best_of", "best_of: not supported (n samples are returned as drawn, none ranked)"
+        if self.suffix:
+            return "suffix", "suffix: not supported (no insertion mode)"
+        return super().unsupported()
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -90,20 +103,23 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[Any] | None = None  # refused unless empty: the chat template would drop them
 
-    def unsupported(self) -> str | None:
-        """Why the model cannot read this message's content, or None."""
-        # An assistant turn may carry no text (OpenAI's tool calls); any other turn without it
-        # would be rendered as an empty message the client never meant.
+    def unsupported(self) -> tuple[str, str] | None:
+        """(its field, why) when the model cannot read this message, or None."""
+        if self.tool_calls:
+            return "tool_calls", "tool calls in the history are not supported; this model reads text"
+        # An assistant turn may carry no text; any other turn without it would be rendered as an
+        # empty message the client never meant.
         if self.content is None:
-            return None if self.role == "assistant" else f"a {self.role} message needs content"
+            return None if self.role == "assistant" else ("content", f"a {self.role} message needs content")
         if isinstance(self.content, str):
             return None
         for part in self.content:
             if part.get("type") != "text":
-                return f"content parts of type {part.get('type')!r} are not supported; this model reads text"
+                return "content", f"content parts of type {part.get('type')!r} are not supported; this model reads text"
             if not isinstance(part.get("text"), str):
-                return "a text content part needs a string `text`"
+                return "content", "a text content part needs a string `text`"
         return None
 
     def text(self) -> str:
@@ -127,6 +143,9 @@ class ChatCompletionRequest(_Common):
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None  # refused unless ["text"]
+    audio: dict[str, Any] | None = None  # refused: no audio output
+    prediction: dict[str, Any] | None = None  # refused: no predicted-output decoding
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -140,9 +159,14 @@ class ChatCompletionRequest(_Common):
         if self.response_format is not None and self.response_format.get("type") != "text":
             return "response_format", (f"response_format: only type 'text' is supported, got "
                                        f"{self.response_format.get('type')!r}")
+        if self.modalities not in (None, ["text"]):
+            return "modalities", f"modalities: only ['text'] is supported, got {self.modalities!r}"
+        for name in ("audio", "prediction"):
+            if getattr(self, name) is not None:
+                return name, f"{name}: not supported"
         for i, message in enumerate(self.messages):
-            if (why := message.unsupported()) is not None:
-                return f"messages.{i}.content", f"messages.{i}.content: {why}"
+            if (bad := message.unsupported()) is not None:
+                return f"messages.{i}.{bad[0]}", f"messages.{i}.{bad[0]}: {bad[1]}"
         return super().unsupported()
 
     def logprob_counts(self) -> tuple[int | None, int | None]:

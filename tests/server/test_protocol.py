@@ -86,6 +86,10 @@ def test_chat_fields_are_strictly_typed(field: str, value: object) -> None:
     ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": None}]}, "messages.1.content"),
     ({"messages": [{"role": "user"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.1.tool_calls"),
+    ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "alloy"}}, "audio"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"), ({"min_tokens": 5}, "min_tokens"),
 ])
 def test_unsupported_chat_features_are_named(fields: dict, param: str) -> None:  # type: ignore[type-arg]
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}], **fields})
@@ -94,7 +98,8 @@ def test_unsupported_chat_features_are_named(fields: dict, param: str) -> None: 
 
 @pytest.mark.parametrize("fields", [
     {"tools": []}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
-    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}]}])
+    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}]},
+    {"modalities": ["text"]}, {"min_tokens": 0}, {"messages": [{"role": "assistant", "content": "a", "tool_calls": []}]}])
 def test_chat_options_that_ask_for_nothing_are_accepted(fields: dict) -> None:  # type: ignore[type-arg]
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}], **fields})
     assert req.unsupported() is None
@@ -106,3 +111,17 @@ def test_chat_options_that_ask_for_nothing_are_accepted(fields: dict) -> None:  
     ("prompt: 900 tokens exceed the device KV pool", "prompt")])
 def test_param_of_engine_errors(message: str, param: str) -> None:
     assert param_of(message) == param
+
+
+@pytest.mark.parametrize("fields, param", [({"best_of": 3}, "best_of"), ({"best_of": 3, "n": 2}, "best_of"),
+                                           ({"suffix": "end"}, "suffix"), ({"min_tokens": 1}, "min_tokens")])
+def test_unsupported_completion_options_are_named(fields: dict, param: str) -> None:  # type: ignore[type-arg]
+    # They were taken and ignored: best_of 3 returned one sample drawn at random, not the best.
+    assert CompletionRequest.model_validate({"prompt": "a", **fields}).unsupported()[0] == param  # type: ignore[index]
+    for fine in ({"best_of": 1}, {"best_of": 2, "n": 2}, {"suffix": ""}, {}):
+        assert CompletionRequest.model_validate({"prompt": "a", **fine}).unsupported() is None
+
+
+def test_a_stop_string_with_a_lone_surrogate_is_refused() -> None:
+    with pytest.raises(ValueError, match="^SamplingParams.stop: not valid Unicode"):
+        CompletionRequest.model_validate({"prompt": "a", "stop": "x\ud800"}).sampling_params(4)
