@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterable, Iterator, Sequence as Seq
 from typing import Any
 
 from tqdm import tqdm
@@ -29,10 +29,18 @@ class LLM:
             # same time would take the first one's outputs, and that one would wait forever.
             raise RuntimeError("LLM: another generate() or stream() of this LLM is still running; finish or "
                                "close it first (for concurrent requests, serve them: kvserve serve)")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                         and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        elif isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            # bytes would pass as token ids (its items are ints): the caller meant text
+            raise ValueError(f"prompts: must be a string, a list of token ids, or a list of those; "
+                             f"got {type(prompts).__name__}")
+        prompts = list(prompts)  # a generator too
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        elif not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"params: must be SamplingParams or a list of them, got {type(params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts")
         if final_only:

@@ -118,6 +118,24 @@ def test_a_second_call_while_a_stream_is_open_is_refused(tiny_llm: Callable[...,
     assert token_ids(llm, PROMPTS[2:3]) == token_ids(tiny_llm(), PROMPTS[2:3])
 
 
+@pytest.mark.parametrize("prompts, params, field", [
+    (b"hi", GREEDY, "prompts"),  # used to run as the token ids [104, 105]
+    (None, GREEDY, "prompts"), (5, GREEDY, "prompts"),  # bare TypeErrors
+    ([[1, 2]], {"max_tokens": 2}, "params"),  # "replace() should be called on dataclass instances"
+])
+def test_odd_offline_inputs_are_refused_naming_the_argument(tiny_llm: Callable[..., LLM], prompts: Any,
+                                                            params: Any, field: str) -> None:
+    llm = tiny_llm()
+    with pytest.raises(ValueError, match=f"^{field}: must be"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_prompts_may_come_from_a_generator(tiny_llm: Callable[..., LLM]) -> None:
+    llm = tiny_llm()  # it used to fail: 'generator' object is not subscriptable
+    assert token_ids(llm, (p for p in PROMPTS[:3])) == token_ids(llm, PROMPTS[:3])  # type: ignore[arg-type]
+
+
 def test_final_output_kind_reports_each_sample_once_finished(tiny_llm: Callable[..., LLM]) -> None:
     engine = tiny_llm().engine
     params = [SamplingParams(max_tokens=m, temperature=t, seed=3, n=n, ignore_eos=True, output_kind=kind)
