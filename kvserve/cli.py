@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -12,7 +13,9 @@ from kvserve.sampling_params import SamplingParams
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=at_least(1), default=256, help="tokens to generate (default 256)")
+    g.add_argument("--max-tokens", type=at_least(1), default=256,
+                   help="tokens to generate (default 256); in chat, at most this many a reply, fewer when "
+                        "the conversation leaves less of the context")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
@@ -20,9 +23,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def _params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop=args.stop)
+def _params(args: argparse.Namespace, max_tokens: int | None = None) -> SamplingParams:
+    """Raises ValueError naming the option (the sampling options are SamplingParams' fields)."""
+    try:
+        return SamplingParams(max_tokens=max_tokens or args.max_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
+    except ValueError as err:
+        raise ValueError(re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
+                                str(err))) from None
 
 
 def _stream(llm: Any, prompt: str | list[int], params: SamplingParams) -> str:
@@ -35,15 +43,17 @@ def _stream(llm: Any, prompt: str | list[int], params: SamplingParams) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    params = _params(args)  # before the model loads
     llm = llm_from_args(args)
     prompt: str | list[int] = args.prompt
     if not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                    add_generation_prompt=True, tokenize=False)
-    _stream(llm, prompt, _params(args))
+    _stream(llm, prompt, params)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    _params(args)  # the options' errors before the model loads
     llm = llm_from_args(args)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
         sys.exit("kvserve chat: this model has no chat template")
@@ -63,9 +73,13 @@ def cmd_chat(args: argparse.Namespace) -> None:
         if not line:
             continue
         messages.append({"role": "user", "content": line})
-        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                        tokenize=False))
+        # --max-tokens bounds a reply; a long conversation leaves it less room, as the server's
+        # chat does, rather than refusing a turn that fits.
+        room = llm.engine.max_model_len - len(prompt)
         try:
-            reply = _stream(llm, prompt, _params(args))
+            reply = _stream(llm, prompt, _params(args, max_tokens=min(args.max_tokens, max(room, 1))))
         except ValueError as err:  # e.g. the conversation outgrew the context
             print(f"error: {err}")
             messages.pop()

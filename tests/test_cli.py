@@ -82,8 +82,10 @@ def test_an_out_folder_that_is_a_file_is_refused_before_any_work(command: list[s
 
 
 def test_invalid_sampling_parameter_is_a_clear_error() -> None:
-    out = kvserve("generate", "hi", "--model", "random:tiny", "--top-p", "1.5")
-    assert out.returncode != 0 and "top_p" in out.stderr and "Traceback" not in out.stderr
+    # Named as the user typed it, and before any model loads (a file that is not there).
+    out = kvserve("generate", "hi", "--model", "/no/such/model.gguf", "--top-p", "1.5")
+    assert out.returncode != 0 and "error: --top-p must be in (0, 1]" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_unknown_model_file_is_a_clear_error() -> None:
@@ -107,3 +109,12 @@ def test_chat_streams_replies_until_eof() -> None:
     out = kvserve("chat", "--max-tokens", "16", stdin="Hello!\n")
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("> ") == 2 and len(out.stdout.splitlines()) >= 3
+
+
+@pytest.mark.model
+def test_chat_takes_a_turn_that_fits_with_less_room_than_max_tokens() -> None:
+    # ~280 prompt tokens + the default --max-tokens 256 pass max_model_len 512: the turn was refused.
+    message = " ".join(["word"] * 250)
+    out = kvserve("chat", "--max-model-len", "512", "--kv-cache-memory", "64MiB", stdin=message + "\n")
+    assert out.returncode == 0 and "error:" not in out.stdout, out.stdout
+    assert len(out.stdout.splitlines()) >= 3
