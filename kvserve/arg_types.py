@@ -25,18 +25,19 @@ def at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     return whole_number
 
 
-def seconds(positive: bool) -> Callable[[str], float]:
-    """A finite number of seconds, > 0 if `positive`, else >= 0 (nan would never time out)."""
-    def duration(text: str) -> float:
+def number(*, at_least: float | None = None, above: float | None = None) -> Callable[[str], float]:
+    """A finite number (nan would compare false with every bound) >= at_least, or > above."""
+    def finite(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise argparse.ArgumentTypeError(f"must be a number of seconds {'> 0' if positive else '>= 0'}, "
-                                             f"got {text!r}")
+        if (not math.isfinite(value) or (at_least is not None and value < at_least)
+                or (above is not None and value <= above)):
+            bound = f">= {at_least}" if at_least is not None else f"> {above}" if above is not None else "finite"
+            raise argparse.ArgumentTypeError(f"must be a number {bound}, got {text!r}")
         return value
-    return duration
+    return finite
 
 
 def non_empty(text: str) -> str:

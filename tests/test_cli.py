@@ -59,8 +59,8 @@ def test_counts_below_their_minimum_are_usage_errors_naming_the_option(argv: lis
 
 
 @pytest.mark.parametrize("argv, option, message", [
-    (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout", "must be a number of seconds >= 0"),
-    (["serve", "--router-stats-period", "-1"], "--router-stats-period", "must be a number of seconds > 0"),
+    (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout", "must be a number >= 0"),
+    (["serve", "--router-stats-period", "-1"], "--router-stats-period", "must be a number > 0"),
     (["serve", "--served-model-name", ""], "--served-model-name", "must not be empty"),
 ])
 def test_serve_options_that_were_taken_silently_are_usage_errors(argv: list[str], option: str, message: str,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.arg_types import at_least
+from kvserve.arg_types import at_least, number
 from kvserve.bench import workload
 from kvserve.cache.kv_format import FORMAT_NAMES, make_format
 from kvserve.cache.kv_plan import KVPlan, plan_path
@@ -374,7 +374,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="show the same model with MHA, GQA and MQA side by side")
     plan.add_argument("--lengths-median", type=at_least(1), default=None,
                       help="estimate contiguous vs paged waste over lognormal lengths with this median")
-    plan.add_argument("--lengths-sigma", type=float, default=0.8,
+    plan.add_argument("--lengths-sigma", type=number(at_least=0), default=0.8,
                       help="lognormal spread of those lengths (default 0.8)")
     plan.add_argument("--num-seqs", type=at_least(1), default=1000,
                       help="lengths to draw for the waste estimate (default 1000)")
@@ -389,9 +389,14 @@ def _shape_from_args(args: argparse.Namespace) -> tuple[str, ModelConfig]:
             raise ValueError("--kv-heads, --head-dim and --heads describe an explicit shape; add --layers")
         if args.preset:
             return args.preset, model_shape(args.preset)
-        if args.config:
-            return args.config, model_shape(args.config)
-        return args.gguf, gguf_shape(Path(args.gguf))
+        option, path = ("--config", args.config) if args.config else ("--gguf", args.gguf)
+        try:
+            return path, model_shape(path) if args.config else gguf_shape(Path(path))
+        except FileNotFoundError:
+            raise
+        except (ValueError, OSError, KeyError) as err:  # a file of another kind
+            raise ValueError(f"{option} {path}: not a model's {'config' if args.config else 'GGUF'} "
+                             f"({type(err).__name__}: {err})") from None
     if args.kv_heads is None or args.head_dim is None:
         raise ValueError("--layers needs --kv-heads and --head-dim too")
     cfg = explicit_shape(args.layers, args.kv_heads, args.head_dim, args.heads,
@@ -411,6 +416,10 @@ def run(args: argparse.Namespace) -> None:
               f"KV head(s) ({note}) and {len(shard.q_heads)} query heads")
         cfg = shard_config(cfg, shard)
     max_len = args.max_len or cfg.max_position
+    if args.budget is not None and args.seq_len > max_len:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds --max-len {max_len} (the model's context length "
+                         f"unless given), so a contiguous reservation could not hold it: raise --max-len or "
+                         f"lower --seq-len")
     lengths = None
     if args.lengths_median is not None:
         lengths = lognormal_lengths(args.num_seqs, args.lengths_median, args.lengths_sigma, max_len, args.seed)

@@ -11,7 +11,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvserve.arg_types import at_least, non_empty, seconds
+from kvserve.arg_types import at_least, non_empty, number
 from kvserve.engine_args import add_engine_args, engine_kwargs, llm_from_args
 from kvserve.replicas.settings import ROUTERS
 
@@ -27,7 +27,7 @@ def add_parser(sub: Any) -> None:
                         "once; past it the server answers 429 (default 512)")
     p.add_argument("--retry-after", type=at_least(0), default=1,
                    help="seconds a 429 tells the client to wait (Retry-After header; default 1)")
-    p.add_argument("--shutdown-timeout", type=seconds(positive=False), default=30.0,
+    p.add_argument("--shutdown-timeout", type=number(at_least=0), default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before aborting them "
                         "(default 30)")
     p.add_argument("--served-model-name", type=non_empty, default=None,
@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
                    help="with --replicas: prefix sends a request to the replica holding the longest run of its "
                         "prompt's blocks, balanced against queue length; power-of-two is Ray Serve's default; "
                         "round-robin reads no state (default: prefix)")
-    p.add_argument("--router-stats-period", type=seconds(positive=True), default=1.0,
+    p.add_argument("--router-stats-period", type=number(above=0), default=1.0,
                    help="with --replicas: seconds between each replica's report of its cached blocks and queue "
                         "to the router (default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

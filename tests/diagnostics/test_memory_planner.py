@@ -225,3 +225,26 @@ def test_a_tensor_parallel_plan_prices_one_rank(capsys: pytest.CaptureFixture[st
     main(["--preset", "llama-3-8b", "--tensor-parallel-size", "16"])  # 8 KV heads over 16 ranks
     out = capsys.readouterr().out
     assert "replicated on 2 ranks" in out and "KV per token: 16,384 bytes" in out  # 32 x 2 x 1 x 128 x 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    # The defaults (--seq-len 2048) against the preset's 512 tokens: the error named no option.
+    (["--preset", "tiny", "--budget", "1GiB"], "--seq-len 2048 exceeds --max-len 512"),
+    (["--config", "{notes}"], "--config {notes}: not a model's config"),  # was "Expecting value: ..."
+    (["--gguf", "{notes}"], "--gguf {notes}: not a model's GGUF"),        # was "GGUF magic invalid"
+])
+def test_bad_planner_input_names_the_option(argv: list[str], message: str, tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model\n")
+    with pytest.raises(SystemExit) as exit_:
+        main([a.format(notes=notes) for a in argv])
+    assert str(exit_.value).startswith(f"kvserve memory: error: {message.format(notes=notes)}")
+
+
+@pytest.mark.parametrize("sigma", ["nan", "-2"])
+def test_a_length_spread_that_is_not_a_number_above_zero_is_a_usage_error(
+        sigma: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # nan drew lengths of -2**63, -2 reached numpy's "sigma < 0".
+    with pytest.raises(SystemExit) as exit_:
+        main(["--preset", "tiny", "--lengths-median", "100", "--lengths-sigma", sigma])
+    assert exit_.value.code == 2 and "argument --lengths-sigma: must be a number >= 0" in capsys.readouterr().err
