@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import json
 import time
 import uuid
@@ -20,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenizers.decoders import ByteLevel
 
+from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.sequence import RequestOutput, TokenLogprobs
 from kvserve.server.async_engine import Done, Draining, QueueFull
 from kvserve.server.front import EngineFront
@@ -133,11 +133,14 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
                       "invalid_request_error" if exc.status_code < 500 else "internal_error")
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0]
         if err.get("type") == "json_invalid":
             return _error(400, f"request body is not valid JSON: {err.get('msg')}")
         param = _param(tuple(err.get("loc", ())))
+        if param is None and "json" not in request.headers.get("content-type", ""):
+            # FastAPI reads a body as JSON only when told so; curl -d sends a form type.
+            return _error(400, "the request body must be a JSON object sent with Content-Type: application/json")
         return _error(400, f"{param or 'body'}: {err.get('msg')}", param)
 
     @app.get("/health")
@@ -235,7 +238,7 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
             param = param_of(str(err))
             return _error(400, str(err), "messages" if chat and param == "prompt" else param)
         reply = _Reply(request_id, model_name, chat, rids, params.n if params.beam_width == 1 else 1,
-                       _Rendering(token_text, token_bytes, echo, score_only))
+                       _Rendering(tokenizer, token_text, token_bytes, echo, score_only))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_stream(reply, sink, include_usage), media_type="text/event-stream")
@@ -328,16 +331,47 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class _Offsets:
+    """Where each token of a list starts in the text the list decodes to, a token at a time: the
+    length of the whole characters the tokens before it decode to. A byte-level token may hold
+    part of a character: it starts where that character starts, as does the token completing it.
+    Through the engine's own `Detokenizer` (~1 us a token, the text an output shows), where
+    decoding every prefix would cost the square of the length."""
+
+    def __init__(self, tokenizer: Any, shown: Callable[[int], str], chars: int = 0) -> None:
+        """`shown`: the text a token adds that the detokenizer leaves out (it skips special
+        tokens, as outputs do; an echoed prompt shows them). `chars`: where the first token starts."""
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.shown, self.chars = shown, chars
+        self.ids: list[int] = []
+
+    def take(self, ids: list[int]) -> list[int]:
+        """The offsets of `ids`, the tokens that follow those taken before."""
+        offsets = []
+        for token in ids:
+            offsets.append(self.chars)
+            self.ids.append(token)
+            if self.detokenizer is not None:
+                self.chars += len(self.detokenizer.step(self.ids))
+            self.chars += len(self.shown(token))
+        return offsets
+
+
 @dataclass(frozen=True)
 class _Rendering:
     """How outputs become OpenAI text and logprobs: token strings and bytes, and completions' echo."""
+    tokenizer: Any  # None: a model without one, whose tokens are shown as their ids
     token_text: Callable[[int], str]
     token_bytes: Callable[[int], bytes]
     echo: bool = False
     score_only: bool = False  # echo with max_tokens 0: the prompt alone, its one engine token dropped
 
     def prompt_text(self, out: RequestOutput) -> str:
-        return out.prompt if out.prompt is not None else "".join(map(self.token_text, out.prompt_token_ids))
+        # The server submits token ids, so the output holds no prompt text. The ids are decoded
+        # together: a character split over tokens is U+FFFD in each token's text alone.
+        if self.tokenizer is None:
+            return "".join(map(self.token_text, out.prompt_token_ids))
+        return self.tokenizer.decode(out.prompt_token_ids)
 
     def text(self, out: RequestOutput) -> str:
         return (self.prompt_text(out) if self.echo else "") + ("" if self.score_only else out.text)
@@ -348,15 +382,37 @@ class _Rendering:
         tail = [] if self.score_only else list(zip(out.token_ids[start:], (out.logprobs or [])[start:]))
         return head + tail
 
-    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int = 0) -> dict[str, Any]:
-        """`offset`: where the first entry's token starts in the choice's text (the characters of
-        the tokens a stream already sent)."""
-        tokens = [self.token_text(t) for t, _ in entries]
-        offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=offset)) if tokens else []
-        return {"tokens": tokens, "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
-                "top_logprobs": [{self.token_text(k): v for k, v in lp.top.items()} if lp else None
-                                 for _, lp in entries],
+    def output_offsets(self, out: RequestOutput) -> _Offsets:
+        """The text offsets of a choice's output tokens, which start after the echoed prompt."""
+        return _Offsets(self.tokenizer, lambda _: "", len(self.prompt_text(out)) if self.echo else 0)
+
+    def offsets(self, out: RequestOutput, start: int, echo: bool, outputs: _Offsets) -> list[int]:
+        """The text offsets of `entries(out, start, echo)`; `outputs` has taken the output tokens
+        before `start`."""
+        head: list[int] = []
+        if echo:
+            tok = self.tokenizer
+            special = set() if tok is None else {i for i, t in tok.added_tokens_decoder.items() if t.special}
+            # `prompt_text` keeps the special tokens the detokenizer skips; without a tokenizer
+            # the text is the tokens' own.
+            head = _Offsets(tok, lambda t: self.token_text(t) if tok is None or t in special else "").take(
+                out.prompt_token_ids[:len(out.prompt_logprobs or [])])
+        return head + ([] if self.score_only else outputs.take(out.token_ids[start:len(out.logprobs or [])]))
+
+    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offsets: list[int]) -> dict[str, Any]:
+        """`offsets`: where each entry's token starts in the choice's text."""
+        return {"tokens": [self.token_text(t) for t, _ in entries],
+                "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
+                "top_logprobs": [self.top_logprobs(lp) if lp else None for _, lp in entries],
                 "text_offset": offsets}
+
+    def top_logprobs(self, lp: TokenLogprobs) -> dict[str, float]:
+        """The top tokens and, as OpenAI's completions do, the chosen one where it is not among
+        them (sampled below the top k): up to k + 1 entries."""
+        top = {self.token_text(k): v for k, v in lp.top.items()}
+        if lp.token_id not in lp.top:
+            top.setdefault(self.token_text(lp.token_id), lp.logprob)
+        return top
 
     def chat_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
         def item(token: int, logprob: float) -> dict[str, Any]:
@@ -373,7 +429,7 @@ class _Reply:
                  rendering: _Rendering) -> None:
         self.id, self.model, self.chat, self.n, self.rendering = request_id, model, chat, n, rendering
         self.sent: dict[int, int] = {}  # per choice, output tokens whose logprobs were streamed
-        self.sent_chars: dict[int, int] = {}  # per choice, characters of the tokens streamed (text_offset)
+        self.offsets: dict[int, _Offsets] = {}  # per choice, the text offsets of the tokens streamed
         self.created = int(time.time())
         self.prompt_index = {rid: i for i, rid in enumerate(engine_ids)}
         self.pending = set(engine_ids)
@@ -434,9 +490,10 @@ class _Reply:
             if self.chat:
                 chunk["choices"][0]["logprobs"] = r.chat_logprobs(entries)
             else:
-                offset = self.sent_chars.get(index, 0)
-                logprobs = chunk["choices"][0]["logprobs"] = r.completion_logprobs(entries, offset)
-                self.sent_chars[index] = offset + sum(map(len, logprobs["tokens"]))
+                if index not in self.offsets:
+                    self.offsets[index] = r.output_offsets(out)
+                offsets = r.offsets(out, start, first and r.echo, self.offsets[index])
+                chunk["choices"][0]["logprobs"] = r.completion_logprobs(entries, offsets)
         self.sent[index] = len(out.logprobs or [])
         return chunk
 
@@ -450,7 +507,8 @@ class _Reply:
                                       "finish_reason": out.finish_reason if out else "abort"}
             if out is not None and out.logprobs is not None:
                 entries = r.entries(out, 0, r.echo)
-                choice["logprobs"] = r.chat_logprobs(entries) if self.chat else r.completion_logprobs(entries)
+                choice["logprobs"] = (r.chat_logprobs(entries) if self.chat else
+                                      r.completion_logprobs(entries, r.offsets(out, 0, r.echo, r.output_offsets(out))))
             if out is not None and r.score_only:
                 choice["finish_reason"] = "length"
             if self.chat:

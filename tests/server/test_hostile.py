@@ -54,6 +54,14 @@ def test_bad_completions_get_openai_errors(server: ServerProcess, body: object, 
         assert error["code"] == "model_not_found"
 
 
+def test_a_json_body_without_its_content_type_is_told_so(server: ServerProcess) -> None:
+    # curl -d sends application/x-www-form-urlencoded: the error was "body: Input should be a
+    # valid dictionary or object to extract fields from".
+    r = httpx.post(f"{server.url}/v1/completions", content=json.dumps({"prompt": "hi", "max_tokens": 1}),
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+
+
 def test_max_completion_tokens_is_named_as_sent(server: ServerProcess) -> None:
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                               "max_completion_tokens": -3})

@@ -2,13 +2,15 @@
 against HF transformers' fp32 log-softmax on the bundled model."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.bench.serve_load import ServerProcess
 
 
@@ -41,9 +43,10 @@ def test_echo_with_max_tokens_0_scores_the_prompt_like_hf(client: openai.OpenAI,
     ref = hf_logprobs(hf_smol, ids)
     want = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
     assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-3)
-    for top, row in zip(lp.top_logprobs[1:], ref[:-1]):
-        values = row.topk(3).values.tolist()
-        assert sorted(top.values(), reverse=True) == pytest.approx(values, abs=1e-3)
+    for token, top, row in zip(ids[1:], lp.top_logprobs[1:], ref[:-1]):
+        best = row.topk(3)
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(best.values.tolist(), abs=1e-3)
+        assert len(top) == 3 + (token not in best.indices.tolist())  # the prompt's token, where not in the top
 
 
 def test_completion_logprobs_of_generated_tokens(client: openai.OpenAI, model: str, smol: LLM,
@@ -95,3 +98,83 @@ def test_streamed_echo_scoring_sends_the_whole_prompt_and_no_completion(client: 
     whole = client.completions.create(**args).choices[0]
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args) if c.choices)
     assert whole.text == streamed == text
+
+
+def completion(server: ServerProcess, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The first choice's text and logprobs, asked whole and streamed (each must equal the other)."""
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    whole = r.json()["choices"][0]
+    text, lps = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {") and (choices := json.loads(line[6:])["choices"]):
+                text += choices[0]["text"]
+                for key, values in (choices[0]["logprobs"] or {}).items():
+                    lps[key] += values
+    assert text == whole["text"]
+    if whole["logprobs"] is not None:
+        assert lps == whole["logprobs"]
+    return whole["text"], whole["logprobs"]
+
+
+EMOJI = "🎉 café 日本"  # byte-level BPE splits the emoji and 日 over several tokens each
+JAPANESE = "日本語のテキストです。東京は首都です。"
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_decodes_the_prompt_whole(server: ServerProcess, smol: LLM, max_tokens: int) -> None:
+    ids = smol.tokenizer.encode(EMOJI)
+    assert smol.tokenizer.decode(ids) == EMOJI and any(smol.tokenizer.decode([t]) == "\ufffd" for t in ids)
+    for prompt in (EMOJI, ids):
+        base = {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "temperature": 0}
+        for body in (base, {**base, "logprobs": 1}):
+            text, _ = completion(server, body)
+            assert text.startswith(EMOJI) and (max_tokens or text == EMOJI), (prompt, body, text)
+
+
+def check_offsets(text: str, lp: dict[str, Any]) -> None:
+    """Each token starts where its text is in `text`; a token holding part of a character (its
+    text alone is U+FFFD) lies between its neighbours."""
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text), (offsets, len(text))
+    for token, offset in zip(lp["tokens"], offsets):
+        if "\ufffd" not in token:
+            assert text[offset:offset + len(token)] == token, (token, offset, text)
+
+
+# The second: special tokens, which an output's text leaves out, are in an echoed prompt's.
+@pytest.mark.parametrize("prompt", [JAPANESE, "<|im_start|>user\n日本 hi<|im_end|>"])
+def test_text_offsets_count_characters_not_token_pieces(server: ServerProcess, smol: LLM, prompt: str) -> None:
+    ids = smol.tokenizer.encode(prompt)
+    text, lp = completion(server, {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert text == prompt and len(lp["text_offset"]) == len(ids)
+    # A token starts where the whole characters of the tokens before it end (the quadratic way).
+    assert lp["text_offset"] == [len(smol.tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    check_offsets(text, lp)
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_text_offsets_of_generated_multibyte_text(server: ServerProcess, smol: LLM, echo: bool) -> None:
+    prompt = JAPANESE * 2  # the model goes on in Japanese, with tokens that split characters
+    ids = smol.generate(prompt, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].token_ids
+    text, lp = completion(server, {"prompt": prompt, "max_tokens": 24, "logprobs": 1, "temperature": 0,
+                                   "echo": echo})
+    assert any(smol.tokenizer.decode([t]) == "\ufffd" for t in ids)
+    start = len(prompt) if echo else 0
+    assert text[start:] == smol.tokenizer.decode(ids, skip_special_tokens=True)
+    assert lp["text_offset"][-len(ids):] == [
+        start + len(smol.tokenizer.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd")) for i in range(len(ids))]
+    check_offsets(text, lp)
+
+
+def test_top_logprobs_hold_the_chosen_token(server: ServerProcess) -> None:
+    # Echoed prompt tokens and tokens sampled hot are often not the model's most likely.
+    for body in ({"prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 0, "echo": True},
+                 {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 1.5, "seed": 3}):
+        _, lp = completion(server, {**body, "logprobs": 1})
+        positions = [(t, v, top) for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])
+                     if top is not None]
+        for token, logprob, top in positions:
+            assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= 2, (token, logprob, top)
+        assert any(len(top) == 2 for _, _, top in positions)
