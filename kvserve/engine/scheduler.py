@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvserve.cache.block_manager import BlockManager, HostBlock, on_device
@@ -231,13 +231,14 @@ class Scheduler:
             return
         bm = self.block_manager
         seats = self._seats_taken()
+        requeued: list[Sequence] = []
         while self.swapped and seats + 1 + self.swapped[0].num_forks <= self.max_num_seqs:
             seq = self.swapped[0]
             headroom = len(self.running) + 1 if self.running else 0
             if bm.blocks_for(seq.num_slots_to_run) + headroom > len(bm.free_blocks):
                 if not self.running:
                     self.swap.discard(seq.seq_id)
-                    self._requeue(self.swapped.popleft())
+                    requeued.append(self.swapped.popleft())
                     continue
                 break
             # Blocks suffice (checked above), and a new table shares no block to copy.
@@ -247,6 +248,22 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.swapped.popleft())
             seats += 1 + seq.num_forks
+        for seq in reversed(requeued):  # each goes to the head: in reverse, they keep their order
+            self._requeue(seq)
+
+    def waiting_past_seats(self, extra: Iterable[Sequence] = ()) -> int:
+        """Requests of the waiting queue, then of `extra` (as if queued behind it), that the next
+        admission leaves waiting for a batch seat, by `_admit`'s rule: in order, a seat per sample
+        or beam a sequence forks into, none while a sequence is swapped. Seats only: one given a
+        seat may still wait for blocks. A request counts once, however many of its samples or
+        beams wait (preemption puts them back one by one)."""
+        seats = 0 if self.swapped else self.max_num_seqs - self._seats_taken()
+        left: set[str] = set()
+        for seq in itertools.chain(self.waiting, extra):
+            seats -= 1 + seq.num_forks
+            if seats < 0:
+                left.add(seq.request_id)
+        return len(left)
 
     def _seats_taken(self) -> int:
         """Running sequences, counting the samples a request with n of them forks after its prefill."""

@@ -201,11 +201,11 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
         if tokenizer is None or not tokenizer.chat_template:
             return _error(400, "this model has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            for m in messages:
-                check_utf8("messages", m["content"])
-        except ValueError as err:
-            return _error(400, str(err), "messages")
+        for i, m in enumerate(messages):
+            try:
+                check_utf8(f"messages.{i}.content", m["content"])
+            except ValueError as err:
+                return _error(400, str(err), f"messages.{i}.content")
         ids = await asyncio.to_thread(lambda: tokenizer.encode(
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)))
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),

@@ -8,18 +8,17 @@ stepping.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.sequence import RequestOutput, Sequence
+from kvserve.engine.sequence import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.kv_state import kv_state
 from kvserve.server.metrics import Metrics
@@ -55,19 +54,6 @@ def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]
         pass
 
 
-def _past_seats(seats: int, queue: Iterable[Sequence]) -> int:
-    """Requests of `queue` (in admission order) that `seats` free batch seats leave waiting. A
-    sequence takes a seat for each sample or beam it forks into, and the scheduler admits in
-    order, so every one behind the first that does not fit waits too. A request counts once,
-    however many of its samples or beams wait (preemption puts them back one by one)."""
-    waiting: set[str] = set()
-    for seq in queue:
-        seats -= 1 + seq.num_forks
-        if seats < 0:
-            waiting.add(seq.request_id)
-    return len(waiting)
-
-
 def request_ids(request_id: str, num_prompts: int) -> list[str]:
     """The engine request of each prompt of one HTTP request."""
     return [request_id] if num_prompts == 1 else [f"{request_id}-{i}" for i in range(num_prompts)]
@@ -78,8 +64,8 @@ class AsyncEngine:
                  on_fatal: Callable[[], None] | None = None) -> None:
         """`on_fatal`: called (on the engine thread) once the engine can run no further step,
         after every request was failed; the server stops on it and exits non-zero."""
-        if max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
         self._on_fatal = on_fatal
         self.fatal: str | None = None  # why the engine stopped for good
@@ -147,13 +133,12 @@ class AsyncEngine:
             if self._draining:
                 raise Draining("the server is shutting down")
             seqs = [engine.make_sequence(p, params, rid, cache_salt) for p, rid in zip(prompts, ids)]
-            sched = engine.scheduler
             # The bound is on requests waiting for a batch seat: those that the next step admits
             # into free seats do not wait, so a burst that fits the batch is taken whole.
-            free = sched.max_num_seqs - sum(1 + s.num_forks for s in (*sched.running, *sched.swapped))
-            if _past_seats(free, itertools.chain(sched.waiting, seqs)) > self.max_waiting:
+            waiting = engine.scheduler.waiting_past_seats(seqs)
+            if waiting > self.max_waiting:
                 self.metrics.rejected.labels(reason="queue_full").inc()
-                raise QueueFull(f"{_past_seats(free, sched.waiting)} requests are waiting for a batch seat "
+                raise QueueFull(f"with this request {waiting} would wait for a batch seat "
                                 f"(max_waiting={self.max_waiting})")
             for seq in seqs:
                 engine.add_sequence(seq)

@@ -22,9 +22,9 @@ def add_parser(sub: Any) -> None:
                                    "/metrics (Prometheus) and a live KV-cache dashboard at /.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=at_least(0, 65535), default=8000, help="port (default 8000)")
-    p.add_argument("--max-waiting", type=at_least(1), default=512,
+    p.add_argument("--max-waiting", type=at_least(0), default=512,
                    help="requests that may wait for a batch slot, beyond those the batch's free slots take at "
-                        "once; past it the server answers 429 (default 512)")
+                        "once; past it the server answers 429 (default 512; 0: 429 once the batch is full)")
     p.add_argument("--retry-after", type=at_least(0), default=1,
                    help="seconds a 429 tells the client to wait (Retry-After header; default 1)")
     p.add_argument("--shutdown-timeout", type=number(at_least=0), default=30.0,

@@ -1,23 +1,46 @@
 """The OpenAI request bodies we accept, and how they become `SamplingParams`."""
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.sampling_params import SamplingParams
 
 
-# Every request model is strict, as OpenAI checks types: pydantic would otherwise take
-# `max_tokens: true` as 1, `"5"` as 5 and `stream: "no"` as False. A float field still takes an integer.
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
+class _Strict(BaseModel):
+    """Strict types, as OpenAI checks them: pydantic would otherwise take `max_tokens: true` as 1,
+    `"5"` as 5 and `stream: "no"` as False (a float field still takes an integer). Two things
+    clients send are taken first, as OpenAI and vLLM take them: null for a field with a default
+    (OpenAI's spec marks them nullable) means that default, and a whole float for an integer
+    field (a limit computed in floats, `256.0`) is that integer."""
+    # Clients send fields we have no use for (`user`, `metadata`...): ignored, as OpenAI does.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_and_whole_floats(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name, field in cls.model_fields.items():
+            if name not in data:
+                continue
+            kinds = typing.get_args(field.annotation) or (field.annotation,)
+            value = data[name]
+            if value is None and type(None) not in kinds and not field.is_required():
+                del data[name]
+            elif isinstance(value, float) and value.is_integer() and int in kinds:
+                data[name] = int(value)
+        return data
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    # Clients send fields we have no use for (`user`, `metadata`...): ignored, as OpenAI does.
-    model_config = ConfigDict(extra="ignore", strict=True)
+class _Common(_Strict):
 
     model: str | None = None
     n: int = 1
@@ -99,8 +122,7 @@ class CompletionRequest(_Common):
         return self.logprobs, self.logprobs if self.echo else None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[Any] | None = None  # refused unless empty: the chat template would drop them
@@ -116,6 +138,8 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return None
         for part in self.content:
+            if "type" not in part:
+                return "content", "a content part needs a `type` (this model reads type 'text')"
             if part.get("type") != "text":
                 return "content", f"content parts of type {part.get('type')!r} are not supported; this model reads text"
             if not isinstance(part.get("text"), str):

@@ -326,3 +326,22 @@ def test_a_rolled_back_group_drops_its_remote_loads_and_their_cache_entries() ->
     stats = bm.prefix_stats
     assert (stats.prompt_tokens - before.prompt_tokens, stats.cached_tokens - before.cached_tokens,
             stats.remote_tokens - before.remote_tokens) == (18, 16, 16)
+
+
+def test_waiting_past_seats_follows_the_admission_rule() -> None:
+    """Counted by hand: 4 seats, one taken by a running sequence, a request of n=2 takes 2."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=1000)
+    sched.add(make_seq("run", 4))
+    run_model(sched, sched.schedule())
+    pair = Sequence("pair", [1, 2, 3], SamplingParams(n=2), seed=0, num_forks=1)
+    sched.add(pair)
+    assert sched.waiting_past_seats() == 0  # 3 free seats, the pair takes 2
+    assert sched.waiting_past_seats([make_seq("a", 4)]) == 0  # the last seat
+    assert sched.waiting_past_seats([make_seq("a", 4), make_seq("b", 4), make_seq("c", 4)]) == 2
+    # While a sequence is swapped nothing is admitted: every waiting request waits (the server
+    # used to count the swapped one's seats free and take a burst past --max-waiting).
+    swapped = make_seq("s", 4)
+    swapped.status = SequenceStatus.SWAPPED
+    sched.swapped.append(swapped)
+    assert sched.waiting_past_seats([make_seq("a", 4)]) == 2

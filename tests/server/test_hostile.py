@@ -146,15 +146,17 @@ def test_a_chunked_body_is_held_to_the_size_limit(server: ServerProcess) -> None
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 1}, "prompt"),
     ("/v1/completions", {"prompt": ["ok", "\udfff"], "max_tokens": 1}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 1}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 1},
+     "messages.0.content"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "cache_salt": "\ud800"}, "cache_salt"),
 ])
 def test_lone_surrogates_are_400_naming_the_field(server: ServerProcess, path: str, body: dict,  # type: ignore[type-arg]
                                                   param: str) -> None:
     r = post(server, path, body)  # json.dumps writes the surrogate as JSON allows it
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    fine = [{"role": "user", "content": "fine"}] if param == "messages" else "fine"
-    assert post(server, path, {**body, param: fine}).status_code == 200
+    field = param.split(".")[0]
+    fine = [{"role": "user", "content": "fine"}] if field == "messages" else "fine"
+    assert post(server, path, {**body, field: fine}).status_code == 200
     assert wait_idle(server)["running"] == 0
 
 

@@ -66,7 +66,7 @@ def test_completion_fields_are_strictly_typed(field: str, value: object) -> None
 
 
 @pytest.mark.parametrize("field, value", [
-    ("max_tokens", True), ("max_completion_tokens", "5"), ("top_logprobs", True), ("logprobs", 1), ("n", 2.0)])
+    ("max_tokens", True), ("max_completion_tokens", "5"), ("top_logprobs", True), ("logprobs", 1), ("n", 2.5)])
 def test_chat_fields_are_strictly_typed(field: str, value: object) -> None:
     with pytest.raises(ValidationError) as err:
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}], field: value})
@@ -125,3 +125,17 @@ def test_unsupported_completion_options_are_named(fields: dict, param: str) -> N
 def test_a_stop_string_with_a_lone_surrogate_is_refused() -> None:
     with pytest.raises(ValueError, match="^SamplingParams.stop: not valid Unicode"):
         CompletionRequest.model_validate({"prompt": "a", "stop": "x\ud800"}).sampling_params(4)
+
+
+def test_nulls_mean_the_default_and_whole_floats_are_integers() -> None:
+    # Strict typing refused both, though OpenAI's spec marks these fields nullable and clients
+    # that compute a limit in floats send 256.0 (vLLM takes both).
+    nulls = {name: None for name in ("temperature", "top_p", "n", "stream", "echo", "presence_penalty",
+                                     "max_tokens", "min_tokens", "seed", "stop", "logprobs")}
+    req = CompletionRequest.model_validate({"prompt": "hi", **nulls})
+    assert (req.temperature, req.top_p, req.n, req.stream, req.max_tokens, req.seed) == (1.0, 1.0, 1, False, 16, None)
+    req = CompletionRequest.model_validate({"prompt": "hi", "n": 2.0, "max_tokens": 256.0})
+    assert (req.n, req.max_tokens) == (2, 256) and type(req.max_tokens) is int
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}], "logprobs": None,
+                                                 "max_completion_tokens": 3.0})
+    assert chat.logprobs is False and chat.max_completion_tokens == 3
