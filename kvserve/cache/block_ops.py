@@ -1,7 +1,7 @@
 """Every block move of one step, in one object: what the scheduler decided and the runner applies."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from kvserve.cache.compaction import Compaction
@@ -23,3 +23,15 @@ class BlockOps:
     offloads: tuple[tuple[int, HostBlock], ...] = ()  # (device block, host block)
     loads: tuple[tuple[int, bytes], ...] = ()         # (device block, its pages from the remote tier)
     copies: tuple[tuple[int, int], ...] = ()         # (source block, destination block)
+
+    def then(self, other: "BlockOps") -> "BlockOps":
+        """These moves and then `other`'s, kind by kind (the runner applies the kinds in the
+        order above whatever their source)."""
+        if not other.any():  # most steps: decodes that move nothing
+            return self
+        if not self.any():
+            return other
+        return BlockOps(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def any(self) -> bool:
+        return bool(self.compactions or self.swap_out or self.swap_in or self.offloads or self.loads or self.copies)

@@ -5,7 +5,7 @@ import itertools
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvserve.cache.block_manager import BlockManager, HostBlock, on_device
 from kvserve.cache.block_ops import BlockOps
@@ -24,21 +24,6 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_scheduled)
-
-
-@dataclass
-class StepMoves:
-    """The block moves one `schedule()` call decides, gathered as its helpers return them. Each
-    call makes its own and turns it into its output's `BlockOps`: no move outlives its step."""
-    swap_out: list[tuple[int, int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int, int]] = field(default_factory=list)
-    offloads: list[tuple[int, HostBlock]] = field(default_factory=list)
-    loads: list[tuple[int, bytes]] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-
-    def ops(self) -> BlockOps:
-        return BlockOps(swap_out=tuple(self.swap_out), swap_in=tuple(self.swap_in), offloads=tuple(self.offloads),
-                        loads=tuple(self.loads), copies=tuple(self.copies))
 
 
 class Scheduler:
@@ -82,24 +67,27 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
-        moves = StepMoves()
+        """The step's sequences and every block move they need, each move as the block manager
+        or swap space returned it to the helper that decided it."""
         if self.chunked_prefill:
-            return self._schedule_chunked(moves)
+            return self._schedule_chunked()
         # Swapped sequences hold finished work: they come back before new ones are admitted.
-        admitted = [] if self.swapped else self._admit(self.max_num_batched_tokens, moves, chunked=False)
-        if admitted:
-            return SchedulerOutput(admitted, [s.num_runnable for s in admitted], True, [], moves.ops())
-        self._swap_in(moves)
-        preempted = self._make_room_for_decode(moves)
+        if not self.swapped:
+            admitted, ops = self._admit(self.max_num_batched_tokens, chunked=False)
+            if admitted:
+                return SchedulerOutput(admitted, [s.num_runnable for s in admitted], True, [], ops)
+        ops = self._swap_in()
+        preempted, room = self._make_room_for_decode()
         running = [s for s in self.running if not s.awaiting_length_finish]
         if self.recompute_all:
             for seq in running:
                 seq.num_computed_tokens = 0
-        return SchedulerOutput(running, [s.num_runnable for s in running], False, preempted, moves.ops())
+        return SchedulerOutput(running, [s.num_runnable for s in running], False, preempted, ops.then(room))
 
-    def _schedule_chunked(self, moves: StepMoves) -> SchedulerOutput:
-        self._swap_in(moves)
-        preempted = self._make_room_for_decode(moves)
+    def _schedule_chunked(self) -> SchedulerOutput:
+        ops = self._swap_in()
+        preempted, room = self._make_room_for_decode()
+        ops = ops.then(room)
         budget = self.max_num_batched_tokens
         # Decodes first (one token each), then the remainders of partly prefilled prompts.
         decoding, prefilling = [], []
@@ -122,14 +110,16 @@ class Scheduler:
             counts.append(take)
             budget -= take
         if budget > 0 and not self.swapped:
-            for seq in self._admit(budget, moves, chunked=True):
+            admitted, loads = self._admit(budget, chunked=True)
+            ops = ops.then(loads)
+            for seq in admitted:
                 take = min(seq.num_runnable, budget)
                 if take == 0:  # a group member admitted with its fellows; its tokens run next step
                     continue
                 seqs.append(seq)
                 counts.append(take)
                 budget -= take
-        return SchedulerOutput(seqs, counts, not decoding, preempted, moves.ops())
+        return SchedulerOutput(seqs, counts, not decoding, preempted, ops)
 
     def complete_step(self, out: SchedulerOutput) -> list[int]:
         """After the model ran `out`: every scheduled sequence's computed tokens advance (the one
@@ -142,12 +132,14 @@ class Scheduler:
                 done.append(i)
         return done
 
-    def _admit(self, budget: int, moves: StepMoves, chunked: bool) -> list[Sequence]:
+    def _admit(self, budget: int, chunked: bool) -> tuple[list[Sequence], BlockOps]:
         """Admits waiting sequences while slots, blocks and `budget` allow; with `chunked`, the
-        last one admitted may bring only part of its prompt this step (budget > 0 suffices)."""
+        last one admitted may bring only part of its prompt this step (budget > 0 suffices).
+        Returns them and the remote-tier loads of their prompts."""
         admitted: list[Sequence] = []
+        loads: list[tuple[int, bytes]] = []
         if not self.waiting:  # most decode steps: no need to count the seats
-            return admitted
+            return admitted, BlockOps()
         slots = self.max_num_seqs - self._seats_taken()
         while self.waiting:
             # The beams of one request run together (a beam step needs all of them), so a group
@@ -170,7 +162,7 @@ class Scheduler:
                 break
             for seq, grant in zip(group, grants):
                 seq.num_computed_tokens = grant.cached
-                moves.loads += grant.loads
+                loads += grant.loads
                 budget -= seq.num_runnable
                 slots -= 1 + seq.num_forks
                 seq.first_scheduled_time = seq.first_scheduled_time or time.perf_counter()
@@ -178,7 +170,7 @@ class Scheduler:
                 self.waiting.popleft()
                 self.running.append(seq)
                 admitted.append(seq)
-        return admitted
+        return admitted, BlockOps(loads=tuple(loads))
 
     def _group_at_head(self) -> list[Sequence]:
         head = self.waiting[0]
@@ -186,21 +178,24 @@ class Scheduler:
             return [head]
         return list(itertools.takewhile(lambda s: s.beam is head.beam, self.waiting))
 
-    def _make_room_for_decode(self, moves: StepMoves) -> list[Sequence]:
+    def _make_room_for_decode(self) -> tuple[list[Sequence], BlockOps]:
         """Every running sequence needs a slot for its next token; when blocks run out, the most
         recently admitted sequence (with its fellow beams) is preempted by recompute or swap, and
         a sequence too long to be readmitted offloads cold blocks instead."""
         preempted: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
+        offloads: list[tuple[int, HostBlock]] = []
+        swap_out: list[tuple[int, int, int]] = []
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             if seq.awaiting_length_finish:
                 i += 1
                 continue
-            copies = self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run, self.reserve_tokens)
-            if copies is not None:
-                if copies:
-                    moves.copies += copies
+            copied = self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run, self.reserve_tokens)
+            if copied is not None:
+                if copied:
+                    copies += copied
                 i += 1
                 continue
             # The most recent sequence that could be admitted again; one that has outgrown the
@@ -211,27 +206,28 @@ class Scheduler:
                            and bm.blocks_for(s.num_tokens) <= bm.num_blocks), seq)
             offload = bm.offload_coldest(seq.seq_id) if victim is seq and seq.beam is None else None
             if offload is not None:
-                moves.offloads.append(offload)
+                offloads.append(offload)
                 continue
             group = [s for s in self.running if s.beam is victim.beam] if victim.beam else [victim]
             for member in group:
                 self.running.remove(member)
-                moves.swap_out += self.preempt(member)
+                swap_out += self.preempt(member)
                 preempted.append(member)
             i = 0  # members may have sat before i; allocating again is a no-op for the others
-        return preempted
+        return preempted, BlockOps(swap_out=tuple(swap_out), offloads=tuple(offloads), copies=tuple(copies))
 
-    def _swap_in(self, moves: StepMoves) -> None:
+    def _swap_in(self) -> BlockOps:
         """Bring swapped sequences back while blocks allow, leaving every running sequence room to
         take one more block this step, so none of them is preempted right after. With nothing
         running, the head comes back if it fits at all; one that cannot (its next token needs
         more blocks than are free) drops its copy and waits to be recomputed: left swapped, it
         would wait forever, and with it every waiting sequence."""
         if not self.swapped:  # most steps: no need to count the seats
-            return
+            return BlockOps()
         bm = self.block_manager
         seats = self._seats_taken()
         requeued: list[Sequence] = []
+        swap_in: list[tuple[int, int, int]] = []
         while self.swapped and seats + 1 + self.swapped[0].num_forks <= self.max_num_seqs:
             seq = self.swapped[0]
             headroom = len(self.running) + 1 if self.running else 0
@@ -244,12 +240,13 @@ class Scheduler:
             # Blocks suffice (checked above), and a new table shares no block to copy.
             copies = bm.allocate(seq.seq_id, seq.num_slots_to_run, salt=seq.cache_salt)
             assert copies == ()
-            moves.swap_in += self.swap.swap_in(seq.seq_id, bm.tables[seq.seq_id])
+            swap_in += self.swap.swap_in(seq.seq_id, bm.tables[seq.seq_id])
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.swapped.popleft())
             seats += 1 + seq.num_forks
         for seq in reversed(requeued):  # each goes to the head: in reverse, they keep their order
             self._requeue(seq)
+        return BlockOps(swap_in=tuple(swap_in))
 
     def waiting_past_seats(self, extra: Iterable[Sequence] = ()) -> int:
         """Requests of the waiting queue, then of `extra` (as if queued behind it), that the next
