@@ -6,8 +6,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 
@@ -17,15 +16,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
-from tokenizers.decoders import ByteLevel
 
-from kvserve.engine.detokenizer import Detokenizer
-from kvserve.engine.sequence import RequestOutput, TokenLogprobs
+from kvserve.engine.sequence import RequestOutput
 from kvserve.server.async_engine import Done, Draining, QueueFull
 from kvserve.server.front import EngineFront
 from kvserve.server.settings import ServerSettings
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, error_body,
                                      param_of)
+from kvserve.server.rendering import Rendering, TextOffsets, token_bytes_of
 from kvserve.validate import check_utf8
 
 
@@ -215,7 +213,7 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
     def token_text(token: int) -> str:
         return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
 
-    token_bytes = _token_bytes(tokenizer, token_text)
+    token_bytes = token_bytes_of(tokenizer, token_text)
 
     async def _generate(req: _Common, prompts: list[list[int]], max_tokens: int, chat: bool,
                         request: Request) -> Response:
@@ -238,7 +236,7 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
             param = param_of(str(err))
             return _error(400, str(err), "messages" if chat and param == "prompt" else param)
         reply = _Reply(request_id, model_name, chat, rids, params.n if params.beam_width == 1 else 1,
-                       _Rendering(tokenizer, token_text, token_bytes, echo, score_only))
+                       Rendering(tokenizer, token_text, token_bytes, echo, score_only))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_stream(reply, sink, include_usage), media_type="text/event-stream")
@@ -297,128 +295,8 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
 DISCONNECT_POLL_S = 0.5
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet inverted: the character each byte is written as in a
-    token's piece -> that byte. Printable Latin-1 bytes stand for themselves; the other 68 are
-    written as U+0100 onwards, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    rest = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(rest)}}
-
-
-_BYTE_OF = _byte_level_alphabet()
-
-
-def _token_bytes(tokenizer: Any, token_text: Callable[[int], str]) -> Callable[[int], bytes]:
-    """A token's own UTF-8 bytes, as OpenAI's chat logprobs give them. A byte-level BPE token may
-    hold part of a character (an emoji is often three tokens), whose text alone is U+FFFD: its
-    bytes come from its piece. Added tokens (<|im_end|>) are stored as plain text, and other
-    tokenizers' tokens are their text."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if not isinstance(getattr(backend, "decoder", None), ByteLevel):
-        return lambda token: token_text(token).encode()
-    added = set(tokenizer.added_tokens_decoder)
-
-    def token_bytes(token: int) -> bytes:
-        piece = tokenizer.convert_ids_to_tokens(token)
-        if token in added or piece is None:  # None: an id past the tokenizer's vocabulary
-            return token_text(token).encode()
-        return bytes(_BYTE_OF[c] for c in piece)
-    return token_bytes
-
-
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class _Offsets:
-    """Where each token of a list starts in the text the list decodes to, a token at a time: the
-    length of the whole characters the tokens before it decode to. A byte-level token may hold
-    part of a character: it starts where that character starts, as does the token completing it.
-    Through the engine's own `Detokenizer` (~1 us a token, the text an output shows), where
-    decoding every prefix would cost the square of the length."""
-
-    def __init__(self, tokenizer: Any, shown: Callable[[int], str], chars: int = 0) -> None:
-        """`shown`: the text a token adds that the detokenizer leaves out (it skips special
-        tokens, as outputs do; an echoed prompt shows them). `chars`: where the first token starts."""
-        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
-        self.shown, self.chars = shown, chars
-        self.ids: list[int] = []
-
-    def take(self, ids: list[int]) -> list[int]:
-        """The offsets of `ids`, the tokens that follow those taken before."""
-        offsets = []
-        for token in ids:
-            offsets.append(self.chars)
-            self.ids.append(token)
-            if self.detokenizer is not None:
-                self.chars += len(self.detokenizer.step(self.ids))
-            self.chars += len(self.shown(token))
-        return offsets
-
-
-@dataclass(frozen=True)
-class _Rendering:
-    """How outputs become OpenAI text and logprobs: token strings and bytes, and completions' echo."""
-    tokenizer: Any  # None: a model without one, whose tokens are shown as their ids
-    token_text: Callable[[int], str]
-    token_bytes: Callable[[int], bytes]
-    echo: bool = False
-    score_only: bool = False  # echo with max_tokens 0: the prompt alone, its one engine token dropped
-
-    def prompt_text(self, out: RequestOutput) -> str:
-        # The server submits token ids, so the output holds no prompt text. The ids are decoded
-        # together: a character split over tokens is U+FFFD in each token's text alone.
-        if self.tokenizer is None:
-            return "".join(map(self.token_text, out.prompt_token_ids))
-        return self.tokenizer.decode(out.prompt_token_ids)
-
-    def text(self, out: RequestOutput) -> str:
-        return (self.prompt_text(out) if self.echo else "") + ("" if self.score_only else out.text)
-
-    def entries(self, out: RequestOutput, start: int, echo: bool) -> list[tuple[int, TokenLogprobs | None]]:
-        """(token, its logprobs) from output token `start` on, the prompt's first when `echo`."""
-        head = list(zip(out.prompt_token_ids, out.prompt_logprobs or [])) if echo else []
-        tail = [] if self.score_only else list(zip(out.token_ids[start:], (out.logprobs or [])[start:]))
-        return head + tail
-
-    def output_offsets(self, out: RequestOutput) -> _Offsets:
-        """The text offsets of a choice's output tokens, which start after the echoed prompt."""
-        return _Offsets(self.tokenizer, lambda _: "", len(self.prompt_text(out)) if self.echo else 0)
-
-    def offsets(self, out: RequestOutput, start: int, echo: bool, outputs: _Offsets) -> list[int]:
-        """The text offsets of `entries(out, start, echo)`; `outputs` has taken the output tokens
-        before `start`."""
-        head: list[int] = []
-        if echo:
-            tok = self.tokenizer
-            special = set() if tok is None else {i for i, t in tok.added_tokens_decoder.items() if t.special}
-            # `prompt_text` keeps the special tokens the detokenizer skips; without a tokenizer
-            # the text is the tokens' own.
-            head = _Offsets(tok, lambda t: self.token_text(t) if tok is None or t in special else "").take(
-                out.prompt_token_ids[:len(out.prompt_logprobs or [])])
-        return head + ([] if self.score_only else outputs.take(out.token_ids[start:len(out.logprobs or [])]))
-
-    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offsets: list[int]) -> dict[str, Any]:
-        """`offsets`: where each entry's token starts in the choice's text."""
-        return {"tokens": [self.token_text(t) for t, _ in entries],
-                "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
-                "top_logprobs": [self.top_logprobs(lp) if lp else None for _, lp in entries],
-                "text_offset": offsets}
-
-    def top_logprobs(self, lp: TokenLogprobs) -> dict[str, float]:
-        """The top tokens and, as OpenAI's completions do, the chosen one where it is not among
-        them (sampled below the top k): up to k + 1 entries."""
-        top = {self.token_text(k): v for k, v in lp.top.items()}
-        if lp.token_id not in lp.top:
-            top.setdefault(self.token_text(lp.token_id), lp.logprob)
-        return top
-
-    def chat_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
-        def item(token: int, logprob: float) -> dict[str, Any]:
-            return {"token": self.token_text(token), "logprob": logprob, "bytes": list(self.token_bytes(token))}
-        return {"content": [{**item(t, lp.logprob), "top_logprobs": [item(k, v) for k, v in lp.top.items()]}
-                            for t, lp in entries if lp is not None]}
 
 
 class _Reply:
@@ -426,10 +304,10 @@ class _Reply:
     OpenAI's response and chunk shapes."""
 
     def __init__(self, request_id: str, model: str, chat: bool, engine_ids: list[str], n: int,
-                 rendering: _Rendering) -> None:
+                 rendering: Rendering) -> None:
         self.id, self.model, self.chat, self.n, self.rendering = request_id, model, chat, n, rendering
         self.sent: dict[int, int] = {}  # per choice, output tokens whose logprobs were streamed
-        self.offsets: dict[int, _Offsets] = {}  # per choice, the text offsets of the tokens streamed
+        self.offsets: dict[int, TextOffsets] = {}  # per choice, the text offsets of the tokens streamed
         self.created = int(time.time())
         self.prompt_index = {rid: i for i, rid in enumerate(engine_ids)}
         self.pending = set(engine_ids)

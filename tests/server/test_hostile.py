@@ -11,9 +11,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from kvserve import LLM
 from kvserve.bench.serve_load import ServerProcess
-from kvserve.server.app import _token_bytes
 from kvserve.server.settings import ServerSettings
 
 
@@ -259,17 +257,6 @@ def test_chat_logprob_bytes_are_each_tokens_own(server: ServerProcess) -> None:
     assert b"".join(bytes(entry["bytes"]) for entry in content) == text.encode()
     for entry in content:  # greedy: the first alternative is the token itself
         assert entry["top_logprobs"][0]["bytes"] == entry["bytes"]
-
-
-def test_token_bytes_read_the_byte_level_alphabet(smol: LLM) -> None:
-    tokenizer = smol.tokenizer
-    token_bytes = _token_bytes(tokenizer, lambda token: tokenizer.decode([token]))
-    texts = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
-    # Every token that is whole characters (special tokens included) has its text's bytes...
-    assert all(token_bytes(token) == text.encode() for token, text in enumerate(texts) if "\ufffd" not in text)
-    # ...and the pieces of characters add up to them.
-    ids = tokenizer.encode("日本語 🦀 naïve")
-    assert b"".join(map(token_bytes, ids)) == "日本語 🦀 naïve".encode()
 
 
 @pytest.mark.parametrize("fields, param", [

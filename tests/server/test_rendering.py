@@ -1,0 +1,20 @@
+"""Rendering engine outputs as OpenAI's text: token bytes (on the real tokenizer)."""
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM
+from kvserve.server.rendering import token_bytes_of
+
+pytestmark = pytest.mark.model
+
+
+def test_token_bytes_read_the_byte_level_alphabet(smol: LLM) -> None:
+    tokenizer = smol.tokenizer
+    token_bytes = token_bytes_of(tokenizer, lambda token: tokenizer.decode([token]))
+    texts = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
+    # Every token that is whole characters (special tokens included) has its text's bytes...
+    assert all(token_bytes(token) == text.encode() for token, text in enumerate(texts) if "\ufffd" not in text)
+    # ...and the pieces of characters add up to them.
+    ids = tokenizer.encode("日本語 🦀 naïve")
+    assert b"".join(map(token_bytes, ids)) == "日本語 🦀 naïve".encode()
