@@ -204,9 +204,9 @@ class LLMEngine:
                       request_id: str | None = None, cache_salt: str | None = None) -> Sequence:
         """Validates a request without touching engine state, so a bad one never disturbs others.
         `cache_salt`: prefix-cache hits only among requests carrying the same salt (a tenant's)."""
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError("cache_salt: must be a non-empty string")
         if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ValueError("cache_salt: must be a non-empty string")
             check_utf8("cache_salt", cache_salt)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -290,7 +290,7 @@ class LLMEngine:
         with label("kvserve.schedule"):
             batch = self.scheduler.schedule()
         if not batch.seqs:
-            if batch.block_ops != BlockOps():
+            if batch.block_ops.any():
                 self.runner.move_blocks(batch.block_ops)  # before the pending tokens are taken
             pending, self._pending = self._pending, None
             return [] if pending is None else self._read_pending(pending)

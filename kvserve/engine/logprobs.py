@@ -11,7 +11,8 @@ def token_logprobs(logits: torch.Tensor, ks: list[int | None], temperatures: lis
                    tokens: list[int]) -> list[TokenLogprobs | None]:
     """logits [R, vocab], the row each token of `tokens` was drawn from (or predicted by); row i
     asks for the top ks[i] (-1: everything; None: nothing, giving None) at temperatures[i]
-    (SamplingParams.scale_temperature: greedy counts as 1). One log-softmax over the asking rows together, one top-k at the largest k."""
+    (SamplingParams.scale_temperature: greedy counts as 1). One log-softmax over the asking rows
+    together, one top-k at the largest k."""
     rows = [i for i, k in enumerate(ks) if k is not None]
     out: list[TokenLogprobs | None] = [None] * len(ks)
     if not rows:
