@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     from kvserve.diagnostics.memory_planner import add_parser as add_memory
     add_memory(sub)
-    from kvserve.server.cli import add_parser as add_serve
+    from kvserve.serve_cli import add_parser as add_serve
     add_serve(sub)
     from kvserve.eval.cli import add_parser as add_eval
     add_eval(sub)

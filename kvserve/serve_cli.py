@@ -1,4 +1,4 @@
-"""`kvserve serve`: the OpenAI-compatible HTTP server."""
+"""`kvserve serve`: the OpenAI-compatible HTTP server, one engine or replicas behind a router."""
 from __future__ import annotations
 
 import argparse
