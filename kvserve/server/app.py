@@ -23,7 +23,7 @@ from kvserve.server.front import EngineFront
 from kvserve.server.settings import ServerSettings
 from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, error_body,
                                      param_of)
-from kvserve.server.rendering import Rendering, TextOffsets, token_bytes_of
+from kvserve.server.rendering import Rendering, TextOffsets, longest_token_bytes, token_bytes_of
 from kvserve.validate import check_utf8
 
 
@@ -188,6 +188,9 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
                     check_utf8("prompt", p)
         except ValueError as err:
             return _error(400, str(err), "prompt")
+        for p in prompts:
+            if isinstance(p, str) and (why := surely_too_long([p])) is not None:
+                return _error(400, f"prompt: {why}", "prompt")
         # Off the event loop: a huge prompt must not stall /health and every other client.
         prompts = await asyncio.to_thread(lambda: [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
         return await _generate(req, prompts, req.max_tokens, False, request)
@@ -204,6 +207,8 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
                 check_utf8(f"messages.{i}.content", m["content"])
             except ValueError as err:
                 return _error(400, str(err), f"messages.{i}.content")
+        if (why := surely_too_long([m["content"] for m in messages])) is not None:
+            return _error(400, f"messages: {why}", "messages")
         ids = await asyncio.to_thread(lambda: tokenizer.encode(
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)))
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
@@ -214,6 +219,16 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
         return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
 
     token_bytes = token_bytes_of(tokenizer, token_text)
+    longest_token = longest_token_bytes(tokenizer)
+
+    def surely_too_long(texts: list[str]) -> str | None:
+        """Why `texts` cannot fit the context whatever they tokenize to, without tokenizing them."""
+        size = sum(len(t.encode()) for t in texts)
+        if longest_token is None or -(-size // longest_token) < aengine.max_model_len:
+            return None
+        return (f"{size} bytes of text are at least {-(-size // longest_token)} tokens (no token of this "
+                f"tokenizer covers more than {longest_token} bytes), which leave no room to generate within "
+                f"the context length max_model_len={aengine.max_model_len}")
 
     async def _generate(req: _Common, prompts: list[list[int]], max_tokens: int, chat: bool,
                         request: Request) -> Response:

@@ -42,6 +42,18 @@ def token_bytes_of(tokenizer: Any, token_text: Callable[[int], str]) -> Callable
     return token_bytes
 
 
+def longest_token_bytes(tokenizer: Any) -> int | None:
+    """The most UTF-8 bytes one token of a byte-level BPE tokenizer without a normalizer covers,
+    so that a text of B bytes is at least B / that many tokens: a prompt can be refused as too long
+    before tokenizing it (4 MiB takes seconds). None where no such bound holds (another kind of
+    tokenizer, or a normalizer that may shrink the text first)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(getattr(backend, "decoder", None), ByteLevel) or backend.normalizer is not None:
+        return None
+    added = (len(t.content.encode()) for t in tokenizer.added_tokens_decoder.values())
+    return max(*added, *(len(piece) for piece in tokenizer.get_vocab()))
+
+
 class TextOffsets:
     """Where each token of a list starts in the text the list decodes to, a token at a time: the
     length of the whole characters the tokens before it decode to. A byte-level token may hold

@@ -125,6 +125,21 @@ def test_huge_prompts_get_413_and_health_stays_responsive(server: ServerProcess)
     assert max(stalls) < 2.0
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "word " * 600_000, "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": ["hi", "word " * 600_000], "max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600_000}]}, "messages"),
+])
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(server: ServerProcess, path: str,
+                                                                        body: dict, param: str) -> None:  # type: ignore[type-arg]
+    # 3 MB of text fit the request limit; tokenizing them took ~3 s of the engine's cores before
+    # the engine found 600,000 tokens past max_model_len 2048.
+    r = post(server, path, body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and "max_model_len=2048" in error["message"], r.text
+    assert "3000000 bytes of text are at least" in error["message"]  # judged on bytes, not tokens
+
+
 def test_a_chunked_body_is_held_to_the_size_limit(server: ServerProcess) -> None:
     def chunked(text: str) -> Iterator[bytes]:  # no Content-Length: httpx sends it chunked
         data = text.encode()
