@@ -58,10 +58,14 @@ class _Guard:
         self.app, self.settings = app, settings
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (refusal := self.refusal(scope)) is not None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if (refusal := self.refusal(scope["path"], headers)) is not None:
             await refusal(scope, receive, send)
             return
-        if scope["type"] == "http" and "content-length" not in Headers(scope=scope):
+        if "content-length" not in headers:
             # A chunked body declares no length: count it as it arrives, so it cannot pass the
             # limit. The limit bounds what is held here; the route then reads it back.
             body = await self.read_chunked(receive)
@@ -86,12 +90,12 @@ class _Guard:
                 return None
         return bytes(body)
 
-    def refusal(self, scope: Scope) -> JSONResponse | None:
-        settings, headers = self.settings, Headers(scope=scope)
+    def refusal(self, path: str, headers: Headers) -> JSONResponse | None:
+        settings = self.settings
         # DNS rebinding: a page on another origin reaches a local server under its own name.
         if not settings.host_allowed(headers.get("host")):
             return _error(400, f"Host {headers.get('host')!r} is not served here (see --allowed-hosts)")
-        if settings.api_key is not None and scope["path"] not in _OPEN_PATHS:
+        if settings.api_key is not None and path not in _OPEN_PATHS:
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
                 return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer ...)", None,
