@@ -214,7 +214,8 @@ class EngineConfig:
                              f"got {self.async_scheduling!r}")
         self._check_kv_format()
         if self.kv_rotation not in ROTATIONS:
-            raise ValueError(f"EngineConfig.kv_rotation must be one of {', '.join(ROTATIONS)}, got {self.kv_rotation!r}")
+            raise ValueError(f"EngineConfig.kv_rotation must be one of {', '.join(ROTATIONS)}, "
+                             f"got {self.kv_rotation!r}")
         self._check_eviction()
 
     def _check_types(self) -> None:

@@ -19,7 +19,8 @@ from kvserve.texts import DATA_HELP
 def _workload_args(p: argparse.ArgumentParser, num_requests: int, prompt_median: int, output_median: int,
                    requests_help: str = "requests in the workload") -> None:
     """The options of a benchmark whose requests are slices of a text (see `_workload`)."""
-    p.add_argument("--num-requests", type=at_least(1), default=num_requests, help=f"{requests_help} (default {num_requests})")
+    p.add_argument("--num-requests", type=at_least(1), default=num_requests,
+                   help=f"{requests_help} (default {num_requests})")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--prompt-len-median", type=at_least(1), default=prompt_median,
                    help=f"median prompt length in tokens; prompts are slices of --data, their lengths "
@@ -95,7 +96,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rp = kinds.add_parser("replicas", help="replicas on Ray Serve: prefix-aware vs Ray's default vs round-robin "
                                            "routing, with and without the Redis KV tier")
     rp.add_argument("--replicas", type=at_least(1), default=2, help="replicas (default 2)")
-    rp.add_argument("--num-system-prompts", type=at_least(1), default=8, help="system prompts the requests share (default 8)")
+    rp.add_argument("--num-system-prompts", type=at_least(1), default=8,
+                    help="system prompts the requests share (default 8)")
     rp.add_argument("--num-requests", type=at_least(1), default=64, help="requests (default 64)")
     rp.add_argument("--system-len", type=at_least(1), default=256, help="tokens per system prompt (default 256)")
     rp.add_argument("--user-len", type=at_least(1), default=32, help="tokens of each request's own turn (default 32)")
@@ -111,12 +113,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--seed", type=int, default=0,
                     help="seed of the system prompt each request draws (default 0)")
     rp.add_argument("--data", default=None, help=DATA_HELP)
-    rp.add_argument("--out", type=folder, default="bench_out", help="folder for replicas.md and replicas.json (default bench_out)")
+    rp.add_argument("--out", type=folder, default="bench_out",
+                    help="folder for replicas.md and replicas.json (default bench_out)")
     add_engine_args(rp)
     rp.set_defaults(func=run)
 
     sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
-    sc.add_argument("--prompt-len", type=at_least(1), default=32, help="prompt tokens of the one sequence timed (default 32)")
+    sc.add_argument("--prompt-len", type=at_least(1), default=32,
+                    help="prompt tokens of the one sequence timed (default 32)")
     sc.add_argument("--num-tokens", type=at_least(1), default=512,
                     help="tokens generated, each timed, so the context grows from --prompt-len by this many; "
                          "--max-model-len defaults to their sum (default 512)")
@@ -124,7 +128,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _hf_dtype_arg(sc)
     sc.add_argument("--skip-llama-cpp", action="store_true", help="leave out llama.cpp (bf16 GGUF)")
     _rounds_arg(sc)
-    sc.add_argument("--out", type=folder, default="bench_out", help="folder for scaling.md and scaling.png (default bench_out)")
+    sc.add_argument("--out", type=folder, default="bench_out",
+                    help="folder for scaling.md and scaling.png (default bench_out)")
     add_engine_args(sc)
     sc.set_defaults(func=run)
 

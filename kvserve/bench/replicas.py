@@ -56,7 +56,8 @@ def shared_prefix_prompts(ids: list[int], num_system: int, num_requests: int, sy
             for i in range(num_requests)]
 
 
-async def _drive(front: Any, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[tuple[float, int, str]]:
+async def _drive(front: Any, prompts: list[list[int]], max_tokens: int,
+                 concurrency: int) -> list[tuple[float, int, str]]:
     """(TTFT, output tokens, replica) per request, `concurrency` in flight at a time."""
     from kvserve.server.async_engine import Done
 
@@ -111,6 +112,7 @@ def format_runs(runs: list[ReplicaRun]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r.router} | {'yes' if r.remote else 'no'} | {r.prompt_tokens:,} | {r.hit_rate:.1%} | "
-                     f"{r.remote_tokens / max(r.prompt_tokens, 1):.1%} | {r.tokens_computed:,} | {r.ttft_mean_s:.2f} s | "
+                     f"{r.remote_tokens / max(r.prompt_tokens, 1):.1%} | {r.tokens_computed:,} | "
+                     f"{r.ttft_mean_s:.2f} s | "
                      f"{r.ttft_p50_s:.2f} s | {r.tokens_per_s:.1f} | {' / '.join(map(str, r.requests_per_replica))} |")
     return "\n".join(lines)

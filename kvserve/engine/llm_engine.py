@@ -138,7 +138,8 @@ class LLMEngine:
             config.async_scheduling == "auto" and self.device.type == "cuda" and self.tp is None)
         self._pending: PendingTokens | None = None  # the last step's tokens, not read yet
         if self.async_scheduling:
-            logger.info("kvserve: async scheduling: each step launches before the host reads the tokens of the one before")
+            logger.info("kvserve: async scheduling: each step launches before the host reads the tokens of "
+                        "the one before")
         self._rng = random.Random(config.seed)
 
     def _graph_shape(self, config: EngineConfig) -> tuple[int, int] | None:
@@ -554,7 +555,8 @@ class LLMEngine:
         """A running copy of `parent` (same tokens and progress) sharing all of its blocks."""
         child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params, seed,
                          prompt=parent.prompt, index=index, beam=parent.beam, cache_salt=parent.cache_salt,
-                         eviction=parent.eviction, kv_state=None if parent.kv_state is None else parent.kv_state.clone(),
+                         eviction=parent.eviction,
+                         kv_state=None if parent.kv_state is None else parent.kv_state.clone(),
                          output_token_ids=list(parent.output_token_ids),
                          output_logprobs=list(parent.output_logprobs), prompt_logprobs=list(parent.prompt_logprobs),
                          num_computed_tokens=parent.num_computed_tokens,
@@ -593,7 +595,8 @@ class LLMEngine:
                 "kv_blocks_cached": usage.cached, "kv_pool_bytes": self.pool.nbytes,
                 "prefix_cache_hit_rate": self.block_manager.prefix_stats.hit_rate,
                 "kv_evicted_tokens": dict(self.evicted_tokens),
-                "kv_blocks_freed_by_eviction": self.block_manager.evicted_blocks, "num_preemptions": self.scheduler.num_preemptions,
+                "kv_blocks_freed_by_eviction": self.block_manager.evicted_blocks,
+                "num_preemptions": self.scheduler.num_preemptions,
                 "preemptions_by_mode": dict(self.scheduler.preemptions),
                 "swap_tiers": [] if self.swap is None else [vars(u) for u in self.swap.usage()],
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

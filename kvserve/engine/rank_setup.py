@@ -36,8 +36,9 @@ class KVSizes:
         formats = config.kv_layer_formats(cfg.num_layers)
         if formats is None:
             return KVSizes(dense, 0, 0)
+        step_tokens = config.tokens_per_step(config.max_model_len or cfg.max_position)
         staging = QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size, config.residual_tokens,
-                                                formats, config.tokens_per_step(config.max_model_len or cfg.max_position))
+                                                formats, step_tokens)
         return KVSizes(QuantizedKVPool.bytes_per_block(config.block_size, cfg.num_kv_heads, cfg.head_dim, formats),
                        staging, dense * staging)
 

@@ -244,13 +244,14 @@ def kvpress_rows(args: argparse.Namespace, windows: list[list[int]], prefill: in
         spec_path.write_text(json.dumps(spec))
         subprocess.run([args.kvpress, str(runner), str(spec_path), str(out_path)], check=True)
         results = json.loads(out_path.read_text())
-    press = {"window": "StreamingLLMPress", "snapkv": "SnapKVPress", "tova": "TOVAPress", "h2o": "ObservedAttentionPress"}
+    press = {"window": "StreamingLLMPress", "snapkv": "SnapKVPress", "tova": "TOVAPress",
+             "h2o": "ObservedAttentionPress"}
     full = torch.tensor(results["full"]["argmax"])
     rows = []
     for name in ["full", *matched]:
         nll = torch.tensor(results[name]["nll"], dtype=torch.float64)
-        rows.append({"cache": f"kvpress {results['version']} " + ("full cache" if name == "full" else
-                                                                  f"{press[name]} @{args.kv_budget} (once at the prompt's end)"),
+        cache = "full cache" if name == "full" else f"{press[name]} @{args.kv_budget} (once at the prompt's end)"
+        rows.append({"cache": f"kvpress {results['version']} {cache}",
                      "perplexity": nll.mean().exp().item(),
                      "top1_vs_kvpress_full": (torch.tensor(results[name]["argmax"]) == full).double().mean().item()})
         print(_format_row(rows[-1]), flush=True)
@@ -323,7 +324,8 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path, pre
              "| cache | " + " | ".join(cols) + " | ppl vs reference |", "|---" * (len(cols) + 2) + "|"]
     for r in rows:
         cells = [_cell(r.get(c)) for c in cols]
-        lines.append(f"| {r['cache']} | " + " | ".join(cells) + f" | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% |")
+        change = 100 * (r['perplexity'] / base['perplexity'] - 1)
+        lines.append(f"| {r['cache']} | " + " | ".join(cells) + f" | {change:+.2f}% |")
     for r in rows:
         if "top1_vs_kvpress_full" in r:
             lines.append(f"\n{r['cache']}: top-1 agreement with kvpress' full cache {r['top1_vs_kvpress_full']:.3f}")

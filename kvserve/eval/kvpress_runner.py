@@ -33,7 +33,8 @@ def presses(spec: dict) -> dict:
 
 
 @torch.inference_mode()
-def run(model: torch.nn.Module, windows: torch.Tensor, prefill: int, press: object | None) -> tuple[torch.Tensor, torch.Tensor]:
+def run(model: torch.nn.Module, windows: torch.Tensor, prefill: int,
+        press: object | None) -> tuple[torch.Tensor, torch.Tensor]:
     from transformers import DynamicCache
 
     cache = DynamicCache()

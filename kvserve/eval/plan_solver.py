@@ -42,7 +42,8 @@ def solve(size: np.ndarray, loss: np.ndarray, max_loss: float | None = None,
     else:
         within = best[:max_size + 1] if max_size >= 0 else best[:0]
         if not np.isfinite(within).any():
-            raise ValueError(f"no assignment fits {max_size} (the smallest is {int(np.flatnonzero(np.isfinite(best))[0])})")
+            smallest = int(np.flatnonzero(np.isfinite(best))[0])
+            raise ValueError(f"no assignment fits {max_size} (the smallest is {smallest})")
         at = int(np.argmin(within))
     picks = []
     for layer in range(layers - 1, -1, -1):

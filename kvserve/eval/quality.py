@@ -101,5 +101,6 @@ def passkey_prompts(tokenizer: object, context_len: int, trials: int, seed: int)
 
 
 def passkey_accuracy(llm: LLM, prompts: list[tuple[str, str]]) -> float:
-    outs = llm.generate([p for p, _ in prompts], SamplingParams(max_tokens=PASSKEY_ANSWER_TOKENS, temperature=0), use_tqdm=False)
+    outs = llm.generate([p for p, _ in prompts], SamplingParams(max_tokens=PASSKEY_ANSWER_TOKENS, temperature=0),
+                        use_tqdm=False)
     return sum(key in out.text for out, (_, key) in zip(outs, prompts)) / len(prompts)

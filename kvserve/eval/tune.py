@@ -92,7 +92,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES),
                    help=f"formats a layer may take besides the model dtype (default {','.join(DEFAULT_CANDIDATES)})")
     p.add_argument("--windows", type=at_least(1), default=4, help="calibration windows (default 4)")
-    p.add_argument("--window-len", type=at_least(2), default=512, help="tokens per window, half prefilled (default 512)")
+    p.add_argument("--window-len", type=at_least(2), default=512,
+                   help="tokens per window, half prefilled (default 512)")
     p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--plan", default="kv_plan.json", help="where to write the plan (default kv_plan.json)")
     add_engine_args(p)
@@ -133,7 +134,8 @@ class TuneResult:
                  "  layers per format: " + ", ".join(f"{n} {c}" for n, c in counts.items() if c),
                  f"  checked on the calibration windows: KL {self.kl:.4g}, perplexity {self.ppl:.4g} vs "
                  f"{self.reference_ppl:.4g} ({100 * (self.ppl / self.reference_ppl - 1):+.2f}%), {limit}",
-                 f"  KV bytes per token {self.bytes_per_token:,.0f} ({self.bytes_per_token / self.dense_bytes_per_token:.1%} "
+                 f"  KV bytes per token {self.bytes_per_token:,.0f} "
+                 f"({self.bytes_per_token / self.dense_bytes_per_token:.1%} "
                  f"of the model dtype's {self.dense_bytes_per_token:,.0f})",
                  "  layer | " + " | ".join(self.names)]
         for layer, pair in enumerate(self.plan.layers):
@@ -174,7 +176,8 @@ def tune(args: argparse.Namespace, budget: Budget, candidates: list[str], text: 
         """The windows through an engine whose layers use `pairs`: (quality, KV bytes per token)."""
         KVPlan(tuple(pairs)).save(scratch)
         llm = llm_from_args(args, kv_cache_dtype=f"plan:{scratch}", **probe)
-        return quality.compare(quality.forced_logprobs(llm, windows, prefill), ref, targets), llm.engine.kv_bytes_per_token
+        compared = quality.compare(quality.forced_logprobs(llm, windows, prefill), ref, targets)
+        return compared, llm.engine.kv_bytes_per_token
 
     size = np.zeros((layers, len(names)), dtype=np.int64)
     loss = np.zeros((layers, len(names)))

@@ -33,7 +33,8 @@ class PageSource:
     (the kernel never reads them, but needs a valid pointer)."""
     kind: int
     data: torch.Tensor          # [blocks, bs, kv_heads, D] values or codes ([..., D * bits / 8] packed)
-    scale: torch.Tensor         # ABSMAX [blocks, bs, kvh]; HEAD_ABSMAX [kvh] fp32; GROUPED [blocks, bs, kvh, D / group]; CHANNEL [blocks, kvh, D]
+    # ABSMAX [blocks, bs, kvh]; HEAD_ABSMAX [kvh] fp32; GROUPED [blocks, bs, kvh, D / group]; CHANNEL [blocks, kvh, D]
+    scale: torch.Tensor
     zero: torch.Tensor          # like scale, GROUPED and CHANNEL only
     bits: int = 8
     group: int = 1

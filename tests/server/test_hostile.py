@@ -130,8 +130,8 @@ def test_huge_prompts_get_413_and_health_stays_responsive(server: ServerProcess)
     ("/v1/completions", {"prompt": ["hi", "word " * 600_000], "max_tokens": 1}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600_000}]}, "messages"),
 ])
-def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(server: ServerProcess, path: str,
-                                                                        body: dict, param: str) -> None:  # type: ignore[type-arg]
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(
+        server: ServerProcess, path: str, body: dict, param: str) -> None:  # type: ignore[type-arg]
     # 3 MB of text fit the request limit; tokenizing them took ~3 s of the engine's cores before
     # the engine found 600,000 tokens past max_model_len 2048.
     r = post(server, path, body)
