@@ -122,9 +122,19 @@ class Rendering:
                 out.prompt_token_ids[:len(out.prompt_logprobs or [])])
         return head + ([] if self.score_only else outputs.take(out.token_ids[start:len(out.logprobs or [])]))
 
-    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offsets: list[int]) -> dict[str, Any]:
+    def token_label(self, token: int) -> str:
+        """A token as logprobs name it: its text, or, for a piece of a character (whose text alone
+        is U+FFFD), its bytes escaped as OpenAI's API writes them ("bytes:\\xf0\\x9f"), so that
+        two pieces never share one key of a completion's top_logprobs."""
+        text = self.token_text(token)
+        if "\ufffd" not in text or (raw := self.token_bytes(token)) == text.encode():
+            return text
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]],
+                            offsets: list[int]) -> dict[str, Any]:
         """`offsets`: where each entry's token starts in the choice's text."""
-        return {"tokens": [self.token_text(t) for t, _ in entries],
+        return {"tokens": [self.token_label(t) for t, _ in entries],
                 "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
                 "top_logprobs": [self.top_logprobs(lp) if lp else None for _, lp in entries],
                 "text_offset": offsets}
@@ -132,13 +142,13 @@ class Rendering:
     def top_logprobs(self, lp: TokenLogprobs) -> dict[str, float]:
         """The top tokens and, as OpenAI's completions do, the chosen one where it is not among
         them (sampled below the top k): up to k + 1 entries."""
-        top = {self.token_text(k): v for k, v in lp.top.items()}
+        top = {self.token_label(k): v for k, v in lp.top.items()}
         if lp.token_id not in lp.top:
-            top.setdefault(self.token_text(lp.token_id), lp.logprob)
+            top.setdefault(self.token_label(lp.token_id), lp.logprob)
         return top
 
     def chat_logprobs(self, entries: list[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
         def item(token: int, logprob: float) -> dict[str, Any]:
-            return {"token": self.token_text(token), "logprob": logprob, "bytes": list(self.token_bytes(token))}
+            return {"token": self.token_label(token), "logprob": logprob, "bytes": list(self.token_bytes(token))}
         return {"content": [{**item(t, lp.logprob), "top_logprobs": [item(k, v) for k, v in lp.top.items()]}
                             for t, lp in entries if lp is not None]}

@@ -135,11 +135,11 @@ def test_echo_decodes_the_prompt_whole(server: ServerProcess, smol: LLM, max_tok
 
 def check_offsets(text: str, lp: dict[str, Any]) -> None:
     """Each token starts where its text is in `text`; a token holding part of a character (its
-    text alone is U+FFFD) lies between its neighbours."""
+    text alone is U+FFFD, and it is named by its bytes) lies between its neighbours."""
     offsets = lp["text_offset"]
     assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text), (offsets, len(text))
     for token, offset in zip(lp["tokens"], offsets):
-        if "\ufffd" not in token:
+        if not token.startswith("bytes:"):
             assert text[offset:offset + len(token)] == token, (token, offset, text)
 
 
@@ -178,3 +178,26 @@ def test_top_logprobs_hold_the_chosen_token(server: ServerProcess) -> None:
         for token, logprob, top in positions:
             assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= 2, (token, logprob, top)
         assert any(len(top) == 2 for _, _, top in positions)
+
+
+def label_bytes(label: str) -> bytes:
+    """What a logprobs token name stands for: its text, or the bytes a "bytes:" name escapes."""
+    return bytes.fromhex(label[6:].replace("\\x", "")) if label.startswith("bytes:") else label.encode()
+
+
+def test_pieces_of_characters_are_named_by_their_bytes(server: ServerProcess, smol: LLM) -> None:
+    # Byte-level pieces of characters all decode to U+FFFD: as keys of top_logprobs they collided
+    # (20 asked, fewer given), and the tokens list lost their bytes.
+    text, lp = completion(server, {"prompt": JAPANESE, "max_tokens": 0, "echo": True, "logprobs": 20})
+    assert any(t.startswith("bytes:") for t in lp["tokens"])
+    assert b"".join(map(label_bytes, lp["tokens"])) == JAPANESE.encode() == text.encode()
+    tops = [top for top in lp["top_logprobs"] if top is not None]
+    assert all(len(top) >= 20 for top in tops), [len(top) for top in tops]
+    assert any(k.startswith("bytes:") for top in tops for k in top)
+    # The chat form names the same pieces the same way, beside their bytes.
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Reply in Japanese: " + JAPANESE}], "max_tokens": 16,
+        "temperature": 0, "logprobs": True, "top_logprobs": 5}, timeout=60)
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    for item in [*content, *(t for c in content for t in c["top_logprobs"])]:
+        assert label_bytes(item["token"]) == bytes(item["bytes"]), item
