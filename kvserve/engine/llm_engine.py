@@ -240,9 +240,10 @@ class LLMEngine:
         request_id = request_id or str(next(self._ids))
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
-        if params.beam_width > 1 and params.beam_width * (len(ids) + params.max_tokens) > capacity:
+        # Beams run together and are never offloaded: the device pool must hold them all.
+        if params.beam_width > 1 and params.beam_width * (len(ids) + params.max_tokens) > device_capacity:
             raise ValueError(f"beam_width: {params.beam_width} beams of up to {len(ids) + params.max_tokens} "
-                             f"tokens must fit the KV cache together ({capacity} tokens)")
+                             f"tokens must fit the device KV pool together ({device_capacity} tokens)")
         if params.beam_width > self.config.max_num_seqs:
             raise ValueError(f"beam_width: {params.beam_width} beams exceed max_num_seqs={self.config.max_num_seqs}")
         eviction = self.config.eviction_policy(params.kv_eviction, params.kv_budget, owner="SamplingParams")

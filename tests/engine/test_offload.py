@@ -66,3 +66,15 @@ def test_long_sequence_beside_others_is_offloaded_not_preempted(tiny_llm: Callab
     small = tiny_llm(kv_cache_memory="64KiB", offload_memory="1MiB", enable_prefix_caching=False)
     outs = small.generate(short + [long_prompt], params, use_tqdm=False)
     assert [o.token_ids for o in outs] == reference
+
+
+def test_beams_are_held_to_the_device_pool_with_offload_on(tiny_llm: Callable[..., LLM]) -> None:
+    """Beams are never offloaded (they run together): three beams of 70 tokens fit the device pool
+    (96 tokens) plus its host tier, but once preempted they could never come back, and the
+    request waited forever. They are refused; beams that fit the device run beside the tier."""
+    llm = tiny_llm(kv_cache_memory="48KiB", offload_memory="256KiB")  # 6 blocks of 16 on the device
+    with pytest.raises(ValueError, match="beam_width: 3 beams of up to 70 tokens must fit the device KV pool"):
+        llm.engine.add_request(list(range(3, 43)), SamplingParams(beam_width=3, max_tokens=30, ignore_eos=True))
+    outs = llm.generate([list(range(3, 23))], SamplingParams(beam_width=3, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(outs[0].token_ids) == 12
