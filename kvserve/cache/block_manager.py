@@ -154,20 +154,24 @@ class BlockManager:
         self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
 
     def allocate_prompt(self, seq_id: str, token_ids: list[int], reserve_tokens: int = 0,
-                        use_cache: bool = True, salt: str | None = None,
+                        max_cached: int | None = None, salt: str | None = None,
                         prefill_chunk: int | None = None) -> PromptGrant | None:
-        """Give a new sequence its blocks, reusing its longest cached prefix (unless not
-        `use_cache`) among blocks cached under the same `salt`; with `prefill_chunk`, blocks only up to the
-        next multiple of it past that prefix (a prompt that runs, and is evicted, chunk by chunk).
-        Returns how many tokens are already in the pool (or come from the remote tier, with the
-        loads that bring them), or None (changing nothing) if blocks are short."""
+        """Give a new sequence its blocks, reusing its longest cached prefix of at most
+        `max_cached` tokens (None: any) among blocks cached under the same `salt`; with
+        `prefill_chunk`, blocks only up to the next multiple of it past that prefix (a prompt that
+        runs, and is evicted, chunk by chunk). Returns how many tokens are already in the pool (or
+        come from the remote tier, with the loads that bring them), or None (changing nothing) if
+        blocks are short."""
         hits: list[int] = []
         hashes: list[bytes] = []
         root = salt_root(salt)
-        if self.enable_prefix_caching and use_cache:
+        # The last prompt token is always computed: its logits give the first output token.
+        most = (len(token_ids) - 1) // self.block_size
+        if max_cached is not None:
+            most = min(most, max_cached // self.block_size)
+        if self.enable_prefix_caching:
             parent = root
-            # The last prompt token is always computed: its logits give the first output token.
-            for i in range((len(token_ids) - 1) // self.block_size):
+            for i in range(most):
                 chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
                 parent = block_hash(parent, chunk)
                 block_id = self.cache.get(parent)
@@ -187,8 +191,8 @@ class BlockManager:
         fresh = [self._take_free() for _ in range(need)]
         self.tables[seq_id] = hits + fresh
         loads: tuple[tuple[int, bytes], ...] = ()
-        if self.remote is not None and self.enable_prefix_caching and use_cache and prefill_chunk is None:
-            loads = self._load_remote(token_ids, hashes, fresh, parent=hashes[-1] if hashes else root)
+        if self.remote is not None and self.enable_prefix_caching and prefill_chunk is None:
+            loads = self._load_remote(token_ids, most, hashes, fresh, parent=hashes[-1] if hashes else root)
             self.prefix_stats.remote_tokens += len(loads) * self.block_size
             cached += len(loads) * self.block_size
         self.num_tokens[seq_id] = room
@@ -200,14 +204,14 @@ class BlockManager:
         self._note_peak()
         return PromptGrant(cached, loads)
 
-    def _load_remote(self, token_ids: list[int], hashes: list[bytes], fresh: list[int],
+    def _load_remote(self, token_ids: list[int], most: int, hashes: list[bytes], fresh: list[int],
                      parent: bytes | None) -> tuple[tuple[int, bytes], ...]:
         """Asks the remote tier for the full blocks after the local hit (`hashes`, extended in
-        place with the ones it serves), which go into the first `fresh` blocks, cached at once.
-        Returns the (block, pages) loads that fill them."""
+        place with the ones it serves) up to the `most`-th, which go into the first `fresh`
+        blocks, cached at once. Returns the (block, pages) loads that fill them."""
         bs = self.block_size
         wanted: list[tuple[bytes, tuple[int, ...]]] = []
-        for i in range(len(hashes), (len(token_ids) - 1) // bs):
+        for i in range(len(hashes), most):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             parent = block_hash(parent, chunk)
             wanted.append((parent, chunk))

@@ -150,9 +150,8 @@ class Scheduler:
             # waits for them, recomputing its last token (LLMEngine._step_beams).
             if sum(1 + s.num_forks for s in group) > slots or budget <= 0 or (need > budget and not chunked):
                 break
-            # Prompt logprobs need every prompt position's logits: no prefix taken from the cache.
             grants = [self.block_manager.allocate_prompt(s.seq_id, s.token_ids, self.reserve_tokens,
-                                                         use_cache=s.params.prompt_logprobs is None,
+                                                         max_cached=self._cacheable(s),
                                                          salt=s.cache_salt,
                                                          prefill_chunk=s.eviction and s.eviction.prefill_chunk)
                       for s in group]
@@ -171,6 +170,15 @@ class Scheduler:
                 self.running.append(seq)
                 admitted.append(seq)
         return admitted, BlockOps(loads=tuple(loads))
+
+    @staticmethod
+    def _cacheable(seq: Sequence) -> int | None:
+        """The most prompt tokens `seq` may take from the prefix cache (None: any): none when it
+        asks for prompt logprobs (every position's logits), less when its eviction policy reads
+        what the prompt's queries see."""
+        if seq.params.prompt_logprobs is not None:
+            return 0
+        return None if seq.eviction is None else seq.eviction.cacheable(len(seq.prompt_token_ids))
 
     def _group_at_head(self) -> list[Sequence]:
         head = self.waiting[0]

@@ -72,6 +72,20 @@ class EvictionPolicy:
         """Whether a prompt chunk ends at position `end` (an eviction point within the prompt)."""
         return self.prefill_chunk is not None and end % self.prefill_chunk == 0
 
+    def cacheable(self, prompt: int) -> int:
+        """The most prompt tokens the prefix cache may supply without changing what this policy
+        keeps: a cached position's query never runs, so its attention is never counted (H2O counts
+        every prompt query, SnapKV the observation window's), and a hit past a chunk end skips that
+        chunk's eviction."""
+        if self.name == "h2o":
+            return 0
+        chunked = self.prefill_chunk is not None and self.prefill_chunk < prompt
+        first_eviction = self.prefill_chunk if chunked else prompt
+        if self.name == "snapkv":
+            return first_eviction - self.observation_window
+        # A step must end at a chunk end for it to evict there (the prompt's end always does).
+        return first_eviction - 1 if chunked else first_eviction
+
     @property
     def scored(self) -> bool:
         return self.name in SCORED

@@ -111,3 +111,12 @@ def test_live_twin_takes_over_the_cache_entry() -> None:
     bm.allocate("x", 6)  # takes three blocks: every unowned one
     bm.free("x")
     assert run_prompt(bm, "c", prompt) == 2
+
+
+def test_a_prompt_takes_at_most_max_cached_tokens_whole_blocks() -> None:
+    bm = BlockManager(64, 4)
+    prompt = list(range(100, 121))  # 5 full blocks and a token, all cached below
+    run_prompt(bm, "a", prompt)
+    assert [bm.allocate_prompt(s, prompt, max_cached=m).cached
+            for s, m in (("b", None), ("c", 11), ("d", 12), ("e", 3), ("f", 0))] == [20, 8, 12, 0, 0]
+    assert bm.tables["c"][:2] == bm.tables["a"][:2] and bm.tables["c"][2] != bm.tables["a"][2]

@@ -177,6 +177,23 @@ def test_a_prompt_evicted_chunk_by_chunk_replays_after_preemption(tiny_llm: Call
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("policy, chunk", [("h2o", 16), ("snapkv", 16), ("tova", 16)])
+def test_a_recomputed_sequence_hitting_its_own_prompt_blocks_replays_its_evictions(
+        tiny_llm: Callable[..., LLM], policy: str, chunk: int | None) -> None:
+    """Prompts longer than the budget, a pool that preempts by recompute: the recomputed sequence
+    finds its own prompt blocks in the prefix cache, and takes only what its policy never reads."""
+    batch = [[(i * 31 + j * 17 + j * j) % 120 + 3 for j in range(30 + 9 * i)] for i in range(6)]
+    # Evicting a block at a time (the default interval), each sequence grows to 40 slots.
+    knobs = dict(kv_eviction=policy, kv_budget=24, kv_prefill_chunk=chunk, max_num_seqs=4,
+                 kv_observation_window=8, kv_window=8)
+    want = full_logprobs(tiny_llm(**knobs), batch, 30)
+    small = tiny_llm(kv_cache_memory=str(7 * 8192), **knobs)
+    got = full_logprobs(small, batch, 30)
+    assert small.engine.scheduler.num_preemptions > 0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("policy", ["window", "snapkv"])
 def test_a_prompt_evicted_chunk_by_chunk_holds_budget_plus_a_chunk(tiny_llm: Callable[..., LLM], policy: str) -> None:
     """A 100-token prompt at budget 24: judged whole it takes 7 blocks of 16 before its first
@@ -220,6 +237,28 @@ def test_a_prefix_cached_by_an_evicting_sequence_serves_correct_output(tiny_llm:
     hit = full_logprobs(llm, batch, 12, kv_eviction="none")
     assert llm.engine.block_manager.prefix_stats.cached_tokens > 0
     torch.testing.assert_close(hit[0], cold[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_prefix_cache_hit_changes_nothing_an_evicting_sequence_keeps(tiny_llm: Callable[..., LLM], policy: str,
+                                                                      chunk: int | None) -> None:
+    """A cached position's query never runs: H2O (every prompt query) and SnapKV (its window's)
+    would rank without its attention, and a hit past a chunk end would skip that chunk's
+    eviction. Such sequences take only the part of a cached prefix their policy never reads, so
+    a warm cache gives the outputs of prefix caching off."""
+    shared = prompts(1, 60)[0]
+    batch = [shared, shared[:44] + [5, 6, 7, 8, 9, 10, 11, 12], shared[:50] + [3] * 14]
+    # Blocks of 8: with chunks of 16 a hit may take one (up to 15 tokens; SnapKV up to 16 - 8).
+    knobs = dict(kv_eviction=policy, kv_budget=24, kv_prefill_chunk=chunk, block_size=8, **KNOBS)
+    want = full_logprobs(tiny_llm(enable_prefix_caching=False, **knobs), batch, 12)
+    warm = tiny_llm(**knobs)
+    full_logprobs(warm, batch[:1], 4)
+    got = full_logprobs(warm, batch, 12)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # The parts a policy does not read still come from the cache.
+    assert (warm.engine.block_manager.prefix_stats.cached_tokens > 0) == (policy != "h2o")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
