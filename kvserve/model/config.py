@@ -22,6 +22,7 @@ class ModelConfig:
     qkv_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    initializer_range: float = 0.02  # std of a random-weight model's matrices (HF's name and default)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -32,6 +33,8 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
+        if not self.initializer_range > 0:
+            raise ValueError(f"ModelConfig.initializer_range must be positive, got {self.initializer_range}")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
 
@@ -59,6 +62,7 @@ class ModelConfig:
             "attention_bias": self.qkv_bias,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
+            "initializer_range": self.initializer_range,
             "hidden_act": "silu",
         }
 
@@ -82,6 +86,7 @@ class ModelConfig:
             qkv_bias=d.get("attention_bias", d.get("model_type") == "qwen2"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            initializer_range=d.get("initializer_range", 0.02),
         )
 
     @classmethod

@@ -88,7 +88,7 @@ def _random_model(cfg: ModelConfig, name: str, dtype: torch.dtype, device: torch
     model = LlamaForCausalLM(cfg)
     for p in model.parameters():
         if p.dim() > 1:
-            torch.nn.init.normal_(p, std=0.02)
+            torch.nn.init.normal_(p, std=cfg.initializer_range)
     return LoadedModel(_with_fp32_rope(model.to(dtype=dtype), cfg).to(device).eval(), cfg, None, name)
 
 

@@ -37,7 +37,7 @@ def run(llm: LLM, params: list[SamplingParams]) -> list[tuple[list[int], str | N
 
 def stopping_params(reference: LLM) -> list[SamplingParams]:
     """Greedy and seeded requests that end early on a token of their own output (found by a
-    first run), at max_tokens, or at the context length."""
+    first run), at max_tokens, or at the context length (or the pool's size)."""
     free = [SamplingParams(max_tokens=24, temperature=t, seed=i, ignore_eos=True)
             for i, t in enumerate([0, 0.9, 0, 0.7, 0, 1.0])]
     outs = reference.generate(PROMPTS, free, use_tqdm=False)
@@ -45,8 +45,10 @@ def stopping_params(reference: LLM) -> list[SamplingParams]:
                              stop_token_ids=[o.token_ids[3 + i]]) for i, (p, o) in enumerate(zip(free, outs))]
     params[4] = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     bm = reference.engine.block_manager
-    room = min(reference.engine.max_model_len, bm.num_blocks * bm.block_size) - len(PROMPTS[5])
-    params[5] = SamplingParams(max_tokens=room, temperature=0.8, seed=5, ignore_eos=True)
+    room = min(reference.engine.max_model_len, bm.num_blocks * bm.block_size)
+    # Two that fill the context (or the pool) together: a small pool must preempt one.
+    params[1] = SamplingParams(max_tokens=room - len(PROMPTS[1]), temperature=0.9, seed=1, ignore_eos=True)
+    params[5] = SamplingParams(max_tokens=room - len(PROMPTS[5]), temperature=0.8, seed=5, ignore_eos=True)
     return params
 
 

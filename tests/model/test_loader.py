@@ -119,6 +119,18 @@ def test_a_published_directory_appears_whole_and_the_first_one_stays(tmp_path: P
     assert (out / "config.json").read_text() == "first" and [p.name for p in out.parent.iterdir()] == ["converted"]
 
 
+def test_a_random_model_draws_its_matrices_at_the_initializer_range() -> None:
+    cfg = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, initializer_range=0.2)
+    model = load_model(cfg, torch.float32, CPU, seed=0).model
+    stds = [p.std().item() for p in model.parameters() if p.dim() > 1]
+    assert all(0.19 < s < 0.21 for s in stds), stds
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    with pytest.raises(ValueError, match="ModelConfig.initializer_range"):
+        ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                    num_kv_heads=2, head_dim=16, initializer_range=0)
+
+
 def test_random_presets_with_fewer_layers() -> None:
     # Mistral-7B's GQA shapes with a quarter of Llama-3-8B's vocabulary: the 1B random
     # embedding and head weights of the latter took 20 s of the suite to initialise.
