@@ -206,6 +206,12 @@ class EngineConfig:
                 parse_bytes(getattr(self, name))
             except ValueError:
                 raise ValueError(f"EngineConfig.{name}: cannot parse {getattr(self, name)!r}") from None
+        # The baselines have no block tables to swap or offload: refused, not silently ignored.
+        if self.cache_mode != "paged" and self.preemption_mode != "recompute":
+            raise ValueError(f"EngineConfig.preemption_mode={self.preemption_mode!r} needs cache_mode='paged' "
+                             f"(the {self.cache_mode} baseline preempts by recompute)")
+        if self.cache_mode != "paged" and parse_bytes(self.offload_memory):
+            raise ValueError(f"EngineConfig.offload_memory needs cache_mode='paged' (got {self.cache_mode!r})")
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"EngineConfig.attention_backend must be one of {BACKEND_NAMES}, "
                              f"got {self.attention_backend!r}")
@@ -377,6 +383,20 @@ class EngineConfig:
         if all(pair == (auto, auto) for pair in pairs):
             return None
         return [self._format_pair(pair) for pair in pairs]
+
+    def check_model(self, model: ModelConfig) -> None:
+        """The checks that need the model's shape, run as soon as it is known; errors name the field."""
+        if self.max_model_len is not None and self.max_model_len > model.max_position:
+            raise ValueError(f"EngineConfig.max_model_len ({self.max_model_len}) exceeds the model's "
+                             f"context length ({model.max_position})")
+        for pair in self.kv_layer_formats(model.num_layers) or ():
+            for fmt, role in zip(pair, ("k", "v")):
+                group = getattr(fmt, "group_size", None)
+                if group is not None and model.head_dim % group:
+                    field = "kv_group_size" if getattr(self, f"kv_group_size_{role}") is None else \
+                        f"kv_group_size_{role}"
+                    raise ValueError(f"EngineConfig.{field} ({group}) must divide the model's head_dim "
+                                     f"({model.head_dim}) for {fmt.name} pages")
 
     def kv_layer_formats(self, num_layers: int) -> list[tuple[KVFormat, KVFormat]] | None:
         """`kv_formats` for each of a model's `num_layers` layers; a plan must name exactly that many."""

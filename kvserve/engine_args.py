@@ -48,6 +48,9 @@ def engine_kwargs(args: argparse.Namespace, cache_mode: str | None = None, **ove
     kwargs = {f.name: getattr(args, dest) for f, dest in _engine_flags()}
     if cache_mode is not None:
         kwargs["cache_mode"] = cache_mode
+    if kwargs["cache_mode"] != "paged" and cache_mode is not None:
+        # A baseline beside the paged run of the same options: it has no blocks to swap or offload.
+        kwargs |= {"preemption_mode": "recompute", "offload_memory": "0"}
     return {**kwargs, **overrides}
 
 

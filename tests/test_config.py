@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig, parse_bytes
+from kvserve.model.config import ModelConfig
 from kvserve.sampling_params import SamplingParams
 
 
@@ -66,6 +67,27 @@ from kvserve.sampling_params import SamplingParams
 def test_engine_config_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "no-cache"])
+@pytest.mark.parametrize("field, value", [("preemption_mode", "swap"), ("preemption_mode", "auto"),
+                                          ("offload_memory", "1MiB")])
+def test_the_baselines_refuse_what_only_paged_blocks_do(mode: str, field: str, value: str) -> None:
+    # These were accepted and did nothing: a baseline has no block tables to swap or offload.
+    with pytest.raises(ValueError, match=f"EngineConfig.{field}.*cache_mode='paged'"):
+        EngineConfig(cache_mode=mode, **{field: value})
+
+
+def test_model_dependent_settings_name_the_field() -> None:
+    model = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                        num_kv_heads=1, head_dim=16, max_position=128)
+    EngineConfig(kv_cache_dtype="int4", kv_group_size=16, max_model_len=128).check_model(model)
+    for kwargs, message in [({"max_model_len": 129}, r"EngineConfig.max_model_len \(129\) exceeds"),
+                            ({"kv_cache_dtype": "int4"}, r"EngineConfig.kv_group_size \(32\) must divide"),
+                            ({"kv_cache_dtype": "int4", "kv_group_size": 8, "kv_group_size_v": 32},
+                             r"EngineConfig.kv_group_size_v \(32\) must divide")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**kwargs).check_model(model)
 
 
 def test_engine_config_accepts_good_values() -> None:

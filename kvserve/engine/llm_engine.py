@@ -56,11 +56,8 @@ class LLMEngine:
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = loaded.name
         cfg = self.model_config
-
+        config.check_model(cfg)
         self.max_model_len = config.max_model_len or cfg.max_position
-        if self.max_model_len > cfg.max_position:
-            raise ValueError(f"EngineConfig.max_model_len ({self.max_model_len}) exceeds the model's "
-                             f"context length ({cfg.max_position})")
         self.chunked_prefill = config.enable_chunked_prefill and config.cache_mode == "paged"
         self.max_num_batched_tokens = config.tokens_per_step(self.max_model_len)
         if self.chunked_prefill and self.max_num_batched_tokens < config.max_num_seqs:
