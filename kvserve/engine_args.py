@@ -48,7 +48,7 @@ def engine_kwargs(args: argparse.Namespace, cache_mode: str | None = None, **ove
     kwargs = {f.name: getattr(args, dest) for f, dest in _engine_flags()}
     if cache_mode is not None:
         kwargs["cache_mode"] = cache_mode
-    if kwargs["cache_mode"] != "paged" and cache_mode is not None:
+    if cache_mode not in (None, "paged"):
         # A baseline beside the paged run of the same options: it has no blocks to swap or offload.
         kwargs |= {"preemption_mode": "recompute", "offload_memory": "0"}
     return {**kwargs, **overrides}

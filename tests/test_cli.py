@@ -120,3 +120,15 @@ def test_chat_takes_a_turn_that_fits_with_less_room_than_max_tokens() -> None:
     out = kvserve("chat", "--max-model-len", "512", "--kv-cache-memory", "64MiB", stdin=message + "\n")
     assert out.returncode == 0 and "error:" not in out.stdout, out.stdout
     assert len(out.stdout.splitlines()) >= 3
+
+
+def test_a_baseline_beside_a_paged_run_drops_what_only_paged_blocks_do() -> None:
+    from kvserve.config import EngineConfig
+    from kvserve.engine_args import engine_kwargs
+
+    args = build_parser().parse_args(["bench", "throughput", "--preemption-mode", "swap", "--offload-memory", "1MiB"])
+    assert engine_kwargs(args)["preemption_mode"] == "swap"
+    for mode in ("contiguous", "no-cache"):
+        kwargs = engine_kwargs(args, mode)
+        assert (kwargs["cache_mode"], kwargs["preemption_mode"], kwargs["offload_memory"]) == (mode, "recompute", "0")
+        EngineConfig(**kwargs)  # valid, where the paged options would be refused

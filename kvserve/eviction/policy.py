@@ -82,7 +82,7 @@ class EvictionPolicy:
         chunked = self.prefill_chunk is not None and self.prefill_chunk < prompt
         first_eviction = self.prefill_chunk if chunked else prompt
         if self.name == "snapkv":
-            return first_eviction - self.observation_window
+            return max(first_eviction - self.observation_window, 0)
         # A step must end at a chunk end for it to evict there (the prompt's end always does).
         return first_eviction - 1 if chunked else first_eviction
 

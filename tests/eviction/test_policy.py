@@ -21,3 +21,4 @@ from kvserve.eviction.policy import EvictionPolicy
 def test_cacheable_prompt_tokens(name: str, chunk: int | None, want: int) -> None:
     policy = EvictionPolicy(name, budget=24, sink_tokens=2, window=8, observation_window=8, prefill_chunk=chunk)
     assert policy.cacheable(100) == want
+    assert policy.cacheable(5) == (0 if name in ("h2o", "snapkv") else 5)  # shorter than a window or a chunk
