@@ -298,6 +298,17 @@ class Scheduler:
         self._requeue(seq)
         return ()
 
+    def recompute(self, seqs: list[Sequence]) -> None:
+        """Preempts running `seqs` by recompute between steps, outside scheduling (their blocks go
+        back now): an evicting sequence whose due compaction found no blocks replays from its
+        prompt, where run on un-evicted it would keep other tokens than it keeps alone."""
+        for seq in seqs:
+            self.running.remove(seq)
+            seq.num_preemptions += 1
+            self.block_manager.free(seq.seq_id)
+            self.preemptions["recompute"] += 1
+            self._requeue(seq)
+
     def _requeue(self, seq: Sequence) -> None:
         """Back to the head of the queue, to be recomputed in full (then evicted again by its policy)."""
         seq.status = SequenceStatus.WAITING
