@@ -323,11 +323,10 @@ class LLMEngine:
         outputs = [] if pending is None else self._read_pending(pending)
         self._register_blocks(batch.seqs)  # before any eviction
         if not plain:
-            compactions, stalled = self._evict(batch.seqs, batch.num_scheduled, score_from, result.scores or {})
+            compactions = self._evict(batch.seqs, batch.num_scheduled, score_from, result.scores or {})
             if compactions:
                 # Now, while no block the sequences gave back can have been handed out again.
                 self.runner.move_blocks(BlockOps(compactions=compactions))
-            self.scheduler.recompute(stalled)
         if launched is not None:
             for seq in ready:  # one that the read above finished drops its sample
                 if not seq.finished:
@@ -449,17 +448,17 @@ class LLMEngine:
         return first if first < end else None
 
     def _evict(self, seqs: list[Sequence], num_scheduled: list[int], score_from: list[int | None],
-               scores: dict[int, torch.Tensor]) -> tuple[tuple[Compaction, ...], list[Sequence]]:
+               scores: dict[int, torch.Tensor]) -> tuple[Compaction, ...]:
         """Each evicting sequence's slots grow by the tokens the step computed; one whose prompt
         is computed and whose policy is due drops tokens, and the block manager compacts it.
-        Returns the compactions, for the pool, and the sequences whose compaction found no blocks
-        for its copies of shared blocks: run on un-evicted they would keep other tokens than
-        they would alone, so they are recomputed (beams, and a prompt about to fork its samples,
-        excepted: they wait for the next due step)."""
+        Returns the compactions, for the pool. One whose compaction finds no blocks for its
+        copies of shared blocks would, run on un-evicted, keep other tokens than it keeps alone:
+        it is recomputed, at once, so that the sequences after it see its blocks back (two that
+        share a prefix and both lack blocks would otherwise be recomputed together forever).
+        Beams, and a prompt about to fork its samples, wait for their next due step instead."""
         cfg = self.model_config
         ran = {s.seq_id for s in seqs}
         compactions: list[Compaction] = []
-        stalled: list[Sequence] = []
         for i, seq in enumerate(seqs):
             if seq.eviction is None:
                 continue
@@ -483,8 +482,8 @@ class LLMEngine:
                 seq.kv_state = after
                 self.evicted_tokens[seq.eviction.name] += after.num_evicted - state.num_evicted
             elif seq.beam is None and not seq.num_forks:
-                stalled.append(seq)
-        return tuple(compactions), stalled
+                self.scheduler.recompute([seq])
+        return tuple(compactions)
 
     def _score_prompts(self, seqs: list[Sequence], num_scheduled: list[int], logits: torch.Tensor) -> None:
         """Prompt logprobs of the positions this step ran (rows in `prompt_span` order)."""

@@ -211,6 +211,28 @@ def test_an_evicting_request_short_of_blocks_for_its_compaction_is_recomputed(ti
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_two_evicting_requests_short_of_blocks_together_both_finish(tiny_llm: Callable[..., LLM]) -> None:
+    """Both hit the same cached prefix in a pool of 5 blocks and reach their prompt's end in one
+    step, each needing copies of the blocks the other shares. Recomputed together they met again
+    at every step, forever; the first is recomputed at once, so the second finds its blocks."""
+    base = [(7 * j + 3) % 128 for j in range(40)]
+    evicting = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, kv_eviction="window", kv_budget=20)
+    prompts = [base + [5], base + [6]]
+    alone = [tiny_llm().generate([p], evicting, use_tqdm=False)[0].token_ids for p in prompts]
+    llm = tiny_llm(kv_cache_memory="40KiB", max_num_seqs=8)
+    llm.generate([base + [9]], SamplingParams(max_tokens=1), use_tqdm=False)  # the prefix, cached
+    engine = llm.engine
+    for p in prompts:
+        engine.add_request(p, evicting)
+    finished: dict[str, list[int]] = {}
+    for _ in range(100):
+        finished |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+        if not engine.has_unfinished():
+            break
+    assert [finished.get(rid) for rid in sorted(finished)] == alone and len(finished) == 2
+    assert engine.scheduler.num_preemptions > 0
+
+
 @pytest.mark.parametrize("policy", ["window", "snapkv"])
 def test_a_prompt_evicted_chunk_by_chunk_holds_budget_plus_a_chunk(tiny_llm: Callable[..., LLM], policy: str) -> None:
     """A 100-token prompt at budget 24: judged whole it takes 7 blocks of 16 before its first
