@@ -482,7 +482,7 @@ class LLMEngine:
                 seq.kv_state = after
                 self.evicted_tokens[seq.eviction.name] += after.num_evicted - state.num_evicted
             elif seq.beam is None and not seq.num_forks:
-                self.scheduler.recompute([seq])
+                self.scheduler.recompute(seq)
         return tuple(compactions)
 
     def _score_prompts(self, seqs: list[Sequence], num_scheduled: list[int], logits: torch.Tensor) -> None:

@@ -279,15 +279,17 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def preempt(self, seq: Sequence) -> tuple[tuple[int, int, int], ...]:
+    def preempt(self, seq: Sequence, swap: bool = True) -> tuple[tuple[int, int, int], ...]:
         """Returns the swap-out copies (device block, tier, slot) of a sequence preempted by swap,
-        to run before its blocks are reused; none for one preempted by recompute."""
+        to run before its blocks are reused; none for one preempted by recompute (always, when
+        not `swap`)."""
         seq.num_preemptions += 1
         table = self.block_manager.tables[seq.seq_id]
         # Beams stay on the recompute path: they must come back together (see `_admit`).
         resident = all(map(on_device, table))
         swap_out = self.swap.swap_out(seq.seq_id, table) if (
-            self.swap is not None and seq.beam is None and resident and self.prefer_swap(seq.num_slots)) else None
+            swap and self.swap is not None and seq.beam is None and resident
+            and self.prefer_swap(seq.num_slots)) else None
         self.block_manager.free(seq.seq_id)
         if swap_out is not None:
             seq.status = SequenceStatus.SWAPPED
@@ -298,16 +300,12 @@ class Scheduler:
         self._requeue(seq)
         return ()
 
-    def recompute(self, seqs: list[Sequence]) -> None:
-        """Preempts running `seqs` by recompute between steps, outside scheduling (their blocks go
+    def recompute(self, seq: Sequence) -> None:
+        """Preempts running `seq` by recompute between steps, outside scheduling (its blocks go
         back now): an evicting sequence whose due compaction found no blocks replays from its
         prompt, where run on un-evicted it would keep other tokens than it keeps alone."""
-        for seq in seqs:
-            self.running.remove(seq)
-            seq.num_preemptions += 1
-            self.block_manager.free(seq.seq_id)
-            self.preemptions["recompute"] += 1
-            self._requeue(seq)
+        self.running.remove(seq)
+        self.preempt(seq, swap=False)
 
     def _requeue(self, seq: Sequence) -> None:
         """Back to the head of the queue, to be recomputed in full (then evicted again by its policy)."""

@@ -227,10 +227,13 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
 
     def surely_too_long(texts: list[str]) -> str | None:
         """Why `texts` cannot fit the context whatever they tokenize to, without tokenizing them."""
-        size = sum(len(t.encode()) for t in texts)
-        if longest_token is None or -(-size // longest_token) < aengine.max_model_len:
+        if longest_token is None:
             return None
-        return (f"{size} bytes of text are at least {-(-size // longest_token)} tokens (no token of this "
+        size = sum(len(t.encode()) for t in texts)
+        tokens = -(-size // longest_token)
+        if tokens < aengine.max_model_len:
+            return None
+        return (f"{size} bytes of text are at least {tokens} tokens (no token of this "
                 f"tokenizer covers more than {longest_token} bytes), which leave no room to generate within "
                 f"the context length max_model_len={aengine.max_model_len}")
 

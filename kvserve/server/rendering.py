@@ -24,13 +24,18 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF = _byte_level_alphabet()
 
 
+def _byte_level(tokenizer: Any) -> Any | None:
+    """The `tokenizers` backend of a byte-level BPE tokenizer (GPT-2's pieces), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(getattr(backend, "decoder", None), ByteLevel) else None
+
+
 def token_bytes_of(tokenizer: Any, token_text: Callable[[int], str]) -> Callable[[int], bytes]:
     """A token's own UTF-8 bytes, as OpenAI's chat logprobs give them. A byte-level BPE token may
     hold part of a character (an emoji is often three tokens), whose text alone is U+FFFD: its
     bytes come from its piece. Added tokens (<|im_end|>) are stored as plain text, and other
     tokenizers' tokens are their text."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if not isinstance(getattr(backend, "decoder", None), ByteLevel):
+    if _byte_level(tokenizer) is None:
         return lambda token: token_text(token).encode()
     added = set(tokenizer.added_tokens_decoder)
 
@@ -47,8 +52,8 @@ def longest_token_bytes(tokenizer: Any) -> int | None:
     so that a text of B bytes is at least B / that many tokens: a prompt can be refused as too long
     before tokenizing it (4 MiB takes seconds). None where no such bound holds (another kind of
     tokenizer, or a normalizer that may shrink the text first)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if not isinstance(getattr(backend, "decoder", None), ByteLevel) or backend.normalizer is not None:
+    backend = _byte_level(tokenizer)
+    if backend is None or backend.normalizer is not None:
         return None
     added = (len(t.content.encode()) for t in tokenizer.added_tokens_decoder.values())
     return max(*added, *(len(piece) for piece in tokenizer.get_vocab()))
