@@ -70,6 +70,9 @@ class EngineConfig:
     dtype: str = _opt("bfloat16", "model dtype", choices=sorted(DTYPES))
     device: str = _opt("auto", "auto (cuda if present), cpu, cuda or cuda:N")
     kv_cache_memory: str | float = _opt("2GiB", "KV pool size: bytes like 2GiB, or a fraction of free memory like 0.5")
+    num_blocks_override: int | None = _opt(
+        None, "device KV blocks to build, whatever kv_cache_memory holds (vLLM's num_gpu_blocks_override: a "
+              "few blocks force preemption, for tests)")
     block_size: int = _opt(16, "tokens per KV block")
     max_num_seqs: int = _opt(32, "sequences per batch")
     max_num_batched_tokens: int | None = _opt(
@@ -189,7 +192,7 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_batched_tokens", "max_model_len", "num_blocks_override"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")

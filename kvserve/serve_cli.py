@@ -63,12 +63,6 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    if "OMP_WAIT_POLICY" not in os.environ:
-        # The engine's OpenMP threads would otherwise spin between kernels and fight the HTTP
-        # thread for the cores; measured on 2 cores, that cost a fifth of the throughput
-        # (BENCHMARKS.md). The policy is read once, when torch loads: start again with it set.
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        os.execv(sys.executable, [sys.executable, "-m", "kvserve", *sys.argv[1:]])
     import uvicorn
 
     from kvserve.server.app import build_app

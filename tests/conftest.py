@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,9 +28,10 @@ if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("trito
     interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
                                                                   sanitize_overflow=False)
 
-from kvserve import LLM  # noqa: E402
-from kvserve.model.config import ModelConfig
-from kvserve.net import free_loopback_port
+from kvserve import LLM, LLMEngine  # noqa: E402
+from kvserve.engine.idle_check import idle_problems  # noqa: E402
+from kvserve.model.config import ModelConfig  # noqa: E402
+from kvserve.net import free_loopback_port  # noqa: E402
 
 # Weights ten times HF's initializer range: at 0.02 attention is nearly uniform and greedy decoding
 # repeats one token, so outputs barely depend on the cache and a KV bug could pass every test.
@@ -40,6 +42,34 @@ TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_la
 CALM = dataclasses.replace(TINY, initializer_range=0.02)
 
 
+# Every engine a test builds, so that the idle invariant is checked after the test (below).
+_built_this_test: list[LLMEngine] = []
+_built: weakref.WeakSet[LLMEngine] = weakref.WeakSet()  # the session's fixtures' engines too
+_engine_init = LLMEngine.__init__
+
+
+def _tracked_init(self: LLMEngine, *args: Any, **kwargs: Any) -> None:
+    _engine_init(self, *args, **kwargs)
+    _built_this_test.append(self)
+    _built.add(self)
+
+
+LLMEngine.__init__ = _tracked_init  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def idle_engines_hold_nothing() -> Iterator[None]:
+    """After every test: each engine it (or an earlier fixture) built that has no request left
+    holds nothing of any request (kvserve.engine.idle_check): a leak fails the test that made it."""
+    yield
+    engines = {id(e): e for e in [*_built_this_test, *_built]}.values()
+    _built_this_test.clear()
+    leaks = [f"{e.model_name}: {'; '.join(problems)}" for e in engines
+             if not e.has_unfinished() and (problems := idle_problems(e))]
+    if leaks:
+        pytest.fail("an idle engine still holds request state: " + " | ".join(leaks))
+
+
 def assert_all_blocks_free(llm: LLM) -> None:
     usage = llm.engine.kv_usage()
     assert usage.used == 0 and usage.free + usage.cached == usage.total, usage
@@ -47,14 +77,25 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert not bm.tables and all(b.ref_count == 0 for b in bm.blocks)
 
 
+# The forced-preemption pass (.ci/run sets it): every engine `tiny_llm` builds without a pool size
+# of its own gets one sequence's blocks and one more, so the tests that generate run through
+# preemption under every feature (vLLM's num_gpu_blocks_override habit). A test whose assertions
+# need room (prefix-cache counts, no preemption) is marked `roomy`.
+TIGHT_POOL = os.environ.get("KVSERVE_TEST_TIGHT_POOL") == "1"
+
+
 @pytest.fixture
-def tiny_llm() -> Iterator[Callable[..., LLM]]:
+def tiny_llm(request: pytest.FixtureRequest) -> Iterator[Callable[..., LLM]]:
     """Builds engines on the same random tiny model; checks each leaked no block."""
     made: list[LLM] = []
+    tight = TIGHT_POOL and request.node.get_closest_marker("roomy") is None
 
     def make(**kwargs: Any) -> LLM:
+        sized = "kv_cache_memory" in kwargs or "num_blocks_override" in kwargs
         kwargs = {"model": TINY, "dtype": "float32", "device": "cpu", "kv_cache_memory": "4MiB",
                   "max_model_len": 256, **kwargs}
+        if tight and not sized:
+            kwargs["num_blocks_override"] = -(-kwargs["max_model_len"] // kwargs.get("block_size", 16)) + 1
         llm = LLM(**kwargs)
         made.append(llm)
         return llm

@@ -115,6 +115,15 @@ class BlockManager:
         """Unowned blocks (cached ones included), in the order they would be reused."""
         return list(self._free)
 
+    def sequence_state_left(self) -> list[str]:
+        """The per-sequence state this block manager holds (none, once every sequence is freed)."""
+        left = [f"{name} of sequences {sorted(held)[:8]}" for name, held in (
+            ("block tables", self.tables), ("token counts", self.num_tokens), ("registered hashes", self._hashes),
+            ("salted roots", self._roots)) if held]
+        if in_use := self.num_host_blocks - len(self._host_free):
+            left.append(f"{in_use} host (offload) blocks in use")
+        return left
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -23,6 +23,9 @@ class BlockOps:
     offloads: tuple[tuple[int, HostBlock], ...] = ()  # (device block, host block)
     loads: tuple[tuple[int, bytes], ...] = ()         # (device block, its pages from the remote tier)
     copies: tuple[tuple[int, int], ...] = ()         # (source block, destination block)
+    # (staging slot, block): a compressed pool's freed cached block encoded from its full-precision
+    # copy (QuantizedKVPool.release_unowned), sent alone between steps
+    seals: tuple[tuple[int, int], ...] = ()
 
     def then(self, other: "BlockOps") -> "BlockOps":
         """These moves and then `other`'s, kind by kind (the runner applies the kinds in the
@@ -34,4 +37,5 @@ class BlockOps:
         return BlockOps(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def any(self) -> bool:
-        return bool(self.compactions or self.swap_out or self.swap_in or self.offloads or self.loads or self.copies)
+        return bool(self.compactions or self.swap_out or self.swap_in or self.offloads or self.loads or self.copies
+                    or self.seals)

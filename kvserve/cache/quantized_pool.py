@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.compaction import Compaction, move_slots
 from kvserve.cache.kv_format import Fields, KVFormat
 
@@ -78,11 +79,14 @@ class QuantizedLayerKV:
     def seal(self, meta: Any) -> None:
         """After the step's attention: the blocks that left the window, encoded from staging."""
         plan: StepPlan = meta.kv_plan
-        if not len(plan.seal_blocks):
-            return
+        if len(plan.seal_blocks):
+            self.seal_blocks(plan.seal_blocks, plan.seal_stages)
+
+    def seal_blocks(self, blocks: torch.Tensor, stages: torch.Tensor) -> None:
+        """Each block's pages encoded from its full-precision copy in staging slot `stages[i]`."""
         for fmt, fields, staging in zip(self.formats, self.fields, self.staging):
-            for name, t in encode_blocks(fmt, staging[plan.seal_stages]).items():
-                fields[name][plan.seal_blocks] = t
+            for name, t in encode_blocks(fmt, staging[stages]).items():
+                fields[name][blocks] = t
 
     def gather(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         tables = meta.block_tables
@@ -146,6 +150,23 @@ class QuantizedKVPool:
                 raise RuntimeError("QuantizedKVPool: staging slots exhausted")
             self.stage_of[block] = self._stage_free.pop()
         return self.stage_of[block]
+
+    def release_unowned(self, bm: Any) -> BlockOps:
+        """Gives back now the staging slots of blocks no sequence owns any more (a finished or
+        aborted one's), so an idle engine holds none; a cached (full) block is first sealed, by
+        the returned op, so that it serves later prefix hits from its codes. Safe to apply at
+        once: the slots are not reused before it runs."""
+        unowned = [b for b in self.stage_of if bm.blocks[b].ref_count == 0]
+        seals = tuple((self.stage_of[b], b) for b in unowned if bm.blocks[b].hash is not None)
+        self._stage_free.extend(self.stage_of.pop(b) for b in unowned)
+        return BlockOps(seals=seals)
+
+    def seal(self, seals: tuple[tuple[int, int], ...]) -> None:
+        """A BlockOps' seals, (staging slot, block): outside a step, on every rank."""
+        stages = self._dev(torch.tensor([s for s, _ in seals], dtype=torch.long))
+        blocks = self._dev(torch.tensor([b for _, b in seals], dtype=torch.long))
+        for layer in self.kv:
+            layer.seal_blocks(blocks, stages)
 
     def plan_step(self, block_manager: Any, seqs: Iterable[tuple[str, int, int]],
                   copies: list[tuple[int, int]] | None = None) -> StepPlan:

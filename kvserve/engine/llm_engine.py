@@ -19,6 +19,7 @@ from kvserve.attention.rotation import kv_rotation
 from kvserve.cache.block_bytes import read_blocks
 from kvserve.cache.block_manager import BlockManager, BlockUsage
 from kvserve.cache.block_ops import BlockOps
+from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.compaction import Compaction
 from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.swap_space import SwapSpace
@@ -43,6 +44,7 @@ from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
 from kvserve.profiling import label
 from kvserve.sampling_params import SamplingParams
+from kvserve.threads import fit_torch_threads
 from kvserve.validate import check_utf8
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.torch_device
+        if self.device.type == "cpu":
+            fit_torch_threads()
         loaded = load_model(config.model, config.torch_dtype, self.device, config.seed)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = loaded.name
@@ -84,7 +88,7 @@ class LLMEngine:
         block_bytes, staging = sizes.block_bytes, sizes.staging_slots
         self.kv_bytes_per_token = block_bytes / config.block_size
         budget = config.kv_budget_bytes()
-        num_blocks = (budget - sizes.staging_bytes) // block_bytes
+        num_blocks = config.num_blocks_override or (budget - sizes.staging_bytes) // block_bytes
         if num_blocks < 1:
             raise ValueError(f"EngineConfig.kv_cache_memory: {budget} bytes is smaller than one KV block "
                              f"({block_bytes} bytes = {config.block_size} tokens"
@@ -273,6 +277,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 seq.finish_time = time.perf_counter()
                 self.scheduler.finish(seq)
+        self._settle()
 
     def is_active(self, request_id: str) -> bool:
         """Whether the request still has samples queued or running."""
@@ -281,10 +286,37 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def request_state_left(self) -> list[str]:
+        """What the engine itself still holds of requests (idle_check)."""
+        return ([f"requests {sorted(self._requests)[:8]}"] if self._requests else []) + (
+            ["a step's sampled tokens never read"] if self._pending is not None else [])
+
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One forward pass. Returns an output for every sequence whose new token the host read:
         this step's, and with async scheduling the step before's, read while this one runs."""
+        outputs = self._step()
+        self._settle()
+        return outputs
+
+    def _settle(self) -> None:
+        """What finished or aborted sequences leave, given back now, so that an idle engine holds
+        nothing of them (engine/idle_check.py): in-flight tokens of sequences that all finished
+        (async scheduling: the step after a sequence's last token was launched before its stop
+        was read), and staging slots."""
+        if self._pending is not None and all(s.finished for s in self._pending.seqs):
+            self._pending = None
+        self._release_staging()
+
+    def _release_staging(self) -> None:
+        """The staging slots of blocks that finished or aborted sequences gave back, returned now
+        (a cached one sealed first): an idle compressed pool holds none."""
+        if isinstance(self.pool, QuantizedKVPool) and self.pool.staged:
+            ops = self.pool.release_unowned(self.block_manager)
+            if ops.any():
+                self.runner.move_blocks(ops)
+
+    def _step(self) -> list[RequestOutput]:
         # Labels for torch.profiler (kvserve doctor splits a step by them); free when it is off.
         with label("kvserve.schedule"):
             batch = self.scheduler.schedule()

@@ -201,6 +201,8 @@ class ModelRunner:
         if ops.loads:
             write_blocks(self.pool.block_tensors, list(ops.loads))
         self.pool.copy_blocks(list(ops.copies), moves.kv_plan)
+        if ops.seals:  # only staged (compressed) pools have them
+            self.pool.seal(ops.seals)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:

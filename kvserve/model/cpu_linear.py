@@ -1,6 +1,11 @@
-"""Linear layers for bf16/fp16 inference on CPU.
+"""Linear layers for inference on CPU.
 
-A plain bf16 `F.linear` on CPU reformats the weight on every call. Two replacements:
+A plain bf16 `F.linear` on CPU reformats the weight on every call, and an fp32 one (MKL's sgemm)
+sums a row's products in an order that depends on how many rows the call has. Three replacements:
+- `InvariantLinear` (fp32, with the compiled kernels): every row summed in k order whatever its
+  batch (kernels.linear_f32), so an fp32 request gives the same logits alone, in a batch, in
+  chunks or after a prefix hit; memory-bound decode runs as fast as MKL, a prefill's matmuls at a
+  fraction of its speed (BENCHMARKS.md), the price of fp32 being the reference dtype.
 - `SmallBatchLinear` (bf16, CPUs with AVX512-BF16, or AVX2 and FMA): up to `SMALL_BATCH` rows
   (decode steps) go through our kernel (VDPBF16PS, AMX tiles, or fp32 FMAs on widened weights),
   which reads each weight once per call and is bound by memory bandwidth, 1.2-3x faster than
@@ -90,7 +95,32 @@ class InterleavedEmbedding(nn.Module):
         self.register_buffer("weight", weight, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.dim() == 3:  # fp32, [G, K, 16] (interleave_f32)
+            return self.weight[input_ids // GROUP, :, input_ids % GROUP]
         return self.weight.transpose(1, 2)[input_ids // GROUP, input_ids % GROUP].flatten(-2)
+
+
+def interleave_f32(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 -> [ceil(N / GROUP), K, GROUP]: each group of 16 rows with its 16 weights at a k
+    side by side (linear_f32.cpp); zero rows pad N to a multiple of 16."""
+    n, k = weight.shape
+    padded = torch.cat([weight, weight.new_zeros(-n % GROUP, k)]) if n % GROUP else weight
+    return padded.reshape(-1, GROUP, k).transpose(1, 2).contiguous()
+
+
+class InvariantLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, kernels: ModuleType) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.out_features = linear.out_features
+        self.register_buffer("weight", interleave_f32(linear.weight.detach()), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.kernels.linear_f32(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.bias)
+        if self.out_features % GROUP:
+            out = out[:, :self.out_features].contiguous()
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -108,7 +138,10 @@ class PackedLinear(nn.Module):
 
 
 def cpu_linear_kind(device: torch.device, dtype: torch.dtype, kernels: ModuleType | None) -> str | None:
-    """"small-batch", "packed", or None (keep nn.Linear) for this device, dtype and kernels."""
+    """"small-batch", "batch-invariant", "packed", or None (keep nn.Linear) for this device, dtype
+    and kernels."""
+    if device.type == "cpu" and dtype == torch.float32 and kernels is not None:
+        return "batch-invariant"
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return None
     if dtype == torch.bfloat16 and kernels is not None and kernels.has_bf16_gemm():
@@ -131,6 +164,8 @@ def cpu_linear(linear: nn.Linear, kind: str, kernels: ModuleType | None) -> nn.M
     not a multiple of K_STEP) as oneDNN's packed linear where it packs bf16, else unchanged."""
     if kind == "small-batch" and linear.in_features % K_STEP == 0:
         return SmallBatchLinear(linear, kernels)
+    if kind == "batch-invariant":
+        return InvariantLinear(linear, kernels)
     if kind == "packed" or onednn_packs(linear.weight.dtype):
         return PackedLinear(linear)
     return linear
@@ -153,5 +188,5 @@ def replace_linears(model: nn.Module, kind: str, kernels: ModuleType | None) -> 
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             head = replaced.get(id(child.weight)) if isinstance(child, nn.Embedding) else None
-            if isinstance(head, SmallBatchLinear) and head.interleaved:
+            if isinstance(head, InvariantLinear) or (isinstance(head, SmallBatchLinear) and head.interleaved):
                 setattr(parent, name, InterleavedEmbedding(head.weight))

@@ -8,6 +8,7 @@
 // that product to the model dtype first.
 #include "cpu_ops.h"
 #include "simd.h"
+#include "thread_pool.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -24,6 +25,8 @@
 #include <type_traits>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <string>
 #include <vector>
 
 namespace {
@@ -558,7 +561,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+  kvserve::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), kscale(block_size),
         vscale(block_size), sbuf, m, l, corrections;
     std::vector<int64_t> pos;
@@ -696,7 +699,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   });
   // A split context's pieces, in order: each rescaled to the overall max, as the online softmax
   // rescales a block.
-  at::parallel_for(0, static_cast<int64_t>(splits.size()), 4, [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, static_cast<int64_t>(splits.size()), 4, [&](int64_t begin, int64_t end) {
     std::vector<float> sum(D);
     for (int64_t i = begin; i < end; ++i) {
       const Split& sp = splits[i];
@@ -896,7 +899,7 @@ void encode_write(const at::Tensor& x, const at::Tensor& slot_mapping, int64_t k
   auto* sc = scale.data_ptr<c10::Half>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "encode_write", [&] {
     const scalar_t* xd = x.data_ptr<scalar_t>();
-    at::parallel_for(0, T * H, 16, [&](int64_t begin, int64_t end) {
+    kvserve::parallel_for(0, T * H, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t t = i / H, h = i % H, slot = slots[t] * H + h;
         const scalar_t* row = xd + t * x.stride(0) + h * x.stride(1);
@@ -931,7 +934,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* rd = residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
     scalar_t* od = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    kvserve::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> row(C);
       for (int64_t t = begin; t < end; ++t) {
         float ss = 0.f;
@@ -968,7 +971,7 @@ std::vector<at::Tensor> rope_split(const at::Tensor& qkv, const at::Tensor& posi
   const float* sd = sin.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_", [&] {
     scalar_t* base = qkv.data_ptr<scalar_t>();
-    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    kvserve::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* c = cd + p[t] * half;
         const float* s = sd + p[t] * half;
@@ -998,7 +1001,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* g = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    kvserve::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> gate(I), up(I);
       for (int64_t t = begin; t < end; ++t) {
         to_float_row(g + t * 2 * I, gate.data(), I);
@@ -1148,7 +1151,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   // AMX tiles first where the CPU has them (linear_amx.cpp); their columns are a multiple of NR.
   const int64_t amx_columns = linear_amx(x, w, bias, out);
   if (M > 0 && M <= kStreamRows) {
-    at::parallel_for(amx_columns, N, 64, [&](int64_t begin, int64_t end) {
+    kvserve::parallel_for(amx_columns, N, 64, [&](int64_t begin, int64_t end) {
       switch (M) {
         case 1: stream_rows<1>(xd, wd, bd, od, begin, end, K, N); break;
         case 2: stream_rows<2>(xd, wd, bd, od, begin, end, K, N); break;
@@ -1162,7 +1165,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
     });
     return out;
   }
-  at::parallel_for(amx_columns / NR, tiles, 16, [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(amx_columns / NR, tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       gemm_rows<NR>(xd, wd + t * NR * K, bd ? bd + t * NR : nullptr, od + t * NR, M, K, N);
   });
@@ -1177,6 +1180,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "bf16 x @ w^T for small M (decode)", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
+  m.def("linear_f32", &linear_f32, "fp32 x @ w^T, each row's sums independent of the batch", py::arg("x"),
+        py::arg("w"), py::arg("bias") = py::none());
   m.def("has_bf16_gemm", &has_bf16_gemm, "whether linear_bf16 was built (AVX512-BF16 or AVX2)");
   m.def("interleaves_bf16_weights", &interleaves_bf16_weights,
         "whether linear_bf16 reads weights interleaved in groups of 16 rows (the AVX2 kernel)");
@@ -1185,5 +1190,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into a residual");
   m.def("rope_split", &rope_split, "RoPE in place on the q and k heads of qkv, then q, k, v views");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("thread_pool_stats", [] {
+    const kvserve::PoolStats s = kvserve::pool_stats();
+    return std::map<std::string, int64_t>{{"parallel_regions", s.parallel_regions},
+                                          {"waiting_ns", s.waiting_ns},
+                                          {"caller_chunks", s.caller_chunks},
+                                          {"worker_chunks", s.worker_chunks}};
+  }, "what the kernels' thread pool did since the process started (thread_pool.h, PoolStats)");
   bind_decoder_stack(m);
 }

@@ -34,5 +34,9 @@ int64_t linear_amx(const at::Tensor& x, const at::Tensor& w, const c10::optional
 // w is interleaved, [ceil(N / 16), K / 2, 16, 2], and out [M, 16 * w.size(0)].
 void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& out);
 
+// linear_f32.cpp: fp32 x @ w^T whose rows never depend on their batch; w [ceil(N / 16), K, 16],
+// out [M, 16 * w.size(0)].
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+
 // Registers DecoderStack (decoder_stack.cpp) on the extension module.
 void bind_decoder_stack(pybind11::module& m);

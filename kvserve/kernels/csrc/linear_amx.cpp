@@ -7,8 +7,8 @@
 // as they lie, and the few rows of x are rearranged once per call into the B operand's pairs.
 // From 4 to 32 rows every output accumulates over K in the same order whatever the row count.
 #include "cpu_ops.h"
+#include "thread_pool.h"
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #ifdef __AMX_BF16__
@@ -94,7 +94,7 @@ int64_t linear_amx(const at::Tensor& x, const at::Tensor& w, const c10::optional
   const auto* wd = w.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bd = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   auto* od = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     TileConfig config;  // every tile 16 rows of 64 bytes; the configuration is per thread
     for (int t = 0; t < 8; ++t) {
       config.rows[t] = 16;

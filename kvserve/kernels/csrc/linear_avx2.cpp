@@ -16,8 +16,8 @@
 // stream, which the prefetchers follow (separate weight rows of 1-3 KB they did not); a one-row
 // step reads two groups at a time.
 #include "cpu_ops.h"
+#include "thread_pool.h"
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <vector>
@@ -111,7 +111,7 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), G = w.size(0);
   const auto* xd = x.data_ptr<c10::BFloat16>();
   std::vector<float> xs(M * K);
-  at::parallel_for(0, M * K, 1 << 16, [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, M * K, 1 << 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) xs[i] = static_cast<float>(xd[i]);
   });
   const auto* wd = w.data_ptr<c10::BFloat16>();
@@ -119,7 +119,7 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   const int64_t nb = bias.has_value() ? bias->numel() : 0;
   auto* od = out.data_ptr<c10::BFloat16>();
   if (M == 1) {  // a decode step of one stream: groups two at a time
-    at::parallel_for(0, (G + 1) / 2, 2, [&](int64_t begin, int64_t end) {
+    kvserve::parallel_for(0, (G + 1) / 2, 2, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t g = 2 * t, n = g * 16;
         (g + 1 < G ? tile<1, 2, true> : tile<1, 1, true>)(xs.data(), wd + n * K, bd ? bd + n : nullptr, nb - n,
@@ -128,7 +128,7 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
     });
     return;
   }
-  at::parallel_for(0, G, 4, [&](int64_t begin, int64_t end) {
+  kvserve::parallel_for(0, G, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n = g * 16;
       rows(xs.data(), wd + n * K, bd ? bd + n : nullptr, nb - n, od + n, M, K, N);

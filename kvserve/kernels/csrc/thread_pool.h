@@ -1,0 +1,49 @@
+// The kernels' own thread pool, for a machine shared with other work.
+//
+// at::parallel_for runs on OpenMP: a region splits its range once among the team and ends at a
+// barrier that waits for every thread, and a thread between regions spins (GNU OpenMP: 300,000
+// iterations by default) before it sleeps. A decode step runs ~150 short regions. On a busy
+// machine one of the team is often off its core, so each region waited for it to be scheduled
+// again, and the spinners ate the time slices of the threads they waited for: a 48-token decode
+// beside six busy processes on 2 cores took 28 s where its fair share of the cores was 3
+// (BENCHMARKS.md, benchmarks/shared_machine.py).
+//
+// Here the calling thread works too, and every thread claims chunks of the range one at a time:
+// the caller waits only for chunks another thread has claimed and not finished, never for a
+// worker that has not woken up (the caller then does its share). Workers spin a short, bounded
+// time between regions (a decode step's regions come microseconds apart), then sleep (llama.cpp's
+// threadpool does the same).
+#pragma once
+
+#include <cstdint>
+
+namespace kvserve {
+
+// f(chunk_begin, chunk_end) over [begin, end) in contiguous chunks of at least `grain` items,
+// on the calling thread and up to at::get_num_threads() - 1 workers. Runs inline when the range
+// fits one chunk, inside another region, or while another thread's region holds the pool. The
+// first exception a chunk throws is rethrown here, after every claimed chunk has ended.
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f);
+
+// What the pool did since the process started: regions run on several threads, the callers' time
+// waiting for chunks a worker still ran (on a busy machine, mostly for a worker off its core), and
+// the chunks callers and workers ran.
+struct PoolStats {
+  int64_t parallel_regions = 0, waiting_ns = 0, caller_chunks = 0, worker_chunks = 0;
+};
+PoolStats pool_stats();
+
+namespace detail {
+using ChunkFn = void (*)(const void* ctx, int64_t begin, int64_t end);
+void run(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const void* ctx);
+}  // namespace detail
+
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (begin >= end) return;
+  detail::run(begin, end, grain,
+              [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &f);
+}
+
+}  // namespace kvserve

@@ -1,0 +1,110 @@
+"""The kernels' own thread pool (kernels/csrc/thread_pool.h) and the process's thread settings
+(kvserve/threads.py); the fp32 linear whose rows never depend on their batch."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.kernels import cpu_extension
+from kvserve.model.cpu_linear import interleave_f32
+from kvserve.threads import GOMP_SPINCOUNT, cgroup_quota, usable_cores
+from tests.torch_threads import torch_threads
+
+kernels = cpu_extension.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler: CPU kernels not built")
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_region_runs_every_chunk_once_on_the_pool() -> None:
+    """Split over the caller and a worker, every output column is written once (the result equals
+    one thread's), and the pool counts the region and its chunks."""
+    x, w = rand(3, 256, seed=1), interleave_f32(rand(1024, 256, seed=2))
+    with torch_threads(1):
+        want = kernels.linear_f32(x, w, None)
+    before = kernels.thread_pool_stats()
+    with torch_threads(2):
+        got = kernels.linear_f32(x, w, None)
+    after = kernels.thread_pool_stats()
+    assert torch.equal(got, want)
+    assert after["parallel_regions"] == before["parallel_regions"] + 1
+    # 32 tiles of 2 groups (AVX-512) or 64 of 1 over 2 threads x 2 chunks each: 4 chunks.
+    ran = sum(after[k] - before[k] for k in ("caller_chunks", "worker_chunks"))
+    assert ran == 4
+
+
+def test_a_chunks_error_reaches_the_caller() -> None:
+    """A kernel that fails inside its parallel region (encode_write checks each row's kind) raises
+    in Python after every chunk has ended, and the pool goes on working."""
+    x, slots = rand(64, 2, 16, seed=3), torch.arange(64)
+    codes, scales = torch.zeros(64 * 2 * 16, dtype=torch.int8), torch.zeros(64 * 2, dtype=torch.half)
+    before = kernels.thread_pool_stats()["parallel_regions"]
+    with torch_threads(2):
+        with pytest.raises(RuntimeError, match="unknown kind 7"):
+            kernels.encode_write(x, slots, 7, codes, scales, scales, 16)
+        assert kernels.thread_pool_stats()["parallel_regions"] == before + 1
+        x, w = rand(2, 64, seed=3), interleave_f32(rand(64, 64, seed=4))
+        assert torch.equal(kernels.linear_f32(x, w, None), kernels.linear_f32(x, w, None))
+
+
+def test_a_forked_child_runs_kernels_on_its_own_pool() -> None:
+    """fork() copies one thread: the child must not wait for its parent's workers."""
+    x, w = rand(4, 256, seed=5), interleave_f32(rand(2048, 256, seed=6))
+    with torch_threads(2):
+        want = kernels.linear_f32(x, w, None)  # the parent's workers exist now
+        pid = os.fork()
+        if pid == 0:  # the child: exit status says whether it got the same result
+            ok = torch.equal(kernels.linear_f32(x, w, None), want)
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 48, 49, 61, 100])
+def test_linear_f32_rows_never_depend_on_their_batch(rows: int) -> None:
+    """The same row, alone or among others, on any thread count: the same bits (MKL's sgemm
+    differs for 1-15 and 57-61 rows); and close to a float64 matmul."""
+    x, w, b = rand(100, 96, seed=7), rand(200, 96, seed=8), rand(200, seed=9)
+    wi = interleave_f32(w)
+    with torch_threads(1):
+        full = kernels.linear_f32(x, wi, b)[:, :200]
+    for threads in (1, 2):
+        with torch_threads(threads):
+            part = kernels.linear_f32(x[-rows:].contiguous(), wi, b)[:, :200]
+        assert torch.equal(part, full[-rows:])
+    exact = (x.double() @ w.double().T + b.double()).float()
+    torch.testing.assert_close(full, exact, atol=1e-4, rtol=1e-5)
+
+
+def test_cgroup_quotas_are_read_in_v1_and_v2(tmp_path: Path) -> None:
+    (tmp_path / "kubepods" / "pod1").mkdir(parents=True)
+    (tmp_path / "kubepods" / "pod1" / "cpu.max").write_text("150000 100000\n")
+    v2 = tmp_path / "v2"
+    v2.write_text("0::/kubepods/pod1\n")
+    assert cgroup_quota(tmp_path, v2) == 1.5
+    (tmp_path / "cpu,cpuacct" / "docker" / "c").mkdir(parents=True)
+    (tmp_path / "cpu,cpuacct" / "docker" / "c" / "cpu.cfs_quota_us").write_text("200000\n")
+    (tmp_path / "cpu,cpuacct" / "docker" / "c" / "cpu.cfs_period_us").write_text("100000\n")
+    v1 = tmp_path / "v1"
+    v1.write_text("4:memory:/docker/c\n3:cpu,cpuacct:/docker/c\n")
+    assert cgroup_quota(tmp_path, v1) == 2.0
+    (tmp_path / "kubepods" / "pod1" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_quota(tmp_path, v2) is None
+    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
+
+
+def test_importing_kvserve_sets_openmp_where_the_user_did_not() -> None:
+    code = "import os, kvserve, torch; print(os.environ.get('GOMP_SPINCOUNT'), torch.get_num_threads())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [GOMP_SPINCOUNT, str(usable_cores())]
+    mine = {**env, "OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=mine, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["None", "1"]
