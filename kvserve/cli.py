@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from importlib import metadata
 from typing import Any
 
 from kvserve.arg_types import at_least
-from kvserve.engine_args import add_engine_args, llm_from_args
+from kvserve.engine.chat_template import chat_prompt_ids
+from kvserve.engine_args import add_engine_args, flag_names, llm_from_args
 from kvserve.sampling_params import SamplingParams
+from kvserve.validate import check_utf8
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,8 +50,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     llm = llm_from_args(args)
     prompt: str | list[int] = args.prompt
     if not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                                   add_generation_prompt=True, tokenize=False)
+        check_utf8("prompt", args.prompt)
+        prompt = chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": args.prompt}])
     _stream(llm, prompt, params)
 
 
@@ -73,8 +76,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         if not line:
             continue
         messages.append({"role": "user", "content": line})
-        prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                        tokenize=False))
+        prompt = chat_prompt_ids(llm.tokenizer, messages)
         # --max-tokens bounds a reply; a long conversation leaves it less room, as the server's
         # chat does, rather than refusing a turn that fits.
         room = llm.engine.max_model_len - len(prompt)
@@ -92,9 +94,17 @@ def cmd_bench(args: argparse.Namespace) -> None:
     bench_cli.run(args)
 
 
+def _version() -> str:
+    try:
+        return metadata.version("kvserve")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvserve", description="An LLM inference engine with a paged KV cache and continuous batching.")
+    parser.add_argument("--version", action="version", version=f"kvserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a reply to one prompt, streamed to stdout")
@@ -131,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as err:
-        sys.exit(f"kvserve {args.command}: error: {err}")
+        sys.exit(f"kvserve {args.command}: error: {flag_names(str(err))}")
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -302,7 +302,8 @@ class EngineConfig:
                                      "'plan:...') names each layer's formats; drop the role overrides")
                 continue
             if value is not None and value != "auto" and value not in FORMAT_NAMES:
-                raise ValueError(f"EngineConfig.{name} must be 'auto' or one of {', '.join(FORMAT_NAMES)}, "
+                plan = ", 'plan:PATH' (a tune-kv plan)" if name == "kv_cache_dtype" else ""
+                raise ValueError(f"EngineConfig.{name} must be 'auto'{plan} or one of {', '.join(FORMAT_NAMES)}, "
                                  f"got {value!r}")
         try:
             check_format_options(self.kv_group_size, self.kv_outliers, self.kv_sparse_threshold,

@@ -3,6 +3,7 @@ that builds an engine (generate, chat, serve, bench, eval)."""
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from dataclasses import Field, fields
 from typing import Any
@@ -29,18 +30,25 @@ def _engine_flags() -> list[tuple[Field[Any], str]]:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One option per EngineConfig field, named after it, with the field's help and default."""
+    """One option per EngineConfig field, named after it, with the field's help and default. The
+    help shows the default at help time (`%(default)s`), so a command's own `set_defaults` (doctor's
+    smaller pool) is what its --help says."""
     g = p.add_argument_group("engine (EngineConfig)")
     for f, dest in _engine_flags():
         flag = "--" + dest.replace("_", "-")
-        default = f.default
         if f.type == "bool":
-            g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default,
-                           help=f.metadata["help"])
+            g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=f.metadata["help"] + " (default: %(default)s)")
             continue
-        shown = "" if default is None else f" (default: {default})"
-        g.add_argument(flag, dest=dest, type=_PARSERS[str(f.type)], default=default,
+        shown = "" if f.default is None else " (default: %(default)s)"
+        g.add_argument(flag, dest=dest, type=_PARSERS[str(f.type)], default=f.default,
                        choices=f.metadata.get("choices"), help=f.metadata["help"] + shown)
+
+
+def flag_names(message: str) -> str:
+    """An EngineConfig error as a command-line user reads it: each field named by its option."""
+    flags = {f.name: "--" + dest.replace("_", "-") for f, dest in _engine_flags()}
+    return re.sub(r"EngineConfig\.(\w+)", lambda m: flags.get(m.group(1), m.group(0)), message)
 
 
 def engine_kwargs(args: argparse.Namespace, cache_mode: str | None = None, **overrides: Any) -> dict[str, Any]:

@@ -33,6 +33,7 @@ if [[ " ${extras[*]} " == *" test "* ]]; then
     need_apt chromium chromium
     need_apt redis-server redis-server
 fi
-# The CPU kernels compile once per machine into the kvserve cache (about two minutes on 2 cores):
+# The CPU kernels compile once per machine into the kvserve cache (about 1-2 minutes on 2 idle
+# cores, longer on a busy machine; a line of progress every 30 s):
 # here rather than in the first engine, test or server that would wait for them.
 python3 -c "from kvserve.kernels import cpu_extension; cpu_extension.load()"

@@ -121,6 +121,22 @@ def hf_smol() -> Any:
     return model
 
 
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    config = items[0].config if items else None
+    if config is not None:
+        config.stash[_SLOW_DESELECTED] = config.stash.get(_SLOW_DESELECTED, 0) + sum(
+            item.get_closest_marker("slow") is not None for item in items)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if slow := config.stash.get(_SLOW_DESELECTED, 0):
+        terminalreporter.write_line(f"{slow} tests marked slow were deselected, as in CI (benchmark-sized runs): "
+                                    f"run them with `python3 -m pytest -m slow`")
+
+
+_SLOW_DESELECTED = pytest.StashKey[int]()
+
+
 class RedisServer:
     """A real redis-server on a free loopback port, no persistence; `stop` kills it (a fault),
     `start` brings it back, empty, on the same port."""

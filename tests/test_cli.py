@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from importlib import metadata
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,31 @@ def test_help_explains_commands() -> None:
         assert command in out.stdout
     gen = kvserve("generate", "--help")
     assert "--kv-cache-memory" in gen.stdout and "--temperature" in gen.stdout
+
+
+def subcommand(name: str) -> argparse.ArgumentParser:
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+def test_help_shows_each_commands_own_defaults_and_on_off_ones() -> None:
+    doctor = " ".join(subcommand("doctor").format_help().split())
+    assert "fraction of free memory like 0.5 (default: 256MiB)" in doctor  # doctor's, not the engine's 2GiB
+    generate = " ".join(subcommand("generate").format_help().split())
+    assert "fraction of free memory like 0.5 (default: 2GiB)" in generate
+    assert "reuse the K/V of shared prompt prefixes (paged mode) (default: True)" in generate
+    assert "(default: False)" in generate  # e.g. --kv-exact-sink
+
+
+def test_version() -> None:
+    out = kvserve("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"kvserve {metadata.version('kvserve')}"
+
+
+def test_an_engine_option_error_names_the_flag() -> None:
+    out = kvserve("generate", "Hi", "--kv-cache-dtype", "int3")
+    assert out.returncode != 0 and "--kv-cache-dtype must be 'auto', 'plan:PATH'" in out.stderr
+    assert "EngineConfig" not in out.stderr and "int3" in out.stderr
 
 
 def options(parser: argparse.ArgumentParser, command: str = "kvserve") -> Iterator[tuple[str, argparse.Action]]:

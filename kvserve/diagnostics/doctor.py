@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,6 +31,7 @@ DEFAULT_FORMATS = ("int8", "fp8_e4m3", "int4", "kivi4")
 DENSE_PAGES: dict[str, Any] = dict(kv_cache_dtype="auto", kv_cache_dtype_k=None, kv_cache_dtype_v=None)
 # Prompt tokens before the forced continuation each consistency check decodes.
 _PROMPT_LEN = 32
+T = TypeVar("T")
 
 
 def add_parser(sub: Any) -> None:
@@ -67,11 +73,40 @@ def sample_tokens(llm: Any, n: int, spec: str | None) -> tuple[str, list[int]]:
     return text.name, ids[:n]
 
 
+class Progress:
+    """A line on stderr as each of the doctor's steps starts and ends, and one every `period`
+    seconds while a long one runs, so a run on a busy machine is never silent for long (a total
+    of 0: the steps are not numbered)."""
+
+    def __init__(self, total: int, period: float = 30.0) -> None:
+        self.total, self.period, self.done = total, period, 0
+
+    def run(self, label: str, step: Callable[[], T]) -> T:
+        self.done += 1
+        head = f"kvserve doctor [{self.done}/{self.total}] {label}" if self.total else f"kvserve doctor: {label}"
+        print(f"{head} ...", file=sys.stderr, flush=True)
+        start, finished = time.perf_counter(), threading.Event()
+
+        def tick() -> None:
+            while not finished.wait(self.period):
+                print(f"{head}: running, {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+        threading.Thread(target=tick, daemon=True).start()
+        try:
+            result = step()
+        finally:
+            finished.set()
+        status = result.status if isinstance(result, Check) else "done"
+        print(f"{head}: {status} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        return result
+
+
 def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
     def make_llm(**overrides: Any) -> Any:
         return llm_from_args(args, **overrides)
 
-    llm = make_llm()
+    formats = [f for f in args.formats.split(",") if f]
+    llm = Progress(total=0).run("load the model", make_llm)
     engine = llm.engine
     n = min(args.tokens + _PROMPT_LEN, engine.max_model_len - 1)
     source, tokens = sample_tokens(llm, n, args.data)
@@ -81,35 +116,49 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
     dense = make_llm(**DENSE_PAGES) if compressed else llm
     short = tokens[:max(prompt_len + 16, min(n, 96))]
     truth = truth_short = truth_scores = None
-    if engine.config.torch_dtype != torch.float32:  # half precision is judged against fp32 (see checks)
+    half = engine.config.torch_dtype != torch.float32
+    progress = Progress(total=half + compressed + 7 + len(formats) + (0 if args.skip_performance else 2))
+
+    def fp32_truth() -> tuple[torch.Tensor, ...]:
         fp32 = make_llm(dtype="float32", **DENSE_PAGES)
-        scores = checks.prompt_scores(fp32, [tokens])[0]  # causal: its first rows are `short`'s too
+        return tuple(checks.prompt_scores(fp32, [tokens]))  # causal: its first rows are `short`'s too
+
+    if half:  # half precision is judged against fp32 (see checks)
+        (scores,) = progress.run("fp32 recompute (the reference for half precision)", fp32_truth)
         truth, truth_scores = scores[prompt_len - 1:], scores[:len(short) - 1]
         truth_short = truth[:len(short) - prompt_len]
-        del fp32
-    found: list[Check] = [checks.cache_vs_recompute(dense, tokens, prompt_len, "model dtype pages", truth)]
+    steps: list[tuple[str, Callable[[], Check]]] = [
+        ("cache vs recompute", lambda: checks.cache_vs_recompute(dense, tokens, prompt_len, "model dtype pages",
+                                                                 truth))]
     if compressed:
         # Compressed pages: recompute reads the same codes, so the two still agree closely.
-        found.append(checks.cache_vs_recompute(llm, tokens, prompt_len, "configured KV format", truth, slack=10))
-    found += [checks.prefix_hit_vs_miss(llm, tokens, prompt_len, truth),
-              checks.preempted_vs_undisturbed(llm, make_llm, short, prompt_len, truth_short, 10 if compressed else 1),
-              checks.mask_future_tokens(llm, short),
-              checks.batch_invariance(llm, short, [tokens[i:i + 40] for i in (5, 17, 29)], truth_scores),
-              checks.beam_rescoring(llm, short[:prompt_len])]
-    formats = [f for f in args.formats.split(",") if f]
+        steps.append(("cache vs recompute, configured format", lambda: checks.cache_vs_recompute(
+            llm, tokens, prompt_len, "configured KV format", truth, slack=10)))
+    steps += [
+        ("prefix hit vs miss", lambda: checks.prefix_hit_vs_miss(llm, tokens, prompt_len, truth)),
+        ("preempted vs undisturbed", lambda: checks.preempted_vs_undisturbed(
+            llm, make_llm, short, prompt_len, truth_short, 10 if compressed else 1)),
+        ("mask", lambda: checks.mask_future_tokens(llm, short)),
+        ("batch invariance", lambda: checks.batch_invariance(llm, short, [tokens[i:i + 40] for i in (5, 17, 29)],
+                                                             truth_scores)),
+        ("beam rescoring", lambda: checks.beam_rescoring(llm, short[:prompt_len]))]
+    found = [progress.run(label, step) for label, step in steps]
     if formats:
         reference = checks.cached(dense, tokens[:prompt_len], tokens[prompt_len:])
-        found += [checks.format_quality(make_llm, reference, tokens, prompt_len, f) for f in formats]
-    found.append(capacity(engine))
+        found += [progress.run(f"format {f}", partial(checks.format_quality, make_llm, reference, tokens,
+                                                      prompt_len, f)) for f in formats]
+    found.append(progress.run("pool capacity", partial(capacity, engine)))
     report: dict[str, Any] = {"model": engine.model_name, "dtype": engine.config.dtype,
                               "kv_cache_dtype": engine.config.kv_cache_dtype,
                               "attention_backend": engine.attention_backend.name, "text": source,
                               "checks": [asdict(c) for c in found]}
     if not args.skip_performance:
         report["performance"] = perf = {
-            "decode": performance.decode_profile(llm, min(8, engine.config.max_num_seqs), short, steps=10),
-            "batching": performance.batch_efficiency(
-                llm, [tokens[i:i + 16 + 8 * i] for i in range(8)], [8 + 4 * (i % 3) for i in range(8)])}
+            "decode": progress.run("decode step profile", partial(
+                performance.decode_profile, llm, min(8, engine.config.max_num_seqs), short, steps=10)),
+            "batching": progress.run("batch fill", partial(
+                performance.batch_efficiency, llm, [tokens[i:i + 16 + 8 * i] for i in range(8)],
+                [8 + 4 * (i % 3) for i in range(8)]))}
         report["performance"]["advice"] = performance_advice(perf)
     return report
 

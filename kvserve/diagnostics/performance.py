@@ -9,7 +9,11 @@ profiler slows small ops down, so its shares are applied to a step timed without
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,6 +29,22 @@ PHASES = ("kvserve.schedule", "kvserve.forward", "kvserve.attention", "kvserve.s
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+@contextmanager
+def native_stderr_silenced() -> Iterator[None]:
+    """The process's stderr (file descriptor 2) discarded: the profiler's C++ side (Kineto) prints
+    `STAGE:` / `USDT: ... profiler_start` lines there as it starts and stops, and no setting turns
+    them off (KINETO_LOG_LEVEL does not)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def decode_profile(llm: LLM, batch: int, prompt: list[int], steps: int) -> dict[str, Any]:
@@ -48,12 +68,18 @@ def decode_profile(llm: LLM, batch: int, prompt: list[int], steps: int) -> dict[
         _sync(device)
         wall = time.perf_counter() - start
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
+        prof = profile(activities=activities)
+        with native_stderr_silenced():
+            prof.start()
+        try:
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             _sync(device)
             profiled = time.perf_counter() - start
+        finally:
+            with native_stderr_silenced():
+                prof.stop()
         contexts = [s.num_tokens for s in engine.scheduler.running]
     finally:
         for rid in ids:

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence as Seq
+from collections.abc import Iterable, Iterator, Mapping, Sequence as Seq
 from typing import Any
 
 from tqdm import tqdm
 
 from kvserve.config import EngineConfig
+from kvserve.engine.chat_template import chat_prompt_ids, check_messages
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.sequence import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -68,6 +69,23 @@ class LLM:
             for request_id in requests:
                 self.engine.abort(request_id)
         return [done[rid, i] for rid, n in requests.items() for i in range(n)]
+
+    def chat(self, messages: Seq[Mapping[str, str]] | Seq[Seq[Mapping[str, str]]],
+             params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None,
+             cache_salt: str | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list of
+        them, each rendered by the model's chat template and generated as `generate` does."""
+        single = isinstance(messages, Seq) and bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if single else messages
+        if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Seq) or not conversations:
+            raise ValueError("messages: must be a conversation (a list of {'role': ..., 'content': ...}) or a "
+                             "list of conversations")
+        prompts: list[Prompt] = [
+            chat_prompt_ids(self.tokenizer, check_messages(c, "messages" if single else f"messages.{i}"),
+                            add_generation_prompt, chat_template_kwargs)
+            for i, c in enumerate(conversations)]
+        return self.generate(prompts, params, use_tqdm=use_tqdm, cache_salt=cache_salt)
 
     def stream(self, prompts: Prompt | Seq[Prompt],
                params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvserve.engine.chat_template import chat_prompt_ids
 from kvserve.engine.sequence import RequestOutput
 from kvserve.server.async_engine import Done, Draining, QueueFull
 from kvserve.server.front import EngineFront
@@ -213,8 +214,7 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
                 return _error(400, str(err), f"messages.{i}.content")
         if (why := surely_too_long([m["content"] for m in messages])) is not None:
             return _error(400, f"messages: {why}", "messages")
-        ids = await asyncio.to_thread(lambda: tokenizer.encode(
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)))
+        ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, messages)
         max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
                           max(aengine.max_model_len - len(ids), 1))
         return await _generate(req, [ids], max_tokens, True, request)

@@ -4,6 +4,7 @@ not isolate, a mask that lets a token see the next one, a beam score off by a co
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -100,6 +101,13 @@ def test_a_salt_that_does_not_isolate_fails_hit_vs_miss(monkeypatch: pytest.Monk
     assert hit["status"] == "fail" and hit["measured"]["cached_tokens_on_miss"] > 0, hit
 
 
+def test_a_long_step_reports_while_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert doctor.Progress(total=3, period=0.05).run("slow step", lambda: time.sleep(0.3)) is None
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "kvserve doctor [1/3] slow step ..." and err[-1].startswith("kvserve doctor [1/3] slow step: done")
+    assert sum("slow step: running" in line for line in err) >= 2
+
+
 def test_cli_exits_1_on_a_failed_check_and_reports_json(monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     add = BeamGroup._add_finished
@@ -114,9 +122,14 @@ def test_cli_exits_1_on_a_failed_check_and_reports_json(monkeypatch: pytest.Monk
     assert beam["status"] == "fail" and beam["advice"] and set(beam) >= {"measured", "threshold"}
 
 
-def test_performance_section_splits_the_step() -> None:
+def test_performance_section_splits_the_step(capfd: pytest.CaptureFixture[str]) -> None:
     report = doctor.run_doctor(build_parser().parse_args(
         ["doctor", "--model", "random:tiny", "--dtype", "float32", "--tokens", "48", "--formats", ""]))
+    # Each step says when it starts and how it ended, and the profiler's native start/stop lines
+    # (Kineto's `USDT: ... profiler_start`) do not reach the user.
+    err = capfd.readouterr().err
+    assert "kvserve doctor [1/9] cache vs recompute ..." in err and "kvserve doctor [9/9] batch fill: done" in err
+    assert "USDT" not in err and "profiler_start" not in err
     perf = report["performance"]
     split = perf["decode"]["split_ms"]
     assert set(split) == {"linears_and_layer_ops", "attention", "sampler", "scheduler", "python_overhead"}

@@ -2,9 +2,12 @@
 (kvserve/threads.py); the fp32 linear whose rows never depend on their batch."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +111,18 @@ def test_importing_kvserve_sets_openmp_where_the_user_did_not() -> None:
     mine = {**env, "OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=mine, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["None", "1"]
+
+
+def test_a_kernel_build_reports_progress_while_it_runs(caplog: pytest.LogCaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiler prints nothing for a minute or more: a line every PROGRESS_PERIOD seconds."""
+    monkeypatch.setattr(cpu_extension, "PROGRESS_PERIOD", 0.05)
+    done = threading.Event()
+    reporter = threading.Thread(target=cpu_extension._report_progress, args=(done, time.perf_counter()))
+    with caplog.at_level(logging.WARNING, logger=cpu_extension.__name__):
+        reporter.start()
+        time.sleep(0.3)
+        done.set()
+        reporter.join()
+    lines = [r.getMessage() for r in caplog.records if "still compiling the CPU kernels" in r.getMessage()]
+    assert len(lines) >= 2 and lines[-1].endswith("s so far)")
