@@ -82,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         from kvserve.replicas.front import ReplicaFront
         from kvserve.replicas.settings import ReplicaSettings
 
-        replica_settings = ReplicaSettings(args.replicas, args.router, args.router_stats_period)
+        replica_settings = ReplicaSettings(args.replicas, args.router, args.router_stats_period, host=args.host)
         aengine: Any = ReplicaFront.start(EngineConfig(**engine_kwargs(args)), replica_settings, args.max_waiting)
         on_start, on_stop = (lambda: None), ReplicaFront.stop
         serving = f"{aengine.model_name} ({args.replicas} replicas, {args.router} routing)"

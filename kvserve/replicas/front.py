@@ -12,7 +12,9 @@ from Ray's list of named actors (Serve names each replica's actor after its id).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -20,7 +22,7 @@ from kvserve.config import EngineConfig
 from kvserve.replicas.block_keys import prompt_block_keys
 from kvserve.replicas.metrics_merge import merge_metrics
 from kvserve.replicas.replica import Accepted, EngineReplica, ReplicaDescription
-from kvserve.replicas.settings import ROUTER_CLASSES, ReplicaSettings
+from kvserve.replicas.settings import ROUTER_CLASSES, ReplicaSettings, is_loopback
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import Done, request_ids
 
@@ -47,15 +49,10 @@ class ReplicaFront:
     def start(cls, config: EngineConfig, settings: ReplicaSettings, max_waiting: int) -> "ReplicaFront":
         """Starts Ray (a local cluster unless RAY_ADDRESS names one) and the deployment; returns
         once every replica has loaded its model."""
-        import os
-
-        import ray
+        _start_ray(settings.host)  # first: it sets what Ray reads when imported
         from ray import serve
         from ray.serve.config import RequestRouterConfig
 
-        if not ray.is_initialized():
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no phoning home from a server
-            ray.init(include_dashboard=False, log_to_driver=False)
         # Our app is the HTTP ingress: Serve's own HTTP proxies are not started.
         serve.start(http_options={"location": "NoServer"})
         threads = settings.threads_per_replica or max(1, (os.cpu_count() or 1) // settings.num_replicas)
@@ -171,6 +168,41 @@ class ReplicaFront:
         chosen = replica if replica in ids else ids[0]
         state = await asyncio.wait_for(self.handle.kv_state.remote(expose_request_ids, pin=chosen), _CALL_TIMEOUT_S)
         return {**state, "replica": chosen, "replicas": ids}
+
+
+def _start_ray(host: str) -> None:
+    """Starts a local Ray cluster, unless one runs in this process or RAY_ADDRESS names one (whose
+    operator then decides what it exposes: README, replicas). Ray runs whatever code reaches its
+    ports, so a server bound to loopback keeps its Ray on loopback too: Ray's gRPC servers and
+    agents listen on loopback alone when the node's address is loopback, on every interface
+    otherwise. On Linux Ray replaces a loopback node address by the machine's outward one (its
+    nodes may span hosts) unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, its one-machine switch,
+    which it reads once, when imported."""
+    local, loopback = "RAY_ADDRESS" not in os.environ, is_loopback(host)
+    if local and loopback:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no phoning home from a server
+    if not local:
+        ray.init(log_to_driver=False)
+        return
+    node = ray.util.get_node_ip_address() if loopback else _address_or_none(host)
+    if loopback and not is_loopback(node):  # type: ignore[arg-type]
+        raise RuntimeError(f"Ray was imported before kvserve could keep it on loopback (its node address would "
+                           f"be {node}): set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray")
+    ray.init(_node_ip_address=node, include_dashboard=False, log_to_driver=False)
+
+
+def _address_or_none(host: str) -> str | None:
+    """`host` as Ray's node address: a specific IP address, or None (Ray picks) for a wildcard
+    or a name."""
+    try:
+        return None if ipaddress.ip_address(host).is_unspecified else host
+    except ValueError:
+        return None
 
 
 def _unwrap(err: Exception) -> Exception:

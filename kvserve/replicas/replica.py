@@ -46,10 +46,26 @@ def routing_view(engine: LLMEngine) -> dict[str, Any]:
             "queue": len(sched.running) + len(sched.waiting)}
 
 
+def _bind_serve_grpc_to_node_address() -> None:
+    """Serve gives each replica a gRPC server for calls between deployments (kvserve's handle
+    calls replicas as Ray actors instead), bound to every interface ("[::]:0", fixed in Ray 2.60)
+    whatever the Ray node's address. Serve reaches it at that address, so it listens there alone:
+    on loopback when kvserve keeps Ray there (front._start_ray)."""
+    import ray
+    from ray._common.network_utils import build_address
+    from ray.serve._private import replica as serve_replica
+
+    add_port = serve_replica.add_port_to_grpc_server
+    address = build_address(ray.util.get_node_ip_address(), 0)
+    serve_replica.add_port_to_grpc_server = lambda server, wanted: add_port(
+        server, address if wanted == "[::]:0" else wanted)
+
+
 class EngineReplica:
     def __init__(self, config: EngineConfig, max_waiting: int, threads: int) -> None:
         from ray import serve
 
+        _bind_serve_grpc_to_node_address()  # before Serve starts it, once this returns
         torch.set_num_threads(threads)  # replicas share the machine's cores
         self.engine = LLMEngine(config)
         self.aengine = AsyncEngine(self.engine, Metrics(), max_waiting)

@@ -1,6 +1,7 @@
 """How `kvserve serve --replicas` runs its replicas: checked on construction, importable without Ray."""
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 ROUTERS = ("prefix", "power-of-two", "round-robin")
@@ -15,6 +16,9 @@ class ReplicaSettings:
     router: str = "prefix"              # one of ROUTERS; power-of-two is Ray Serve's default
     stats_period_s: float = 1.0         # how often replicas publish their blocks to the router
     threads_per_replica: int | None = None  # torch threads each (default: the cores / replicas)
+    # The address the HTTP server binds: a local Ray cluster takes it as its node's address, so a
+    # loopback server's Ray listens on loopback alone (ReplicaFront.start).
+    host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -23,3 +27,13 @@ class ReplicaSettings:
             raise ValueError(f"ReplicaSettings.router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if not self.stats_period_s > 0:
             raise ValueError(f"ReplicaSettings.stats_period_s must be > 0, got {self.stats_period_s}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 import threading
@@ -11,7 +12,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'kvserve[ray]')")
+# Not imported here: kvserve sets what Ray reads when imported (replicas.front._start_ray).
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("ray[serve] is not installed (pip install 'kvserve[ray]')", allow_module_level=True)
 
 from kvserve import SamplingParams  # noqa: E402
 from kvserve.config import EngineConfig  # noqa: E402
