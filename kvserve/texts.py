@@ -55,5 +55,14 @@ def load_text(spec: str | None = None, max_chars: int | None = None) -> Text:
 
 
 def _read(path: Path, max_chars: int | None) -> str:
-    with open(path, encoding="utf-8") as f:
-        return f.read() if max_chars is None else f.read(max_chars)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read() if max_chars is None else f.read(max_chars)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--data: {path} is not UTF-8 text (byte {err.start}: {err.reason}); give a text file") \
+            from None
+    except OSError as err:
+        raise ValueError(f"--data: cannot read {path} ({err.strerror})") from None
+    if not text.strip():
+        raise ValueError(f"--data: {path} is empty")
+    return text

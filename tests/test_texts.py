@@ -43,6 +43,16 @@ def test_a_path_names_itself_and_a_bad_one_names_the_option(tmp_path: Path) -> N
         load_text(str(tmp_path / "nope.txt"))
 
 
+def test_a_binary_or_empty_file_is_refused_naming_the_option(tmp_path: Path) -> None:
+    binary, empty = tmp_path / "blob.bin", tmp_path / "empty.txt"
+    binary.write_bytes(bytes(range(256)) * 4)
+    empty.write_text("\n \n")
+    with pytest.raises(ValueError, match=r"--data: .*blob.bin is not UTF-8 text \(byte 128"):
+        load_text(str(binary))
+    with pytest.raises(ValueError, match=r"--data: .*empty.txt is empty"):
+        load_text(str(empty))
+
+
 @pytest.mark.model
 def test_eval_bench_and_doctor_run_from_a_bare_copy_of_the_package(tmp_path: Path) -> None:
     """A copy of kvserve/ alone on the path, run from an empty folder; a stand-in `optimum`

@@ -39,6 +39,8 @@ class KVPlan:
     @classmethod
     def load(cls, path: str | Path) -> "KVPlan":
         """Reads a plan file; errors name the file and the field."""
+        if not str(path).strip():
+            raise ValueError("kv plan: 'plan:' names no file; write plan:PATH (a plan kvserve tune-kv wrote)")
         try:
             data = json.loads(Path(path).read_text())
         except OSError as err:

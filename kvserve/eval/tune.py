@@ -159,16 +159,26 @@ def tune(args: argparse.Namespace, budget: Budget, candidates: list[str], text: 
     windows = [ids[i * args.window_len:(i + 1) * args.window_len] for i in range(args.windows)]
     if len(windows[-1]) < args.window_len:
         raise SystemExit("tune-kv: the text is too short for --windows x --window-len")
+    cfg = reference.engine.model_config
+    names = ["auto", *candidates]
+    layers = cfg.num_layers
+    size = np.zeros((layers, len(names)), dtype=np.int64)
+    for f, name in enumerate(names):
+        sizes = KVSizes.of(EngineConfig(**engine_kwargs(args, kv_cache_dtype=name, **probe)), cfg)
+        size[:, f] = round(sizes.block_bytes / layers)  # a uniform format: every layer the same share
+    # Known before any run: a size budget below every layer's cheapest format has no plan.
+    smallest = size.min(axis=1).sum() / args.block_size
+    if not budget.on_loss and budget.bytes_per_token < smallest:
+        raise SystemExit(f"tune-kv: --bytes-per-token {budget.bytes_per_token:g} is below the smallest plan of "
+                         f"these candidates ({smallest:,.0f} bytes per token, every layer in its cheapest of "
+                         f"{', '.join(names)}): raise it or add cheaper --candidates")
     prefill = args.window_len // 2
     targets = torch.tensor([w[prefill:] for w in windows])
     ref = quality.forced_logprobs(reference, windows, prefill)
     ref_q = quality.compare(ref, ref, targets)
     ref_nll = ref_q.nll.double().mean().item()
-    cfg = reference.engine.model_config
     dense_bytes = reference.engine.kv_bytes_per_token
     del reference
-    names = ["auto", *candidates]
-    layers = cfg.num_layers
     plan_dir = Path(args.plan).resolve().parent
     scratch = plan_dir / f".{Path(args.plan).name}.probe.json"
 
@@ -179,11 +189,7 @@ def tune(args: argparse.Namespace, budget: Budget, candidates: list[str], text: 
         compared = quality.compare(quality.forced_logprobs(llm, windows, prefill), ref, targets)
         return compared, llm.engine.kv_bytes_per_token
 
-    size = np.zeros((layers, len(names)), dtype=np.int64)
     loss = np.zeros((layers, len(names)))
-    for f, name in enumerate(names):
-        sizes = KVSizes.of(EngineConfig(**engine_kwargs(args, kv_cache_dtype=name, **probe)), cfg)
-        size[:, f] = round(sizes.block_bytes / layers)  # a uniform format: every layer the same share
     try:
         with tqdm(total=layers * len(candidates), desc="tune-kv: layer x format", unit="run") as bar:
             for layer in range(layers):

@@ -40,6 +40,8 @@ def test_bad_plan_files_name_the_field(tmp_path: Path, content: str, field: str)
 def test_a_missing_plan_or_role_overrides_beside_one_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype: kv plan .*cannot read it"):
         EngineConfig(kv_cache_dtype=f"plan:{tmp_path / 'absent.json'}")
+    with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype: kv plan: 'plan:' names no file"):
+        EngineConfig(kv_cache_dtype="plan:")  # it said "Is a directory": the empty path is "."
     path = tmp_path / "plan.json"
     KVPlan((("int8", "int8"),)).save(path)
     with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype_k"):

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvserve.attention.cpu_paged import CPUPagedBackend
 from kvserve.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
 from kvserve.cache import block_manager
 from kvserve.cache.block_manager import BlockManager, PromptGrant
@@ -52,6 +53,30 @@ def test_a_cache_that_skips_an_update_fails_cache_vs_recompute(monkeypatch: pyte
     got = statuses(run("--formats", ""))
     assert got["cache vs recompute (model dtype pages)"] == "fail"
     assert got["mask: later tokens are invisible"] == "pass"  # prompt scoring alone is unaffected
+
+
+FAST = ["--attention-backend", "cpu", "--cpu-kernels", "--kv-group-size", "16"]
+
+
+@pytest.mark.parametrize("fmt", ["kivi2", "int8"])
+def test_a_sound_kernel_over_a_lossy_format_passes(fmt: str) -> None:
+    """kivi2 loses far more than rounding to fp32 (its own error): the kernel is judged against the
+    reference path over the same codes, and a prefix hit by the format's own loss (issue 39)."""
+    got = statuses(run("--formats", "", "--kv-cache-dtype", fmt, *FAST))
+    assert got["kernel vs reference (configured KV format)"] == "pass", got
+    assert got["prefix hit vs miss"] in ("pass", "warn"), got
+
+
+def test_a_kernel_that_decodes_wrongly_fails_kernel_vs_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    forward = CPUPagedBackend.forward
+
+    def off(self: CPUPagedBackend, layer: int, q: torch.Tensor, *args: Any) -> torch.Tensor:
+        out = forward(self, layer, q, *args)
+        return out * 0.7 if q.shape[0] == 1 else out  # decode steps only: prompt scoring is unaffected
+
+    monkeypatch.setattr(CPUPagedBackend, "forward", off)
+    got = statuses(run("--formats", "", "--kv-cache-dtype", "int8", *FAST))
+    assert got["kernel vs reference (configured KV format)"] == "fail"
 
 
 def test_a_mask_off_by_one_fails_the_mask_check(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -78,6 +78,16 @@ def test_a_size_budget_gives_the_least_loss_within_it(tmp_path: Path) -> None:
     assert sum(2 * options[pair[0]] for pair in result.plan.layers) == result.bytes_per_token
 
 
+def test_an_impossible_size_budget_is_refused_before_any_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer in int4 (24 B per token and KV head here) is the floor: 1 byte per token used to
+    start the whole sensitivity sweep (~150 runs on the bundled model) before failing."""
+    runs = []
+    monkeypatch.setattr(quality, "forced_logprobs", lambda *a, **k: runs.append(a))
+    with pytest.raises(SystemExit, match=r"--bytes-per-token 1 is below the smallest plan of these candidates \(96 "):
+        tune(tune_args(tmp_path), Budget(bytes_per_token=1), ["int8", "int4"], tokens(96))
+    assert runs == []
+
+
 @pytest.mark.parametrize("budget, field", [
     (dict(), "exactly one"),
     (dict(max_kl=0.1, bytes_per_token=100), "--max-kl, --bytes-per-token"),
