@@ -87,7 +87,8 @@ class EngineConfig:
     preemption_mode: str = _opt("recompute", "when blocks run out: recompute, swap, or auto (the cheaper)",
                                 choices=PREEMPTION_MODES)
     host_swap_memory: str = _opt("1GiB", "host tier for swapped blocks")
-    disk_swap_memory: str = _opt("0", "memory-mapped file tier, used when the host tier is full")
+    disk_swap_memory: str = _opt("0", "file tier, used when the host tier is full; its space is reserved at "
+                                      "start-up (refused when swap_dir has too little)")
     swap_dir: str | None = _opt(None, "where the file tier lives (default: the temp dir)")
     offload_memory: str = _opt("0", "host memory for the cold blocks of sequences longer than the device pool")
     # KV cache format (kvserve.cache.kv_format): "auto" stores K/V in the model dtype as computed;

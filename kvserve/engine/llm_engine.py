@@ -6,6 +6,8 @@ import itertools
 import logging
 import numbers
 import random
+import shutil
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -37,7 +39,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.penalties import apply_penalties
 from kvserve.engine.pending_tokens import PendingTokens
 from kvserve.engine.logprobs import prompt_span, token_logprobs
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import PLACEHOLDER, RequestOutput, Sequence, SequenceStatus, TokenLogprobs
 from kvserve.eviction.state import EvictionState
 from kvserve.kernels import cpu_extension
@@ -109,8 +111,7 @@ class LLMEngine:
         self.pool = make_pool(config, pool_cfg, num_blocks, formats, staging, num_host_blocks, self.device)
         self.swap = None
         if config.preemption_mode != "recompute" and config.cache_mode == "paged":
-            self.swap = SwapSpace(self.pool, parse_bytes(config.host_swap_memory) // block_bytes,
-                                  parse_bytes(config.disk_swap_memory) // block_bytes, config.swap_dir)
+            self.swap = self._swap_space(block_bytes)
         self._num_params = sum(p.numel() for p in self.model.parameters())
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    reserve_tokens=self.max_model_len if contiguous else 0,
@@ -142,6 +143,19 @@ class LLMEngine:
             logger.info("kvserve: async scheduling: each step launches before the host reads the tokens of "
                         "the one before")
         self._rng = random.Random(config.seed)
+
+    def _swap_space(self, block_bytes: int) -> SwapSpace:
+        config = self.config
+        disk = parse_bytes(config.disk_swap_memory)
+        try:
+            return SwapSpace(self.pool, parse_bytes(config.host_swap_memory) // block_bytes, disk // block_bytes,
+                             config.swap_dir)
+        except OSError as err:  # the file tier's space, reserved now so that no swap-out finds the disk full
+            directory = config.swap_dir or tempfile.gettempdir()
+            free = shutil.disk_usage(directory).free
+            raise ValueError(f"EngineConfig.disk_swap_memory: cannot reserve {disk} bytes for the swap file in "
+                             f"{directory} ({err.strerror}; {free} bytes ({free / 2**20:.1f} MiB) free there): "
+                             f"lower disk_swap_memory or set swap_dir to a larger filesystem") from None
 
     def _graph_shape(self, config: EngineConfig) -> tuple[int, int] | None:
         """(sequences, slots) of the decode steps to capture in CUDA graphs, or None (eager)."""
@@ -320,6 +334,7 @@ class LLMEngine:
         # Labels for torch.profiler (kvserve doctor splits a step by them); free when it is off.
         with label("kvserve.schedule"):
             batch = self.scheduler.schedule()
+        batch = self._swap(batch)
         if not batch.seqs:
             if batch.block_ops.any():
                 self.runner.move_blocks(batch.block_ops)  # before the pending tokens are taken
@@ -383,6 +398,17 @@ class LLMEngine:
             if (out := self._emit(seq, token, now)) is not None:
                 outputs.append(out)
         return outputs
+
+    def _swap(self, batch: SchedulerOutput) -> SchedulerOutput:
+        """The step's swaps, applied ahead of its other moves (their place in BlockOps' order) and
+        before it is built: a sequence whose pages the disk tier failed to take or give back is
+        recomputed instead, and leaves the step if it was to run in it."""
+        ops = batch.block_ops
+        if not (ops.swap_out or ops.swap_in):
+            return batch
+        lost = self.runner.move_blocks(BlockOps(swap_out=ops.swap_out, swap_in=ops.swap_in))
+        rest = dataclasses.replace(ops, swap_out=(), swap_in=())
+        return self.scheduler.recompute_lost(dataclasses.replace(batch, block_ops=rest), lost)
 
     def _register_blocks(self, seqs: list[Sequence]) -> None:
         """The blocks the step filled join the prefix cache (and the remote tier). Blocks computed

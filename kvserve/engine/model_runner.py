@@ -112,8 +112,8 @@ class ModelRunner:
         try:
             step = self.prepare(seqs, num_scheduled, ops, score_from, pending)
         except BaseException:
-            # The scheduler counts on its moves once made (a swapped-out sequence resumes from
-            # its copy; a swap-in frees its slots): they happen even if the step cannot run.
+            # The scheduler counts on its moves once made (blocks loaded from the remote tier are
+            # in the prefix cache; swaps came before): they happen even if the step cannot run.
             self.move_blocks(ops)
             raise
         if self.peers is not None:
@@ -174,28 +174,31 @@ class ModelRunner:
         return TokenFill(to_device(torch.tensor(dest), self.device),
                          pending.device[to_device(torch.tensor(src), pending.device.device)].to(self.device))
 
-    def move_blocks(self, ops: BlockOps) -> None:
-        """Block moves outside a forward pass: those of a step in which no sequence runs (async
-        scheduling skips the sequences awaiting their last token, and the step may preempt all
-        the others: a swap-out lost here would readmit a sequence over pages never written), and
-        the compactions of the evictions a step decided, right after it. No write plan: a
-        compressed pool's would retire staged blocks that only a forward pass seals (the
-        copy-on-write copies of a step without sequences belong to sequences it preempted, so
-        they need no staging copy; evicting pools stage nothing)."""
+    def move_blocks(self, ops: BlockOps) -> set[str]:
+        """Block moves outside a forward pass: a step's swaps, ahead of the rest (LLMEngine._swap),
+        those of a step in which no sequence runs (async scheduling skips the sequences awaiting
+        their last token, and the step may preempt all the others: a swap-out lost here would
+        readmit a sequence over pages never written), and the compactions of the evictions a
+        step decided, right after it. No write plan: a compressed pool's would retire staged
+        blocks that only a forward pass seals (the copy-on-write copies of a step without
+        sequences belong to sequences it preempted, so they need no staging copy; evicting
+        pools stage nothing). Returns the sequences whose pages a swap tier lost."""
         moves = BlockMoves(ops, None)
         if self.peers is not None:
             self.peers.broadcast(moves)
-        self.apply(moves)
+        return self.apply(moves)
 
     @torch.inference_mode()
-    def apply(self, moves: BlockMoves) -> None:
-        """Applies a step's block moves to this rank's pool."""
+    def apply(self, moves: BlockMoves) -> set[str]:
+        """Applies a step's block moves to this rank's pool. Returns the sequences whose pages a
+        swap tier failed to take or give back (SwapSpace.apply)."""
         ops = moves.ops
         if ops.compactions:  # first: they read blocks the moves below may reuse
             self.pool.compact(ops.compactions)
+        lost: set[str] = set()
         if ops.swap_out or ops.swap_in:
             assert self.swap is not None, "swaps scheduled without a swap space"
-            self.swap.apply(self.pool, ops.swap_out, ops.swap_in)
+            lost = self.swap.apply(self.pool, ops.swap_out, ops.swap_in)
         if ops.offloads:  # only dense pools offload (EngineConfig checks)
             self.pool.offload_blocks(list(ops.offloads))
         if ops.loads:
@@ -203,10 +206,13 @@ class ModelRunner:
         self.pool.copy_blocks(list(ops.copies), moves.kv_plan)
         if ops.seals:  # only staged (compressed) pools have them
             self.pool.seal(ops.seals)
+        return lost
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult:
-        """Applies the step's block moves to this rank's pool, then runs the model."""
+        """Applies the step's block moves to this rank's pool, then runs the model. The step's
+        swaps were applied before it was built (LLMEngine._swap), where a sequence whose pages a
+        tier lost can still leave it: none are left here."""
         self.apply(BlockMoves(step.ops, step.metadata.kv_plan))
         fill = step.fill
         if fill is not None and fill.rows is None:

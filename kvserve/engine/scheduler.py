@@ -1,10 +1,11 @@
 """Continuous batching: which sequences run in the next step, and who is preempted."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from kvserve.cache.block_manager import BlockManager, HostBlock, on_device
@@ -306,6 +307,23 @@ class Scheduler:
         prompt, where run on un-evicted it would keep other tokens than it keeps alone."""
         self.running.remove(seq)
         self.preempt(seq, swap=False)
+
+    def recompute_lost(self, out: SchedulerOutput, lost: Collection[str]) -> SchedulerOutput:
+        """`out` after its swaps, of which those of the sequences in `lost` failed (their pages are
+        gone, SwapSpace.apply): each is recomputed instead, a swapped one requeued, a running
+        one (its swap-in failed) preempted and taken out of the step. The step's other moves
+        stay: a swapped-in table is new, so none of them is that sequence's."""
+        if not lost:
+            return out
+        for seq in [s for s in self.swapped if s.seq_id in lost]:
+            self.swapped.remove(seq)
+            self.swap.discard(seq.seq_id)
+            self._requeue(seq)
+        for seq in [s for s in self.running if s.seq_id in lost]:
+            self.recompute(seq)
+        kept = [i for i, s in enumerate(out.seqs) if s.seq_id not in lost]
+        return dataclasses.replace(out, seqs=[out.seqs[i] for i in kept],
+                                   num_scheduled=[out.num_scheduled[i] for i in kept])
 
     def _requeue(self, seq: Sequence) -> None:
         """Back to the head of the queue, to be recomputed in full (then evicted again by its policy)."""

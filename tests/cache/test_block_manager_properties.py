@@ -31,7 +31,7 @@ import torch
 from kvserve.cache.block_manager import BlockManager
 from kvserve.cache.compaction import Compaction
 from kvserve.cache.kv_pool import KVPool
-from kvserve.cache.swap_space import SwapSpace
+from kvserve.cache.swap_space import DiskTier, SwapSpace
 
 Pool = dict[int, list[int | None]]
 TierPool = dict[tuple[int, int], list[int | None]]  # (tier index, slot) -> token ids
@@ -257,7 +257,7 @@ def check_swap_invariants(bm: BlockManager, model: Model, tiers_view: TierPool) 
         got = [tiers_view.get(slots[i // bs], [None] * bs)[i % bs] for i in range(len(held))]
         assert got == [seq.tokens[p] for p in held], f"swapped {seq_id} holds {got}, its tokens are {seq.tokens}"
     # The real tiers hold what the shadow says (where the shadow knows a token).
-    data = [tier.data[:, 0, 0, :, 0, 0].tolist() for tier in swap.tiers]
+    data = [tier.read(list(range(tier.num_slots)))[:, 0, 0, :, 0, 0].tolist() for tier in swap.tiers]
     for (tier, slot), slots in model.tiers.items():
         for i, token in enumerate(slots):
             assert token is None or data[tier][slot][i] == token, (
@@ -531,8 +531,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert not swap.swapped
             for u in swap.usage():
                 assert u.used == 0 and u.free == u.total, f"{u.name} tier not entirely free: {u}"
-            if swap._file is not None:
-                swap._file.close()
+            for tier in swap.tiers:
+                if isinstance(tier, DiskTier):
+                    tier._file.close()
 
 
 BlockManagerMachine.TestCase.settings = settings(

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
-from collections.abc import Callable
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -110,13 +115,14 @@ def test_a_salted_sequence_keeps_its_salt_through_a_swap(tiny_llm: Callable[...,
 
 def run_with_a_failed_step(llm: LLM, kind: str | None) -> dict[str, list[int]]:
     """Seeded samples of four prompts through a pool that swaps; the first step with a `kind`
-    move fails before its forward pass, and the requests running then end, as the server ends
-    them. Returns the finished requests' tokens."""
+    move fails before its forward pass (after its swaps, which go first), and the requests
+    running then end, as the server ends them. Returns the finished requests' tokens."""
     engine, runner = llm.engine, llm.engine.runner
     prepare, failed = runner.prepare, []
+    moved = {"swap_out": engine.swap.swap_outs, "swap_in": engine.swap.swap_ins}.get(kind)
 
     def faulty(seqs, num_scheduled, ops, *args):  # type: ignore[no-untyped-def]
-        if kind is not None and getattr(ops, kind) and not failed:
+        if moved is not None and moved.total() and not failed:
             failed.append(kind)
             raise RuntimeError("injected fault")
         return prepare(seqs, num_scheduled, ops, *args)
@@ -157,3 +163,117 @@ def test_bad_swap_config_names_the_field() -> None:
         LLM(model="random:tiny", preemption_mode="sometimes")
     with pytest.raises(ValueError, match="host_swap_memory"):
         LLM(model="random:tiny", host_swap_memory="lots")
+
+
+# A child process drives the disk tier, so that a SIGBUS kills it and not the test: greedy
+# outputs of four prompts through an 8-block pool that swaps every preempted sequence to disk
+# (the host tier is smaller than a block), against the same engine preempting by recompute.
+# argv: swap_dir, disk_swap_memory, then what befalls the tier: "fill" (after start-up, another
+# file fills the filesystem); "lose" (once some sequences are on disk, the swap file is cut to
+# nothing and the filesystem filled: their reads come back short, later writes find no space);
+# "rlimit" (a 1 MiB file-size limit before the engine starts). Prints a JSON line.
+CHILD = r"""
+import json, os, random, resource, sys
+from pathlib import Path
+from kvserve import LLM, SamplingParams
+from tests.conftest import TINY
+
+swap_dir, disk, fault = sys.argv[1:4]
+base = dict(model=TINY, dtype="float32", device="cpu", max_model_len=256, kv_cache_memory="64KiB",
+            max_num_seqs=4, enable_prefix_caching=False)
+rng = random.Random(0)
+prompts = [[rng.randrange(1, 128) for _ in range(40)] for _ in range(4)]
+params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+want = [o.token_ids for o in LLM(**base).generate(prompts, params, use_tqdm=False)]
+if fault == "rlimit":
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    llm = LLM(**base, preemption_mode="swap", host_swap_memory="1KiB", disk_swap_memory=disk, swap_dir=swap_dir)
+except ValueError as err:
+    print(json.dumps({"refused": str(err)}))
+    sys.exit()
+
+def fill():
+    fd = os.open(os.path.join(swap_dir, "filler"), os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, bytes(4096)):
+            pass
+    except OSError:  # no space left
+        os.close(fd)
+
+engine = llm.engine
+if fault == "fill":
+    fill()
+ids = [engine.add_request(p, params) for p in prompts]
+got = {}
+while engine.has_unfinished():
+    got |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    if fault == "lose" and engine.scheduler.swapped and not os.path.exists(os.path.join(swap_dir, "filler")):
+        for path in Path(swap_dir).glob("kvserve-swap-*"):
+            os.truncate(path, 0)
+        fill()
+swap = engine.swap
+print(json.dumps({"same": [got[i] for i in ids] == want, "swapped_to_disk": swap.swap_outs["disk"],
+                  "failures": swap.failures, "preemptions": engine.scheduler.preemptions,
+                  "tiers_free": all(len(t.free) == t.num_slots for t in swap.tiers) and not swap.swapped}))
+"""
+
+
+def run_child(swap_dir: Path, disk: str, fault: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, str(swap_dir), disk, fault], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, (
+        f"the engine died of {signal.Signals(-done.returncode).name}" if done.returncode < 0 else done.stderr[-3000:])
+    return json.loads(done.stdout.splitlines()[-1]) | {"stderr": done.stderr}
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB filesystem (a tmpfs: mounting one needs root, the test skips without)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_disk_tier_larger_than_its_filesystem_is_refused_at_start(tiny_fs: Path) -> None:
+    """64 MiB on a 1 MiB filesystem, which other files then fill: the file was sparse, and the
+    first swap-out onto a page with no disk behind it killed the process with SIGBUS. Now its
+    space is reserved at start-up, which fails, naming the field, the place and its free space."""
+    out = run_child(tiny_fs, "64MiB", "fill")
+    assert "EngineConfig.disk_swap_memory" in out["refused"] and str(tiny_fs) in out["refused"]
+    assert "free there" in out["refused"]
+    assert not list(tiny_fs.glob("kvserve-swap-*"))  # nothing left behind
+
+
+def test_a_file_size_limit_refuses_the_disk_tier_at_start(tmp_path: Path) -> None:
+    """The same with a 1 MiB file-size limit (no root needed): a bare OSError from inside the
+    swap space before, an error naming the field now."""
+    out = run_child(tmp_path, "64MiB", "rlimit")
+    assert "EngineConfig.disk_swap_memory" in out["refused"] and "File too large" in out["refused"]
+
+
+def test_the_disk_tiers_space_is_its_own_once_started(tiny_fs: Path) -> None:
+    """A tier that fits, then another file fills the filesystem: the tier's blocks were reserved
+    (the sparse file's first swap-out was a SIGBUS), so every swap still lands."""
+    out = run_child(tiny_fs, "256KiB", "fill")
+    assert out["same"] and out["swapped_to_disk"] > 0 and not out["failures"] and out["tiers_free"]
+
+
+def test_a_disk_tier_failing_at_run_time_falls_back_to_recompute(tiny_fs: Path) -> None:
+    """The swap file cut to nothing on a full filesystem while sequences are on it: their reads
+    come back short and later writes find no space. Each sequence whose pages were lost is
+    recomputed, with the outputs of an engine that never swapped; no slot leaks."""
+    out = run_child(tiny_fs, "256KiB", "lose")
+    assert out["same"] and out["tiers_free"], out
+    assert out["failures"].get("disk in", 0) > 0 and out["failures"].get("disk out", 0) > 0, out
+    assert out["preemptions"]["recompute"] > 0
+    assert "the disk swap tier failed to swap in" in out["stderr"]
