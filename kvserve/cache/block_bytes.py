@@ -22,8 +22,10 @@ def block_nbytes(tensors: list[torch.Tensor]) -> int:
 
 def write_blocks(tensors: list[torch.Tensor], blocks: list[tuple[int, bytes]]) -> None:
     """Each (block id, bytes from `read_blocks` of a pool with the same layout) into its rows."""
+    nbytes = block_nbytes(tensors)
     for block_id, payload in blocks:
-        assert len(payload) == block_nbytes(tensors), "the tier's namespace pins the layout"
+        if len(payload) != nbytes:  # the tier checks lengths when it unpacks: a caller's fault
+            raise ValueError(f"a block of this pool is {nbytes} bytes, got {len(payload)} bytes")
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         offset = 0
         for t in tensors:

@@ -33,7 +33,7 @@ class RemoteStats:
     lookups: int = 0       # blocks asked for
     hits: int = 0          # blocks served
     stored: int = 0        # blocks written
-    corrupt: int = 0       # entries that failed their checksum or belong to another namespace
+    corrupt: int = 0       # entries that failed their checksum or length, or belong to another namespace
     errors: int = 0        # connection errors and timeouts
 
 
@@ -44,10 +44,13 @@ def _digest(data: bytes) -> bytes:
 class RemoteKVTier:
     """Blocks as bytes in Redis, through redis-py."""
 
-    def __init__(self, url: str, namespace: str, timeout_s: float = 0.25, retry_after_s: float = 10.0) -> None:
+    def __init__(self, url: str, namespace: str, block_bytes: int, timeout_s: float = 0.25,
+                 retry_after_s: float = 10.0) -> None:
+        """`block_bytes`: a block's pages (block_bytes.block_nbytes); a value of another length is
+        corrupt, whatever its checksum says."""
         import redis  # only engines with a tier need it
 
-        self.url, self.namespace = url, namespace
+        self.url, self.namespace, self.block_bytes = url, namespace, block_bytes
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         self._ns_digest = _digest(namespace.encode())
         self._prefix = f"kvserve:{self._ns_digest.hex()}:".encode()
@@ -67,7 +70,7 @@ class RemoteKVTier:
         if value is None:
             return None
         payload = value[_HEADER:]
-        if (len(value) < _HEADER or value[:len(_MAGIC)] != _MAGIC
+        if (len(payload) != self.block_bytes or value[:len(_MAGIC)] != _MAGIC
                 or value[len(_MAGIC):len(_MAGIC) + _DIGEST] != self._ns_digest
                 or value[len(_MAGIC) + _DIGEST:_HEADER] != _digest(payload)):
             self.stats.corrupt += 1

@@ -18,7 +18,7 @@ import torch
 
 from kvserve.attention import make_backend
 from kvserve.attention.rotation import kv_rotation
-from kvserve.cache.block_bytes import read_blocks
+from kvserve.cache.block_bytes import block_nbytes, read_blocks
 from kvserve.cache.block_manager import BlockManager, BlockUsage
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.quantized_pool import QuantizedKVPool
@@ -98,17 +98,18 @@ class LLMEngine:
                                 if sizes.staging_bytes else ")"))
         contiguous = config.cache_mode == "contiguous"
         num_host_blocks = parse_bytes(config.offload_memory) // block_bytes if config.cache_mode == "paged" else 0
-        # The baselines stand for engines without sharing: no prefix cache for them.
-        self.remote = None if config.kv_remote is None else RemoteKVTier(
-            config.kv_remote, remote_namespace(self.model, config, formats), config.kv_remote_timeout)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching and config.cache_mode == "paged",
-                                          num_host_blocks, self.remote)
-        if contiguous and self.block_manager.blocks_for(self.max_model_len) > num_blocks:
+        if contiguous and -(-self.max_model_len // config.block_size) > num_blocks:
             raise ValueError(f"EngineConfig.kv_cache_memory: contiguous mode preallocates max_model_len "
                              f"({self.max_model_len}) tokens per sequence, more than the "
                              f"{num_blocks * config.block_size} slots the budget holds")
         self.pool = make_pool(config, pool_cfg, num_blocks, formats, staging, num_host_blocks, self.device)
+        self.remote = None if config.kv_remote is None else RemoteKVTier(
+            config.kv_remote, remote_namespace(self.model, config, formats), block_nbytes(self.pool.block_tensors),
+            timeout_s=config.kv_remote_timeout)
+        # The baselines stand for engines without sharing: no prefix cache for them.
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching and config.cache_mode == "paged",
+                                          num_host_blocks, self.remote)
         self.swap = None
         if config.preemption_mode != "recompute" and config.cache_mode == "paged":
             self.swap = self._swap_space(block_bytes)

@@ -20,15 +20,15 @@ PAYLOADS = [bytes(range(i, i + 100)) for i in range(4)]
 
 
 def test_stored_blocks_come_back_in_order_up_to_the_first_miss(redis_server: RedisServer) -> None:
-    tier = RemoteKVTier(redis_server.url, "model-a")
+    tier = RemoteKVTier(redis_server.url, "model-a", 100)
     tier.store(list(zip(HASHES[:2], PAYLOADS[:2])) + [(HASHES[3], PAYLOADS[3])])
     assert tier.fetch(HASHES) == PAYLOADS[:2]  # the third is missing: the fourth cannot extend a prefix
     assert (tier.stats.lookups, tier.stats.hits, tier.stats.stored) == (4, 2, 3)
-    assert RemoteKVTier(redis_server.url, "model-b").fetch(HASHES) == []  # another namespace, other keys
+    assert RemoteKVTier(redis_server.url, "model-b", 100).fetch(HASHES) == []  # another namespace, other keys
 
 
 def test_a_corrupted_or_foreign_entry_is_ignored_and_counted(redis_server: RedisServer) -> None:
-    tier = RemoteKVTier(redis_server.url, "model-a")
+    tier = RemoteKVTier(redis_server.url, "model-a", 100)
     tier.store(list(zip(HASHES, PAYLOADS)))
     value = bytearray(redis_server.client.get(tier.key(HASHES[1])))
     value[-1] ^= 1  # one flipped bit of the payload
@@ -36,14 +36,29 @@ def test_a_corrupted_or_foreign_entry_is_ignored_and_counted(redis_server: Redis
     assert tier.fetch(HASHES) == PAYLOADS[:1] and tier.stats.corrupt == 1
     # An entry another namespace wrote, put under this namespace's key (a version or model change
     # that kept the key): its header names the other namespace.
-    other = RemoteKVTier(redis_server.url, "model-a-layout-2")
+    other = RemoteKVTier(redis_server.url, "model-a-layout-2", 100)
     redis_server.client.set(tier.key(HASHES[0]), other.pack(PAYLOADS[0]))
     assert tier.fetch(HASHES) == [] and tier.stats.corrupt == 2
 
 
+def test_a_payload_of_another_length_is_corrupt(redis_server: RedisServer) -> None:
+    """A value whose header and checksum are right but whose pages are not a block's length (the
+    tier knows a block's bytes) is counted and ends the run, like a flipped bit."""
+    tier = RemoteKVTier(redis_server.url, "model-a", 100)
+    tier.store(list(zip(HASHES, PAYLOADS)))
+    redis_server.client.set(tier.key(HASHES[1]), tier.pack(PAYLOADS[1][:10]))
+    assert tier.fetch(HASHES) == PAYLOADS[:1] and tier.stats.corrupt == 1
+
+
+def test_writing_bytes_of_another_layout_is_refused() -> None:
+    pool = KVPool(2, 6, 4, 2, 16, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="10 bytes"):
+        write_blocks(pool.block_tensors, [(0, bytes(10))])
+
+
 def test_a_dead_server_costs_a_warning_and_a_miss_then_the_tier_comes_back(redis_server: RedisServer,
                                                                            caplog: pytest.LogCaptureFixture) -> None:
-    tier = RemoteKVTier(redis_server.url, "m", retry_after_s=0.5)
+    tier = RemoteKVTier(redis_server.url, "m", 100, retry_after_s=0.5)
     tier.store(list(zip(HASHES, PAYLOADS)))
     redis_server.stop()
     assert tier.fetch(HASHES) == [] and tier.stats.errors == 1
@@ -57,7 +72,7 @@ def test_a_dead_server_costs_a_warning_and_a_miss_then_the_tier_comes_back(redis
 
 
 def test_a_slow_server_times_out_instead_of_stalling_the_step(redis_server: RedisServer) -> None:
-    tier = RemoteKVTier(redis_server.url, "m", timeout_s=0.2)
+    tier = RemoteKVTier(redis_server.url, "m", 100, timeout_s=0.2)
     tier.store(list(zip(HASHES, PAYLOADS)))
     sleeper = threading.Thread(target=lambda: redis.Redis.from_url(redis_server.url).execute_command("DEBUG", "SLEEP", 1.5))
     sleeper.start()

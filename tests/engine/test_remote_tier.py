@@ -6,6 +6,7 @@ from collections.abc import Callable
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.cache.block_manager import block_hash
 from kvserve.config import EngineConfig
 from tests.conftest import RedisServer
 
@@ -65,6 +66,30 @@ def test_killing_redis_mid_run_loses_no_request(tiny_llm: Callable[..., LLM], re
             redis_server.stop()
     assert [finished[i] for i in ids] == want
     assert engine.remote.stats.errors >= 1 and engine.remote.stats.stored > 0
+
+
+@pytest.mark.parametrize("bad", [0, 2])
+def test_a_value_of_the_wrong_length_is_a_miss_for_that_prompt_alone(tiny_llm: Callable[..., LLM],
+                                                                       redis_server: RedisServer, bad: int) -> None:
+    """A prompt's `bad`-th block replaced by a value with a valid header and checksum but a 10-byte
+    payload: generate raised AssertionError (on the server, the whole batch was aborted), and the
+    loaded blocks stayed in the prefix cache unfilled. Now the value is corrupt, counted, and the
+    prompt computes from that block on; another prompt of the same batch is untouched."""
+    other = [(11 * j + 5) % 128 for j in range(40)]
+    want = [ids for ids, _ in outputs(tiny_llm(), [PROMPT, other])]
+    writer = tiny_llm(kv_remote=redis_server.url)
+    outputs(writer, [PROMPT])
+    tier = writer.engine.remote
+    chain = None
+    for i in range(bad + 1):
+        chain = block_hash(chain, tuple(PROMPT[i * 16:(i + 1) * 16]))
+    redis_server.client.set(tier.key(chain), tier.pack(b"x" * 10))
+    reader = tiny_llm(kv_remote=redis_server.url)
+    assert [ids for ids, _ in outputs(reader, [PROMPT, other])] == want
+    assert reader.engine.remote.stats.corrupt == 1
+    assert reader.engine.block_manager.prefix_stats.remote_tokens == bad * 16
+    redis_server.client.delete(tier.key(chain))
+    assert [ids for ids, _ in outputs(reader, [PROMPT])] == want[:1]  # from the blocks it computed
 
 
 @pytest.mark.parametrize("kwargs, field", [
