@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,11 @@ class EngineConfig:
                                        "the prefix cache and read on a local prefix miss")
     kv_remote_timeout: float = _opt(0.25, "seconds a kv_remote reply may take; a slower or failed one turns the "
                                           "tier off for 10 s (a warning; the blocks are computed instead)")
+    # Never shown: not in the repr, logs, errors or /metrics.
+    kv_remote_secret: str | None = field(default=None, repr=False, metadata={"help": (
+        "a secret shared by the engines of one kv_remote: each value then carries a keyed BLAKE2b MAC of its key "
+        "and pages, so values written without it (by anyone else who can write to the Redis server) are refused, "
+        "and engines with another secret share nothing (on the command line it shows in the process list)")})
     tensor_parallel_size: int = _opt(1, "ranks to split the model over (attention heads and KV heads, MLP "
                                         "columns), each a process kvserve spawns, over torch.distributed (gloo, "
                                         "on the CPU); each rank's pool holds only its KV heads")
@@ -235,7 +240,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not any(_is_a(value, t) for t in allowed):
                 names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-                raise ValueError(f"EngineConfig.{name} must be {names}, got {value!r}")
+                got = f"a {type(value).__name__}" if name in _HIDDEN else repr(value)
+                raise ValueError(f"EngineConfig.{name} must be {names}, got {got}")
 
     def _check_cuda(self) -> None:
         if not torch.cuda.is_available():
@@ -332,6 +338,8 @@ class EngineConfig:
             reason = self._remote_unsupported(formats)
             if reason:
                 raise ValueError(f"EngineConfig.kv_remote: {reason}")
+        if self.kv_remote_secret is not None and (self.kv_remote is None or not self.kv_remote_secret):
+            raise ValueError("EngineConfig.kv_remote_secret must be a non-empty string, used with kv_remote")
         if not (isinstance(self.kv_remote_timeout, (int, float)) and self.kv_remote_timeout > 0):
             raise ValueError(f"EngineConfig.kv_remote_timeout must be a number of seconds > 0, got "
                              f"{self.kv_remote_timeout!r}")
@@ -464,6 +472,7 @@ class EngineConfig:
 # EngineConfig's fields and the types each accepts (the members of a union).
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     name: typing.get_args(hint) or (hint,) for name, hint in typing.get_type_hints(EngineConfig).items()}
+_HIDDEN = {f.name for f in fields(EngineConfig) if not f.repr}  # secrets: errors do not repeat them
 
 
 def _is_a(value: object, kind: type) -> bool:

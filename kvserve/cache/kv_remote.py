@@ -4,9 +4,16 @@ Full prefix blocks are stored when they join the prefix cache and fetched on a l
 miss, so a replica with a cold cache reuses blocks another replica computed (LMCache's idea,
 on an existing store). An entry is keyed by the engine's namespace (model fingerprint, page
 formats, block size, rotation, layout version, tensor-parallel rank) and the block's chain hash,
-which names the block's tokens and everything before them. Its value starts with a header: a
-magic tag, the namespace's digest and a checksum of the payload; a corrupted or foreign entry
-fails the check, is counted in `stats.corrupt` and treated as a miss.
+which names the block's tokens and everything before them. Its value is a magic tag, a tag over
+the key and the pages, and the pages: a value of another length, or under another key than the
+one it was written for (another block's, another namespace's), fails the check, is counted in
+`stats.corrupt` and treated as a miss.
+
+Without a secret the tag is a checksum, which anyone who can write to the Redis server can
+compute for pages of their choosing: the tier trusts every writer of that server. With `secret`
+(EngineConfig.kv_remote_secret) it is a keyed BLAKE2b, a MAC only holders of the secret can make,
+and the namespace's digest in the keys is keyed too, so engines with other secrets (or none)
+share no key at all.
 
 The tier never fails a request: a connection error or a reply slower than `timeout_s` logs a
 warning, counts in `stats.errors`, and turns the tier off for `retry_after_s` (every lookup a
@@ -15,16 +22,17 @@ miss, every store dropped), after which it tries again. What it would have serve
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import time
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1
-_MAGIC = b"KVS1"
-_DIGEST = 16  # blake2b digest bytes, for the namespace and the checksum
-_HEADER = len(_MAGIC) + 2 * _DIGEST
+LAYOUT_VERSION = 2
+_MAGIC = b"KVS2"
+_TAG = 32  # blake2b digest bytes of a value's tag
+_HEADER = len(_MAGIC) + _TAG
 
 
 @dataclass
@@ -33,27 +41,27 @@ class RemoteStats:
     lookups: int = 0       # blocks asked for
     hits: int = 0          # blocks served
     stored: int = 0        # blocks written
-    corrupt: int = 0       # entries that failed their checksum or length, or belong to another namespace
+    corrupt: int = 0       # values that failed their tag or length (corrupted, forged, or under another key)
     errors: int = 0        # connection errors and timeouts
-
-
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=_DIGEST).digest()
 
 
 class RemoteKVTier:
     """Blocks as bytes in Redis, through redis-py."""
 
     def __init__(self, url: str, namespace: str, block_bytes: int, timeout_s: float = 0.25,
-                 retry_after_s: float = 10.0) -> None:
+                 retry_after_s: float = 10.0, secret: str | None = None) -> None:
         """`block_bytes`: a block's pages (block_bytes.block_nbytes); a value of another length is
-        corrupt, whatever its checksum says."""
+        corrupt, whatever its tag says. `secret`: makes the tag a MAC (kept here only as the
+        BLAKE2b key derived from it, never logged)."""
         import redis  # only engines with a tier need it
 
         self.url, self.namespace, self.block_bytes = url, namespace, block_bytes
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
-        self._ns_digest = _digest(namespace.encode())
-        self._prefix = f"kvserve:{self._ns_digest.hex()}:".encode()
+        # blake2b takes a key of at most 64 bytes: a digest of the secret fits any secret. An empty
+        # key is plain (unkeyed) BLAKE2b.
+        self._mac_key = b"" if secret is None else hashlib.blake2b(secret.encode(), digest_size=32).digest()
+        ns_digest = hashlib.blake2b(namespace.encode(), digest_size=16, key=self._mac_key).digest()
+        self._prefix = f"kvserve:{ns_digest.hex()}:".encode()
         self.stats = RemoteStats()
         self._down_until = 0.0
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -61,18 +69,22 @@ class RemoteKVTier:
     def key(self, block_hash: bytes) -> bytes:
         return self._prefix + block_hash.hex().encode()
 
-    def pack(self, payload: bytes) -> bytes:
-        return _MAGIC + self._ns_digest + _digest(payload) + payload
+    def _tag(self, block_hash: bytes, payload: bytes) -> bytes:
+        """Over the key (the namespace's digest and the chain hash: a fixed length, so the two
+        parts cannot shift) and the pages."""
+        return hashlib.blake2b(self.key(block_hash) + payload, digest_size=_TAG, key=self._mac_key).digest()
 
-    def unpack(self, value: bytes | None) -> bytes | None:
-        """The payload of a stored value, or None when absent; a value that fails its checks is
-        counted and treated as absent."""
+    def pack(self, block_hash: bytes, payload: bytes) -> bytes:
+        return _MAGIC + self._tag(block_hash, payload) + payload
+
+    def unpack(self, block_hash: bytes, value: bytes | None) -> bytes | None:
+        """The payload of the value stored under `block_hash`'s key, or None when absent; a value
+        that fails its checks is counted and treated as absent."""
         if value is None:
             return None
         payload = value[_HEADER:]
         if (len(payload) != self.block_bytes or value[:len(_MAGIC)] != _MAGIC
-                or value[len(_MAGIC):len(_MAGIC) + _DIGEST] != self._ns_digest
-                or value[len(_MAGIC) + _DIGEST:_HEADER] != _digest(payload)):
+                or not hmac.compare_digest(value[len(_MAGIC):_HEADER], self._tag(block_hash, payload))):
             self.stats.corrupt += 1
             return None
         return payload
@@ -98,8 +110,8 @@ class RemoteKVTier:
             self._failed("lookup", err)
             return []
         out = []
-        for value in values:
-            payload = self.unpack(value)
+        for block_hash, value in zip(hashes, values):
+            payload = self.unpack(block_hash, value)
             if payload is None:
                 break
             out.append(payload)
@@ -114,7 +126,7 @@ class RemoteKVTier:
         try:
             pipe = self._client.pipeline(transaction=False)
             for block_hash, payload in blocks:
-                pipe.set(self.key(block_hash), self.pack(payload), nx=True)
+                pipe.set(self.key(block_hash), self.pack(block_hash, payload), nx=True)
             pipe.execute()
         except Exception as err:
             self._failed("store", err)

@@ -105,7 +105,7 @@ class LLMEngine:
         self.pool = make_pool(config, pool_cfg, num_blocks, formats, staging, num_host_blocks, self.device)
         self.remote = None if config.kv_remote is None else RemoteKVTier(
             config.kv_remote, remote_namespace(self.model, config, formats), block_nbytes(self.pool.block_tensors),
-            timeout_s=config.kv_remote_timeout)
+            timeout_s=config.kv_remote_timeout, secret=config.kv_remote_secret)
         # The baselines stand for engines without sharing: no prefix cache for them.
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching and config.cache_mode == "paged",

@@ -1,6 +1,7 @@
 """The remote KV tier against a real redis-server: round trips, checks, and faults."""
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 
@@ -35,10 +36,40 @@ def test_a_corrupted_or_foreign_entry_is_ignored_and_counted(redis_server: Redis
     redis_server.client.set(tier.key(HASHES[1]), bytes(value))
     assert tier.fetch(HASHES) == PAYLOADS[:1] and tier.stats.corrupt == 1
     # An entry another namespace wrote, put under this namespace's key (a version or model change
-    # that kept the key): its header names the other namespace.
+    # that kept the key): its checksum covers the other namespace's key.
     other = RemoteKVTier(redis_server.url, "model-a-layout-2", 100)
-    redis_server.client.set(tier.key(HASHES[0]), other.pack(PAYLOADS[0]))
+    redis_server.client.set(tier.key(HASHES[0]), other.pack(HASHES[0], PAYLOADS[0]))
     assert tier.fetch(HASHES) == [] and tier.stats.corrupt == 2
+
+
+def test_a_value_is_bound_to_its_key(redis_server: RedisServer) -> None:
+    """Each value intact, but under another block's key: the checksum covers the key (namespace
+    and chain hash) with the pages, so both are rejected."""
+    tier = RemoteKVTier(redis_server.url, "model-a", 100)
+    tier.store(list(zip(HASHES, PAYLOADS)))
+    client = redis_server.client
+    client.mset({tier.key(HASHES[2]): client.get(tier.key(HASHES[3])),
+                 tier.key(HASHES[3]): client.get(tier.key(HASHES[2]))})
+    assert tier.fetch(HASHES) == PAYLOADS[:2] and tier.stats.corrupt == 1
+    assert tier.fetch(HASHES[3:]) == [] and tier.stats.corrupt == 2
+
+
+def test_with_a_secret_only_its_holders_write_values_it_takes(redis_server: RedisServer) -> None:
+    """A keyed MAC (BLAKE2b keyed by a digest of the secret): under the right key, a value made
+    without the secret or with another one fails it; made with it (the control), it passes.
+    Engines with different secrets use different keys altogether."""
+    tier = RemoteKVTier(redis_server.url, "model-a", 100, secret="s3cret")
+    plain = RemoteKVTier(redis_server.url, "model-a", 100)
+    assert tier.key(HASHES[0]) != plain.key(HASHES[0])
+    tier.store(list(zip(HASHES, PAYLOADS)))
+    assert tier.fetch(HASHES) == PAYLOADS and plain.fetch(HASHES) == []
+    key = tier.key(HASHES[0])
+    for secret, taken in ((b"", False), (b"guess", False), (b"s3cret", True)):
+        mac_key = hashlib.blake2b(secret, digest_size=32).digest() if secret else b""
+        tag = hashlib.blake2b(key + PAYLOADS[0], digest_size=32, key=mac_key).digest()
+        redis_server.client.set(key, b"KVS2" + tag + PAYLOADS[0])
+        assert tier.fetch(HASHES[:1]) == (PAYLOADS[:1] if taken else []), secret
+    assert tier.stats.corrupt == 2
 
 
 def test_a_payload_of_another_length_is_corrupt(redis_server: RedisServer) -> None:
@@ -46,7 +77,7 @@ def test_a_payload_of_another_length_is_corrupt(redis_server: RedisServer) -> No
     tier knows a block's bytes) is counted and ends the run, like a flipped bit."""
     tier = RemoteKVTier(redis_server.url, "model-a", 100)
     tier.store(list(zip(HASHES, PAYLOADS)))
-    redis_server.client.set(tier.key(HASHES[1]), tier.pack(PAYLOADS[1][:10]))
+    redis_server.client.set(tier.key(HASHES[1]), tier.pack(HASHES[1], PAYLOADS[1][:10]))
     assert tier.fetch(HASHES) == PAYLOADS[:1] and tier.stats.corrupt == 1
 
 

@@ -1,13 +1,17 @@
 """Engines sharing prefix blocks through a real redis-server (kv_remote)."""
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections.abc import Callable
 
 import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.cache.block_manager import block_hash
+from kvserve.cli import build_parser
 from kvserve.config import EngineConfig
+from kvserve.engine_args import engine_kwargs
 from tests.conftest import RedisServer
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
@@ -16,6 +20,25 @@ PROMPT = [(7 * j + 3) % 128 for j in range(70)]  # 4 full blocks before the last
 
 def outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
     return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def tokens(llm: LLM, prompt: list[int] = PROMPT) -> list[int]:
+    return outputs(llm, [prompt])[0][0]
+
+
+def prompt_keys(llm: LLM, prompt: list[int] = PROMPT) -> list[bytes]:
+    """The Redis keys of the prompt's full blocks, as the engine's tier names them."""
+    keys, chain = [], None
+    for i in range((len(prompt) - 1) // 16):
+        chain = block_hash(chain, tuple(prompt[i * 16:(i + 1) * 16]))
+        keys.append(llm.engine.remote.key(chain))
+    return keys
+
+
+def forged(key: bytes, pages: bytes) -> bytes:
+    """A value in the tier's layout (its magic, a BLAKE2b of the key and the pages, the pages), as
+    anyone who can write to the Redis server can make one without holding a secret."""
+    return b"KVS2" + hashlib.blake2b(key + pages, digest_size=32).digest() + pages
 
 
 @pytest.mark.parametrize("fmt", ["auto", "int8", "fp8_e4m3"])
@@ -83,7 +106,7 @@ def test_a_value_of_the_wrong_length_is_a_miss_for_that_prompt_alone(tiny_llm: C
     chain = None
     for i in range(bad + 1):
         chain = block_hash(chain, tuple(PROMPT[i * 16:(i + 1) * 16]))
-    redis_server.client.set(tier.key(chain), tier.pack(b"x" * 10))
+    redis_server.client.set(tier.key(chain), tier.pack(chain, b"x" * 10))
     reader = tiny_llm(kv_remote=redis_server.url)
     assert [ids for ids, _ in outputs(reader, [PROMPT, other])] == want
     assert reader.engine.remote.stats.corrupt == 1
@@ -92,12 +115,88 @@ def test_a_value_of_the_wrong_length_is_a_miss_for_that_prompt_alone(tiny_llm: C
     assert [ids for ids, _ in outputs(reader, [PROMPT])] == want[:1]  # from the blocks it computed
 
 
+def test_values_swapped_between_keys_are_corrupt(tiny_llm: Callable[..., LLM], redis_server: RedisServer) -> None:
+    """The values of two prompts' first blocks swapped, each written by an engine with its
+    checksum right: the checksum covered the pages alone, so each prompt was answered from the
+    other's first block, undetected. Each value is now bound to its key."""
+    other = [(11 * j + 5) % 128 for j in range(70)]
+    want = [tokens(tiny_llm(), p) for p in (PROMPT, other)]
+    writer = tiny_llm(kv_remote=redis_server.url)
+    outputs(writer, [PROMPT, other])
+    first, second = prompt_keys(writer)[0], prompt_keys(writer, other)[0]
+    values = redis_server.client.mget([first, second])
+    redis_server.client.mset({first: values[1], second: values[0]})
+    reader = tiny_llm(kv_remote=redis_server.url)
+    assert [tokens(reader, p) for p in (PROMPT, other)] == want
+    assert reader.engine.remote.stats.corrupt == 2 and reader.engine.block_manager.prefix_stats.remote_tokens == 0
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_a_secret_keeps_out_values_its_holders_did_not_write(tiny_llm: Callable[..., LLM], redis_server: RedisServer,
+                                                             secret: str | None) -> None:
+    """Every block of a prompt overwritten with pages of 0xFF bytes, each value well formed and
+    bound to its key. Without a secret the tier takes them (it trusts whoever can write to the
+    Redis server, as the README says): the tokens go wrong, which shows the forgery is well
+    made. With kv_remote_secret each value carries a keyed MAC: the forgeries fail it, are
+    counted, and the prompt is computed."""
+    options = {} if secret is None else {"kv_remote_secret": secret}
+    want = tokens(tiny_llm())
+    writer = tiny_llm(kv_remote=redis_server.url, **options)
+    tokens(writer)
+    pages = b"\xff" * writer.engine.remote.block_bytes
+    for key in prompt_keys(writer):
+        redis_server.client.set(key, forged(key, pages))
+    reader = tiny_llm(kv_remote=redis_server.url, **options)
+    got = tokens(reader)
+    stats, loaded = reader.engine.remote.stats, reader.engine.block_manager.prefix_stats.remote_tokens
+    if secret is None:
+        assert loaded == 64 and got != want
+    else:
+        assert got == want and stats.corrupt == 1 and loaded == 0
+
+
+def test_engines_with_other_secrets_share_nothing(tiny_llm: Callable[..., LLM], redis_server: RedisServer) -> None:
+    tokens(tiny_llm(kv_remote=redis_server.url, kv_remote_secret="a"))
+    for options in ({}, {"kv_remote_secret": "b"}, {"kv_remote_secret": "a"}):
+        other = tiny_llm(kv_remote=redis_server.url, **options)
+        tokens(other)
+        shared = options.get("kv_remote_secret") == "a"
+        assert other.engine.block_manager.prefix_stats.remote_tokens == (64 if shared else 0), options
+        assert other.engine.remote.stats.corrupt == 0  # other keys altogether, not rejected values
+
+
+def test_the_secret_is_never_shown(tiny_llm: Callable[..., LLM], redis_server: RedisServer,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    from kvserve.server.metrics import Metrics
+
+    caplog.set_level(logging.DEBUG)
+    llm = tiny_llm(kv_remote=redis_server.url, kv_remote_secret="hunter2-secret")
+    tokens(llm)
+    redis_server.stop()
+    tokens(llm, [(3 * j + 1) % 128 for j in range(40)])  # a miss: the dead server's warning
+    assert llm.engine.remote.stats.errors == 1
+    metrics = Metrics()
+    metrics.observe_step(llm.engine)
+    shown = repr(llm.engine.config) + caplog.text + metrics.render().decode()
+    with pytest.raises(ValueError, match="EngineConfig.kv_remote_secret must be str") as refused:
+        EngineConfig(kv_remote="redis://x", kv_remote_secret=b"hunter2-secret")  # type: ignore[arg-type]
+    assert "hunter2" not in shown + str(refused.value)
+
+
+def test_the_secret_has_its_flag() -> None:
+    args = build_parser().parse_args(["bench", "throughput", "--kv-remote", "redis://127.0.0.1:1/0",
+                                      "--kv-remote-secret", "k"])
+    assert engine_kwargs(args)["kv_remote_secret"] == "k"
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"kv_remote": "http://127.0.0.1:6379"}, "kv_remote"),
     ({"kv_remote": "redis://x", "enable_prefix_caching": False}, "kv_remote"),
     ({"kv_remote": "redis://x", "kv_cache_dtype": "kivi4"}, "kv_remote"),
     ({"kv_remote": "redis://x", "kv_cache_dtype": "int8", "kv_residual": 16}, "kv_remote"),
     ({"kv_remote_timeout": 0}, "kv_remote_timeout"),
+    ({"kv_remote_secret": "k"}, "kv_remote_secret"),  # no kv_remote: it would protect nothing
+    ({"kv_remote": "redis://x", "kv_remote_secret": ""}, "kv_remote_secret"),
 ])
 def test_bad_remote_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
