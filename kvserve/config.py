@@ -14,6 +14,7 @@ from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.attention.rotation import ROTATIONS
 from kvserve.cache.kv_format import FORMAT_NAMES, FP8_SCALES, KVFormat, check_format_options, make_format
 from kvserve.cache.kv_plan import KVPlan, plan_path
+from kvserve.cache.kv_pool import KVPool
 from kvserve.eviction.policy import POLICY_NAMES, EvictionPolicy
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_linear import SMALL_BATCH
@@ -32,7 +33,11 @@ CHUNKED_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 _DTYPE_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15}
+# Byte sizes given as strings only: a bare number is ambiguous (vLLM's swap_space counts GiB,
+# kv_cache_memory takes a fraction of free memory).
+_SIZE_FIELDS = ("host_swap_memory", "disk_swap_memory", "offload_memory")
 
 
 def parse_bytes(text: str) -> int:
@@ -210,11 +215,14 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"EngineConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")
-        for name in ("host_swap_memory", "disk_swap_memory", "offload_memory"):
+        for name in _SIZE_FIELDS:
             try:
                 parse_bytes(getattr(self, name))
             except ValueError:
                 raise ValueError(f"EngineConfig.{name}: cannot parse {getattr(self, name)!r}") from None
+        if self.swap_dir is not None and not (os.path.isdir(self.swap_dir) and os.access(self.swap_dir, os.W_OK)):
+            why = "is not a writable directory" if os.path.exists(self.swap_dir) else "does not exist"
+            raise ValueError(f"EngineConfig.swap_dir: {self.swap_dir!r} {why}")
         # The baselines have no block tables to swap or offload: refused, not silently ignored.
         if self.cache_mode != "paged" and self.preemption_mode != "recompute":
             raise ValueError(f"EngineConfig.preemption_mode={self.preemption_mode!r} needs cache_mode='paged' "
@@ -240,7 +248,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not any(_is_a(value, t) for t in allowed):
                 names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-                got = f"a {type(value).__name__}" if name in _HIDDEN else repr(value)
+                got = f"a value of type {type(value).__name__}" if name in _HIDDEN else repr(value)
+                if name in _SIZE_FIELDS:
+                    names, got = "a size string such as '4GiB', '512MiB' or '0'", f"{got} of type {type(value).__name__}"
                 raise ValueError(f"EngineConfig.{name} must be {names}, got {got}")
 
     def _check_cuda(self) -> None:
@@ -402,6 +412,15 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len > model.max_position:
             raise ValueError(f"EngineConfig.max_model_len ({self.max_model_len}) exceeds the model's "
                              f"context length ({model.max_position})")
+        # Swap needs dense pages and one rank (checked above), so a block is a dense one.
+        block = KVPool.bytes_per_block(model.num_layers, self.block_size, model.num_kv_heads, model.head_dim,
+                                       self.torch_dtype)
+        if self.preemption_mode != "recompute" and not any(parse_bytes(getattr(self, f)) // block for f in
+                                                           ("host_swap_memory", "disk_swap_memory")):
+            raise ValueError(f"EngineConfig.host_swap_memory ({self.host_swap_memory}) and disk_swap_memory "
+                             f"({self.disk_swap_memory}) hold no KV block ({block} bytes for this model): "
+                             f"preemption_mode={self.preemption_mode!r} could never swap; give a tier a block "
+                             f"or more, or use preemption_mode='recompute'")
         for pair in self.kv_layer_formats(model.num_layers) or ():
             for fmt, role in zip(pair, ("k", "v")):
                 group = getattr(fmt, "group_size", None)

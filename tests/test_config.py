@@ -5,6 +5,9 @@ passes a bad value learns which one from the message alone.
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -113,12 +116,16 @@ def test_kv_budget_bytes_from_string() -> None:
     ("4096", 4096),         # bare number: bytes
     ("100B", 100),
     ("0.5MiB", 2**19),
+    ("100TiB", 100 * 2**40),
+    ("1PiB", 2**50),
+    ("2TB", 2 * 10**12),
+    ("1pb", 10**15),
 ])
 def test_parse_bytes(text: str, expected: int) -> None:
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["2TiB", "GiB", "two GiB", "1.2.3GiB", "."])
+@pytest.mark.parametrize("text", ["2EiB", "GiB", "two GiB", "1.2.3GiB", "."])
 def test_parse_bytes_rejects_with_field_name(text: str) -> None:
     with pytest.raises(ValueError, match="kv_cache_memory"):
         parse_bytes(text)
@@ -175,3 +182,37 @@ def test_a_request_budget_without_eviction_is_refused() -> None:
         with pytest.raises(ValueError, match="^SamplingParams.kv_budget has no effect without kv_eviction"):
             config.eviction_policy(name, 8, owner="SamplingParams")
     assert config.eviction_policy("window", 8, owner="SamplingParams").budget == 8
+
+
+@pytest.mark.parametrize("field", ["host_swap_memory", "disk_swap_memory", "offload_memory"])
+@pytest.mark.parametrize("value", [0, 1024, 1.5])
+def test_a_size_given_as_a_number_says_what_a_size_is(field: str, value: object) -> None:
+    # It said "must be str": a bare number is refused (vLLM's swap_space counts GiB, our
+    # kv_cache_memory takes a fraction), saying what to write instead.
+    with pytest.raises(ValueError, match=f"^EngineConfig.{field} must be a size string such as '4GiB', '512MiB' "
+                                         f"or '0', got {value} of type {type(value).__name__}$"):
+        EngineConfig(**{field: value})
+
+
+def test_a_swap_dir_that_is_no_directory_is_refused_naming_it(tmp_path: Path) -> None:
+    # It was a bare NotADirectoryError / FileNotFoundError once the engine made the swap file.
+    file = tmp_path / "file"
+    file.write_text("")
+    for path, why in ((file, "is not a writable directory"), (tmp_path / "missing", "does not exist")):
+        with pytest.raises(ValueError, match=f"^EngineConfig.swap_dir: {re.escape(repr(str(path)))} {why}$"):
+            EngineConfig(preemption_mode="swap", disk_swap_memory="1MiB", swap_dir=str(path))
+    EngineConfig(preemption_mode="swap", disk_swap_memory="1MiB", swap_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swap_tiers_that_hold_no_block_are_refused(mode: str) -> None:
+    """Swap asked for, but neither tier holds one KV block (2048 bytes here): every preemption
+    recomputed without a word. Refused once the model's block size is known."""
+    model = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                        num_kv_heads=1, head_dim=16, max_position=128)
+    with pytest.raises(ValueError, match=r"^EngineConfig.host_swap_memory \(1KiB\) and disk_swap_memory \(0\) hold "
+                                         r"no KV block \(2048 bytes for this model\)"):
+        EngineConfig(preemption_mode=mode, host_swap_memory="1KiB").check_model(model)
+    for kwargs in ({"host_swap_memory": "2KiB"}, {"host_swap_memory": "1KiB", "disk_swap_memory": "2KiB"},
+                   {"preemption_mode": "recompute", "host_swap_memory": "0"}):
+        EngineConfig(**{"preemption_mode": mode, **kwargs}).check_model(model)
