@@ -2,14 +2,21 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvserve.eviction.policy import POLICY_NAMES
 from kvserve.validate import check_utf8, is_int
 
 OUTPUT_KINDS = ("cumulative", "final")
 GREEDY_BELOW = 1e-5
+# Stop strings are searched at every token of every sample, and a running output holds back the
+# longest one's length - 1 characters: unbounded, one request's stops slowed every other request.
+# OpenAI's API takes 4; evaluation harnesses send a few more.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 128
 
 
 @dataclass
@@ -78,6 +85,8 @@ class SamplingParams:
                 not isinstance(self.logit_bias, dict) or not _are_token_ids(self.logit_bias)
                 or any(not _is_number(b) or not -100 <= b <= 100 for b in self.logit_bias.values())):
             raise ValueError("SamplingParams.logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
+        if self.logit_bias is not None:  # floats: an integer bias made a Long tensor the step could not add
+            self.logit_bias = {token: float(bias) for token, bias in self.logit_bias.items()}
         if self.beam_width > 1 and self.penalized:
             raise ValueError("SamplingParams.beam_width: penalties and logit_bias are not supported with beam search")
         if self.beam_width > 1 and (self.stop or self.stop_token_ids):
@@ -89,6 +98,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("SamplingParams.stop must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"SamplingParams.stop: at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} "
+                             f"characters each; got {len(self.stop)}, the longest of {max(map(len, self.stop))}")
         for stop in self.stop:
             check_utf8("SamplingParams.stop", stop)  # no decoded text holds a lone surrogate
         if not isinstance(self.stop_token_ids, list) or not _are_token_ids(self.stop_token_ids):
@@ -132,11 +144,16 @@ class SamplingParams:
         """What the logits are divided by for sampling and log-probabilities (greedy counts as 1)."""
         return 1.0 if self.greedy else self.temperature
 
-    @property
+    @cached_property
     def stop_hold(self) -> int:
         """Characters of new text a running output holds back: all but the last of the longest
         stop string, which the next tokens may complete (and the output must not show)."""
         return max(map(len, self.stop), default=1) - 1
+
+    @cached_property
+    def stop_pattern(self) -> re.Pattern[str]:
+        """Every stop string in one alternation: one search finds the earliest (its leftmost match)."""
+        return re.compile("|".join(map(re.escape, self.stop)))
 
     @property
     def penalized(self) -> bool:

@@ -32,7 +32,7 @@ def add_parser(sub: Any) -> None:
                         "(default 30)")
     p.add_argument("--served-model-name", type=non_empty, default=None,
                    help="the model id clients see in /v1/models and responses (default: from the file)")
-    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY") or None,
+    p.add_argument("--api-key", type=non_empty, default=os.environ.get("KVSERVE_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (the API, /metrics, "
                         "/kv/state and the dashboard: open it as /#key=KEY); default $KVSERVE_API_KEY, else open")
     p.add_argument("--expose-request-ids", action="store_true",

@@ -2,6 +2,7 @@
 output its caller sees (vLLM v1's output processor and stop checker)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvserve.engine.sequence import RequestOutput, Sequence
@@ -21,7 +22,7 @@ class OutputProcessor:
             seq.finish_reason = "stop"
         elif token in p.stop_token_ids:
             seq.finish_reason = "stop"
-        elif p.stop and (hit := find_stop(seq.text, p.stop, p.stop_hold, new_chars)) >= 0:
+        elif p.stop and (hit := find_stop(seq.text, p.stop_pattern, p.stop_hold, new_chars)) >= 0:
             seq.text = seq.text[:hit]
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -54,9 +55,9 @@ class OutputProcessor:
         return len(delta)
 
 
-def find_stop(text: str, stop: list[str], hold: int, new_chars: int) -> int:
-    """Where the first of `stop` starts in `text` (-1: nowhere), searched only where its last
-    `new_chars` characters can complete one (`hold`: the longest stop string's length - 1): the
-    whole text per token would grow with the output."""
-    start = max(len(text) - new_chars - hold, 0)
-    return min((i for s in stop if (i := text.find(s, start)) >= 0), default=-1)
+def find_stop(text: str, stops: re.Pattern[str], hold: int, new_chars: int) -> int:
+    """Where the earliest stop string starts in `text` (-1: nowhere): one search of their
+    alternation `stops`, only where its last `new_chars` characters can complete one (`hold`: the
+    longest stop string's length - 1), since the whole text per token would grow with the output."""
+    found = stops.search(text, max(len(text) - new_chars - hold, 0))
+    return -1 if found is None else found.start()

@@ -165,7 +165,9 @@ class ReplicaFront:
         ids = self.replica_ids()
         if not ids:
             raise RuntimeError("no replica is running")
-        chosen = replica if replica in ids else ids[0]
+        if replica is not None and replica not in ids:  # a restarted replica has a new id
+            raise ValueError(f"replica: no replica {replica!r} runs here; these do: {', '.join(ids)}")
+        chosen = replica or ids[0]
         state = await asyncio.wait_for(self.handle.kv_state.remote(expose_request_ids, pin=chosen), _CALL_TIMEOUT_S)
         return {**state, "replica": chosen, "replicas": ids}
 

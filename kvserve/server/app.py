@@ -97,8 +97,10 @@ class _Guard:
         if not settings.host_allowed(headers.get("host")):
             return _error(400, f"Host {headers.get('host')!r} is not served here (see --allowed-hosts)")
         if settings.api_key is not None and path not in _OPEN_PATHS:
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+            # The scheme's name is case-insensitive (RFC 9110, 11.1): "bearer KEY" is "Bearer KEY".
+            scheme, _, given = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.lstrip(" ").encode(),
+                                                                     settings.api_key.encode()):
                 return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer ...)", None,
                                                "invalid_request_error", "invalid_api_key"), status_code=401)
         length = headers.get("content-length", "")
@@ -140,7 +142,12 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
         err = exc.errors()[0]
         if err.get("type") == "json_invalid":
             return _error(400, f"request body is not valid JSON: {err.get('msg')}")
-        param = _param(tuple(err.get("loc", ())))
+        loc = tuple(err.get("loc", ()))
+        if err.get("type") == "extra_forbidden":  # named whole, whatever characters its name has
+            param = ".".join(filter(None, (_param(loc[:-1]), str(loc[-1]))))
+            return _error(400, f"{param}: not a field this server takes; an option it does not know "
+                               f"is refused, never ignored", param)
+        param = _param(loc)
         if param is None and "json" not in request.headers.get("content-type", ""):
             # FastAPI reads a body as JSON only when told so; curl -d sends a form type.
             return _error(400, "the request body must be a JSON object sent with Content-Type: application/json")
@@ -160,9 +167,12 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
     async def metrics() -> Response:
         return Response(await aengine.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/kv/state")
-    async def state(replica: str | None = None) -> dict[str, Any]:
-        return await aengine.kv_state(settings.expose_request_ids, replica)
+    @app.get("/kv/state", response_model=None)
+    async def state(replica: str | None = None) -> dict[str, Any] | JSONResponse:
+        try:
+            return await aengine.kv_state(settings.expose_request_ids, replica)
+        except ValueError as err:
+            return _error(400, str(err), "replica")
 
     @app.get("/", response_class=HTMLResponse)
     async def dashboard() -> str:
@@ -335,6 +345,8 @@ class _Reply:
         self.pending = set(engine_ids)
         self.num_choices = len(engine_ids) * n
         self.finals: dict[int, RequestOutput] = {}
+        # Per choice, its tokens so far: a request cut short (its replica died) still used them.
+        self.completion_tokens: dict[int, int] = {}
         self.prompt_tokens: dict[str, int] = {}
         self.error: str | None = None
         self.shutdown = False  # the error is the server shutting down, not a fault
@@ -353,7 +365,9 @@ class _Reply:
             self.prompt_tokens[item.request_id] = len(item.prompt_token_ids)
             if item.finish_reason == "error":
                 self.error = f"internal error in request {item.request_id}: {item.error}"
-            elif item.finished:
+                return
+            self.completion_tokens[self.index(item)] = len(item.token_ids)
+            if item.finished:
                 self.finals[self.index(item)] = item
 
     def index(self, out: RequestOutput) -> int:
@@ -361,7 +375,7 @@ class _Reply:
 
     def usage(self) -> dict[str, int]:
         prompt = sum(self.prompt_tokens.values())
-        completion = 0 if self.rendering.score_only else sum(len(o.token_ids) for o in self.finals.values())
+        completion = 0 if self.rendering.score_only else sum(self.completion_tokens.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def chunk_base(self) -> dict[str, Any]:

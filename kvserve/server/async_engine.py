@@ -97,7 +97,9 @@ class AsyncEngine:
         return self.metrics.render()
 
     async def kv_state(self, expose_request_ids: bool, replica: str | None = None) -> dict[str, Any]:
-        """One engine: `replica` names nothing here."""
+        """One engine: there is no `replica` to name."""
+        if replica is not None:
+            raise ValueError("replica: this server runs one engine, not replicas (kvserve serve --replicas)")
         return await self.call(lambda e: kv_state(e, expose_request_ids))
 
     # -- called from the event loop ------------------------------------------------------------

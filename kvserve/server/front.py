@@ -29,4 +29,5 @@ class EngineFront(Protocol):
 
     async def kv_state(self, expose_request_ids: bool, replica: str | None = None) -> dict[str, Any]:
         """The dashboard's picture of a KV pool; with replicas, `replica`'s (default the first),
-        with "replica" and the ids of all in "replicas"."""
+        with "replica" and the ids of all in "replicas". ValueError ("replica: ...") when
+        `replica` names none of them."""

@@ -15,8 +15,10 @@ class _Strict(BaseModel):
     clients send are taken first, as OpenAI and vLLM take them: null for a field with a default
     (OpenAI's spec marks them nullable) means that default, and a whole float for an integer
     field (a limit computed in floats, `256.0`) is that integer."""
-    # Clients send fields we have no use for (`user`, `metadata`...): ignored, as OpenAI does.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # A field not declared here is refused, never ignored: a misspelt option ("temprature") or one
+    # the engine does not do would otherwise be answered with an ordinary sample. Fields of
+    # OpenAI's API that change no output are declared, each saying why it is taken.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -44,7 +46,7 @@ class _Common(_Strict):
 
     model: str | None = None
     n: int = 1
-    temperature: float = 1.0
+    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's range
     top_p: float = 1.0
     top_k: int = 0  # not OpenAI's; vLLM's extension, -1 or 0 disables
     seed: int | None = None
@@ -60,6 +62,7 @@ class _Common(_Strict):
     kv_eviction: str | None = None  # ours: token eviction policy for this request (EngineConfig.kv_eviction)
     kv_budget: int | None = None    # ours: tokens its KV cache keeps per head with kv_eviction
     min_tokens: int = 0  # vLLM's extension: refused unless 0 (see `unsupported`)
+    user: str | None = None  # OpenAI's end-user id for its abuse monitoring: changes no output, ignored
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for a request asking for something the engine does not do: answering it
@@ -73,10 +76,10 @@ class _Common(_Strict):
         return None, None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        try:
-            bias = None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
-        except ValueError:
-            raise ValueError("logit_bias: keys must be token ids") from None
+        # ASCII digits only: int() also reads " 1", "+1", "1_0" and "٣" (an Arabic-Indic three).
+        if self.logit_bias is not None and not all(k.isascii() and k.isdigit() for k in self.logit_bias):
+            raise ValueError("logit_bias: keys must be token ids written in ASCII digits")
+        bias = None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
         logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(max_tokens=max_tokens, n=self.n, temperature=self.temperature,
                               top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
@@ -170,6 +173,12 @@ class ChatCompletionRequest(_Common):
     modalities: list[str] | None = None  # refused unless ["text"]
     audio: dict[str, Any] | None = None  # refused: no audio output
     prediction: dict[str, Any] | None = None  # refused: no predicted-output decoding
+    store: bool = False  # refused when true: no completion is stored
+    # Ignored, changing no output: tags for stored completions (none are), the successor of `user`,
+    # and how to run tool calls (tools are refused).
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -188,6 +197,8 @@ class ChatCompletionRequest(_Common):
         for name in ("audio", "prediction"):
             if getattr(self, name) is not None:
                 return name, f"{name}: not supported"
+        if self.store:
+            return "store", "store: completions are not stored by this server"
         for i, message in enumerate(self.messages):
             if (bad := message.unsupported()) is not None:
                 return f"messages.{i}.{bad[0]}", f"messages.{i}.{bad[0]}: {bad[1]}"

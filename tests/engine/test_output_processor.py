@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.sequence import Sequence
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 
 CHARS = "ab c"
 EOS = 1
@@ -58,7 +58,10 @@ def test_stop_strings_cut_where_the_whole_text_first_holds_one(tokenizer: PreTra
     rng = random.Random(0)
     hits = 0
     for _ in range(300):
-        stop = [rng.choice(["ab", "bab", "a c", "cc", "baab", "b"]) for _ in range(rng.randint(1, 3))]
+        # One search of their alternation: a regex character in a stop string is itself ("a."
+        # would match "ab" otherwise), and the earliest start wins whatever the list's order.
+        stop = [rng.choice(["ab", "bab", "a c", "cc", "baab", "b", "a.", "b+", "(c"])
+                for _ in range(rng.randint(1, MAX_STOPS))]
         text = "".join(rng.choice(CHARS) for _ in range(rng.randint(1, 30)))
         seq, shown = run(tokenizer, text, SamplingParams(max_tokens=100, stop=stop))
         cut = first_stop(text, stop)
@@ -92,3 +95,13 @@ def test_eos_stop_ids_and_length(tokenizer: PreTrainedTokenizerFast) -> None:
 def test_final_kind_has_one_output_with_the_whole_text(tokenizer: PreTrainedTokenizerFast) -> None:
     seq, shown = run(tokenizer, "ab cab", SamplingParams(max_tokens=6, output_kind="final"))
     assert shown == [None] * 5 + ["ab cab"] and seq.finish_reason == "length"
+
+
+@pytest.mark.parametrize("stop", [["x"] * (MAX_STOPS + 1), ["x" * (MAX_STOP_CHARS + 1)], ["ab"] * 26_000])
+def test_stop_strings_are_capped_in_number_and_length(stop: list[str]) -> None:
+    # Unbounded, ~2.6 MB of stop strings in one request (the last case) slowed every other
+    # request 4x: each was searched at every token of every sample.
+    with pytest.raises(ValueError, match=f"^SamplingParams.stop: at most {MAX_STOPS} stop strings of at most "
+                                         f"{MAX_STOP_CHARS} characters"):
+        SamplingParams(stop=stop)
+    assert SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOPS).stop_hold == MAX_STOP_CHARS - 1

@@ -241,6 +241,27 @@ def test_logit_bias_steers_generation_and_logprobs_follow(tiny_llm: Callable[...
     assert all(t.logprob > -1e-3 for t in out.logprobs)  # the distribution sampled from: biased
 
 
+def test_an_integer_logit_bias_steers_as_its_float_does(tiny_llm: Callable[..., LLM]) -> None:
+    # {77: 100} passed validation, then failed the whole step (index_add_ of a Long tensor to Float
+    # logits): every request of the batch ended with it.
+    llm = tiny_llm()
+    params = [SamplingParams(max_tokens=5, temperature=0, logit_bias=bias, ignore_eos=True)
+              for bias in ({77: 100}, {77: 100.0}, None)]
+    outs = llm.generate([[1, 2, 3]] * 3, params, use_tqdm=False)
+    assert outs[0].token_ids == outs[1].token_ids == [77] * 5 and outs[2].finish_reason == "length"
+
+
+def test_a_huge_temperature_samples_from_a_valid_distribution(tiny_llm: Callable[..., LLM]) -> None:
+    # The Python API keeps any finite temperature (the server holds requests to OpenAI's 0..2):
+    # 1e308 is inf in fp32, and logits / inf give the uniform distribution, not NaN.
+    llm = tiny_llm()
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=1e308, logprobs=2, seed=1,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    uniform = -math.log(llm.engine.model_config.vocab_size)
+    assert all(0 <= t < llm.engine.model_config.vocab_size for t in out.token_ids)
+    assert [t.logprob for t in out.logprobs] == pytest.approx([uniform] * 6)
+
+
 @pytest.mark.parametrize("bad", [dict(presence_penalty=3.0), dict(frequency_penalty=float("nan")),
                                  dict(repetition_penalty=0.0), dict(logit_bias={1: 200.0}),
                                  dict(logit_bias={-1: 1.0}), dict(logit_bias={"a": 1.0})])

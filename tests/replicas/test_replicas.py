@@ -119,6 +119,8 @@ def test_the_openai_client_works_unchanged(served: Served) -> None:
     assert len(state["replicas"]) == 2 and state["replica"] == state["replicas"][0]
     second = httpx.get(f"http://127.0.0.1:{served.port}/kv/state", params={"replica": state["replicas"][1]}).json()
     assert second["replica"] == state["replicas"][1] and len(second["states"]) == second["num_blocks"]
+    unknown = httpx.get(f"http://127.0.0.1:{served.port}/kv/state", params={"replica": "zzz"})  # was the first's
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "replica", unknown.text
 
 
 def test_abort_stops_the_replica_generating_for_a_client_that_left(served: Served) -> None:
@@ -151,16 +153,21 @@ def test_a_replica_killed_mid_stream_ends_that_stream_with_an_error_and_the_next
     import json
 
     import httpx
-    body = {"prompt": SHARED[:10], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"prompt": SHARED[:10], "max_tokens": 400, "ignore_eos": True, "stream": True, "logprobs": 0,
+            "stream_options": {"include_usage": True}}
     before = set(served.front.served_by)
     with httpx.stream("POST", f"http://127.0.0.1:{served.port}/v1/completions", json=body, timeout=60) as r:
-        # The headers come once a replica accepted the request: kill that replica right away,
-        # a few tokens into its 400.
+        lines = r.iter_lines()
+        events = [next(line for line in lines if line.startswith("data:"))]
+        # A few tokens into its 400, kill the replica that took the request.
         (request_id,) = set(served.front.served_by) - before
         os.kill(served.front.served_by[request_id].pid, signal.SIGKILL)
-        events = [line for line in r.iter_lines() if line.startswith("data:")]
-    assert len(events) >= 2 and '"error"' in events[-2] and events[-1] == "data: [DONE]", events
-    assert json.loads(events[-2][5:])["error"]["message"].startswith("the replica serving this request failed")
+        events += [line for line in lines if line.startswith("data:")]
+    assert len(events) >= 3 and '"error"' in events[-3] and events[-1] == "data: [DONE]", events
+    assert json.loads(events[-3][5:])["error"]["message"].startswith("the replica serving this request failed")
+    # The usage counts the tokens streamed before the failure (it counted finished choices only: 0).
+    sent = sum(len(json.loads(e[5:])["choices"][0]["logprobs"]["tokens"]) for e in events[:-3])
+    assert sent > 0 and json.loads(events[-2][5:])["usage"]["completion_tokens"] == sent
     for _ in range(3):  # Serve restarts the replica; the router sends elsewhere meanwhile
         reply = httpx.post(f"http://127.0.0.1:{served.port}/v1/completions",
                            json={"prompt": SHARED[:12], "max_tokens": 3}, timeout=60)

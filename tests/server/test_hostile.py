@@ -201,6 +201,10 @@ def test_request_ids_stay_private_and_the_api_key_guards_everything(
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{srv.url}{path}", headers={"authorization": "Bearer wrong"}, timeout=30).status_code == 401
         assert httpx.get(f"{srv.url}{path}", headers=auth, timeout=30).status_code == 200
+    # The scheme's name is case-insensitive (RFC 9110): "bearer" was a 401 (issue 39).
+    for given, status in (("bearer s3cret", 200), ("BEARER  s3cret", 200), ("Basic s3cret", 401),
+                          ("Bearers3cret", 401), ("bearer s3cre", 401), ("s3cret", 401)):
+        assert httpx.get(f"{srv.url}/v1/models", headers={"authorization": given}, timeout=30).status_code == status
     assert post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 401
     # A request in flight shows in the pool map as a number, not by its id.
     done = threading.Event()
