@@ -77,24 +77,33 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert not bm.tables and all(b.ref_count == 0 for b in bm.blocks)
 
 
-# The forced-preemption pass (.ci/run sets it): every engine `tiny_llm` builds without a pool size
-# of its own gets one sequence's blocks and one more, so the tests that generate run through
-# preemption under every feature (vLLM's num_gpu_blocks_override habit). A test whose assertions
-# need room (prefix-cache counts, no preemption) is marked `roomy`.
-TIGHT_POOL = os.environ.get("KVSERVE_TEST_TIGHT_POOL") == "1"
+# Forced preemption (vLLM's num_gpu_blocks_override habit): the tests of a module marked
+# `forced_preemption` run twice, the second time with every engine `tiny_llm` builds without a
+# pool size of its own given one sequence's blocks and one more, so that the tests that generate
+# run through preemption under every feature. A test whose assertions need room (prefix-cache
+# counts, a beam group's blocks at once) is marked `roomy` and runs once.
+@pytest.fixture
+def pool_kind() -> str:
+    return "sized"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    node = metafunc.definition
+    if "pool_kind" in metafunc.fixturenames and node.get_closest_marker("forced_preemption") \
+            and not node.get_closest_marker("roomy"):
+        metafunc.parametrize("pool_kind", ["sized", "tight"])
 
 
 @pytest.fixture
-def tiny_llm(request: pytest.FixtureRequest) -> Iterator[Callable[..., LLM]]:
+def tiny_llm(pool_kind: str) -> Iterator[Callable[..., LLM]]:
     """Builds engines on the same random tiny model; checks each leaked no block."""
     made: list[LLM] = []
-    tight = TIGHT_POOL and request.node.get_closest_marker("roomy") is None
 
     def make(**kwargs: Any) -> LLM:
         sized = "kv_cache_memory" in kwargs or "num_blocks_override" in kwargs
         kwargs = {"model": TINY, "dtype": "float32", "device": "cpu", "kv_cache_memory": "4MiB",
                   "max_model_len": 256, **kwargs}
-        if tight and not sized:
+        if pool_kind == "tight" and not sized:
             kwargs["num_blocks_override"] = -(-kwargs["max_model_len"] // kwargs.get("block_size", 16)) + 1
         llm = LLM(**kwargs)
         made.append(llm)

@@ -13,6 +13,9 @@ from kvserve.engine.sequence import PLACEHOLDER, RequestOutput
 
 from tests.engine.test_llm_engine import PROMPTS
 
+# Every test also runs in a pool that preempts (tests/conftest.py, forced_preemption).
+pytestmark = pytest.mark.forced_preemption
+
 
 def count_overlapped_steps(llm: LLM) -> list[int]:
     """A one-item list counting the steps the runner ran while the host had not read the step

@@ -9,6 +9,9 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.engine.scheduler import SchedulerOutput
 
+# Every test also runs in a pool that preempts (tests/conftest.py, forced_preemption).
+pytestmark = pytest.mark.forced_preemption
+
 PROMPTS = [[(5 * i + 3 * j) % 120 + 1 for j in range(n)] for i, n in enumerate([9, 150, 40, 3, 97])]
 
 
@@ -27,6 +30,7 @@ def record_steps(llm: LLM) -> list[tuple[SchedulerOutput, list[int]]]:
     return steps
 
 
+@pytest.mark.roomy  # its beam group needs two sequences' blocks at once
 @pytest.mark.parametrize("budget", [8, 33])
 def test_same_tokens_as_whole_prompt_prefill(tiny_llm: Callable[..., LLM], budget: int) -> None:
     params = [SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True) for i in range(5)]

@@ -12,6 +12,9 @@ from kvserve import LLM, SamplingParams
 from kvserve.cache.block_ops import BlockOps
 from kvserve.engine.llm_engine import LLMEngine
 
+# Every test also runs in a pool that preempts (tests/conftest.py, forced_preemption).
+pytestmark = pytest.mark.forced_preemption
+
 POLICIES = ["window", "strided", "h2o", "tova", "snapkv"]
 # Evict every step (interval 1): the tests below count slots token by token.
 KNOBS = dict(kv_observation_window=8, kv_window=8, kv_sink_tokens=2, kv_stride=3, kv_evict_interval=1)

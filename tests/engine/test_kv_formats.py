@@ -17,6 +17,9 @@ from kvserve.eval.quality import forced_logprobs
 from tests.backend_cases import heavy_case
 from tests.conftest import CALM, TINY
 
+# Every test also runs in a pool that preempts (tests/conftest.py, forced_preemption).
+pytestmark = pytest.mark.forced_preemption
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 5, [9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8] * 5 + [12, 13]]
 GROUP = 16

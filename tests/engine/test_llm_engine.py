@@ -8,6 +8,9 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 
+# Every test also runs in a pool that preempts (tests/conftest.py, forced_preemption).
+pytestmark = pytest.mark.forced_preemption
+
 PROMPTS = [[5, 9, 17, 3], list(range(1, 40)), [7] * 17, list(range(60, 93)), [11, 12], list(range(3, 19))]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

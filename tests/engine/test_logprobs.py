@@ -12,6 +12,9 @@ from kvserve import LLM, SamplingParams
 
 from tests.conftest import TINY
 
+# Every test also runs in a pool that preempts (tests/conftest.py, forced_preemption).
+pytestmark = pytest.mark.forced_preemption
+
 PROMPTS = [[5, 9, 2, 7, 7, 1], [3, 3, 8, 100, 4, 4, 4, 4, 61, 2]]
 FORCED = [[17, 3, 99, 4, 4, 120, 6, 1], [2, 2, 2, 50, 0, 9, 8, 77]]
 
