@@ -24,8 +24,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,16 @@ class RemoteStats:
     errors: int = 0        # connection errors and timeouts
 
 
+def shown_url(url: str) -> str:
+    """`url` as logs may show it: a password (redis://user:secret@host, ?password=secret) masked."""
+    url = re.sub(r"([?&])password=[^&#]*", r"\1password=***", url)
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + parts.netloc.rpartition("@")[2]))
+
+
 class RemoteKVTier:
     """Blocks as bytes in Redis, through redis-py."""
 
@@ -55,7 +67,7 @@ class RemoteKVTier:
         BLAKE2b key derived from it, never logged)."""
         import redis  # only engines with a tier need it
 
-        self.url, self.namespace, self.block_bytes = url, namespace, block_bytes
+        self.url, self.namespace, self.block_bytes = shown_url(url), namespace, block_bytes
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         # blake2b takes a key of at most 64 bytes: a digest of the secret fits any secret. An empty
         # key is plain (unkeyed) BLAKE2b.

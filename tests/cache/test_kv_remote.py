@@ -102,6 +102,14 @@ def test_a_dead_server_costs_a_warning_and_a_miss_then_the_tier_comes_back(redis
     assert tier.fetch(HASHES) == PAYLOADS and tier.stats.errors == 1
 
 
+def test_a_password_in_the_url_never_reaches_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """The tier's warnings name its server: not its password (user:pw@ or ?password=)."""
+    for url in ("redis://kv:hunter2@127.0.0.1:1/0", "redis://127.0.0.1:1/0?password=hunter2"):
+        tier = RemoteKVTier(url, "m", 100, timeout_s=0.05)
+        assert tier.fetch(HASHES) == [] and tier.stats.errors == 1  # nothing listens on port 1
+        assert "127.0.0.1:1" in caplog.text and "hunter2" not in caplog.text and "***" in caplog.text
+
+
 def test_a_slow_server_times_out_instead_of_stalling_the_step(redis_server: RedisServer) -> None:
     tier = RemoteKVTier(redis_server.url, "m", 100, timeout_s=0.2)
     tier.store(list(zip(HASHES, PAYLOADS)))
