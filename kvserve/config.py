@@ -137,7 +137,9 @@ class EngineConfig:
                                     "StreamingLLM), h2o (heavy hitters), snapkv (scored by the prompt's last "
                                     "queries), tova (lowest attention of the newest query), strided (every "
                                     "kv_stride-th old token); none keeps all", choices=POLICY_NAMES)
-    kv_budget: int | None = _opt(None, "tokens each sequence keeps per KV head with kv_eviction (required with it)")
+    kv_budget: int | None = _opt(None, "tokens each sequence keeps per KV head with kv_eviction (required with it); "
+                                       "with kv_eviction none, the budget of requests that pick a policy and no "
+                                       "budget of their own")
     kv_sink_tokens: int = _opt(4, "first tokens window and strided always keep")
     kv_window: int | None = _opt(None, "recent tokens h2o and strided always keep (default kv_budget // 2)")
     kv_stride: int = _opt(4, "strided keeps old tokens at positions divisible by this")

@@ -334,6 +334,21 @@ def test_bad_request_settings_name_the_field(tiny_llm: Callable[..., LLM], bad: 
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # the engine still serves
 
 
+def test_an_engine_budget_without_a_policy_is_the_budget_of_requests_that_pick_one(
+        tiny_llm: Callable[..., LLM]) -> None:
+    """LLM(kv_budget=16) with no kv_eviction is not a budget that does nothing (issue 39 asked):
+    a request that picks a policy and no budget keeps the engine's 16, one that picks none
+    keeps every token."""
+    llm = tiny_llm(kv_budget=16)
+    prompt, params = [list(range(3, 80))], dict(max_tokens=8, temperature=0, ignore_eos=True)
+    llm.generate(prompt, SamplingParams(**params), use_tqdm=False)
+    assert not llm.engine.evicted_tokens
+    llm.generate(prompt, SamplingParams(kv_eviction="window", **params), use_tqdm=False)
+    # 84 tokens cached (the last is sampled, never cached), compacted to 16 once a block (16) over
+    cached = 77 + 8 - 1
+    assert cached - 16 - 16 <= llm.engine.evicted_tokens["window"] <= cached - 16
+
+
 def test_an_engine_that_cannot_evict_refuses_evicting_requests(tiny_llm: Callable[..., LLM]) -> None:
     llm = tiny_llm(offload_memory="1MiB")
     with pytest.raises(ValueError, match="kv_eviction: .*offload"):
