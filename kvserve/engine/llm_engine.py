@@ -202,7 +202,8 @@ class LLMEngine:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
             check_utf8("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, Iterable):
+        if not isinstance(prompt, Iterable) or isinstance(prompt, (bytes, bytearray)):
+            # bytes would pass as token ids (its items are ints): the caller meant text
             raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         # numpy / torch integers are fine; floats and bools (an int to Python) are not token ids.

@@ -123,6 +123,7 @@ def test_a_second_call_while_a_stream_is_open_is_refused(tiny_llm: Callable[...,
 
 @pytest.mark.parametrize("prompts, params, field", [
     (b"hi", GREEDY, "prompts"),  # used to run as the token ids [104, 105]
+    ([b"hi"], GREEDY, "prompt"), ([bytearray(b"hi")], GREEDY, "prompt"),  # so did a list of them
     (None, GREEDY, "prompts"), (5, GREEDY, "prompts"),  # bare TypeErrors
     ([[1, 2]], {"max_tokens": 2}, "params"),  # "replace() should be called on dataclass instances"
 ])
