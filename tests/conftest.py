@@ -130,20 +130,33 @@ def hf_smol() -> Any:
     return model
 
 
+_SLOW_DESELECTED = pytest.StashKey[int]()
+
+
 def pytest_deselected(items: list[pytest.Item]) -> None:
-    config = items[0].config if items else None
-    if config is not None:
+    if items:
+        config = items[0].config
         config.stash[_SLOW_DESELECTED] = config.stash.get(_SLOW_DESELECTED, 0) + sum(
             item.get_closest_marker("slow") is not None for item in items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # Under xdist the workers collect and deselect: each tells the controller its count.
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["slow_deselected"] = session.config.stash.get(_SLOW_DESELECTED, 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    config = node.config
+    count = getattr(node, "workeroutput", {}).get("slow_deselected", 0)
+    config.stash[_SLOW_DESELECTED] = max(config.stash.get(_SLOW_DESELECTED, 0), count)
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     if slow := config.stash.get(_SLOW_DESELECTED, 0):
         terminalreporter.write_line(f"{slow} tests marked slow were deselected, as in CI (benchmark-sized runs): "
                                     f"run them with `python3 -m pytest -m slow`")
-
-
-_SLOW_DESELECTED = pytest.StashKey[int]()
 
 
 class RedisServer:

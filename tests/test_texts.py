@@ -75,13 +75,12 @@ def test_eval_bench_and_doctor_run_from_a_bare_copy_of_the_package(tmp_path: Pat
     probe = subprocess.run([sys.executable, "-c", "import kvserve; print(kvserve.__file__)"], cwd=work, env=env,
                            capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip().startswith(str(site))  # the copy, not the checkout
+    # What depends on the package's own files (the bundled text, the kernels' sources, the
+    # dashboard) is reached by one small run of each command; eval's rows are tested in tests/eval.
     run("eval", "--formats", "int8", "--windows", "1", "--window-len", "32", "--stride", "32",
-              "--greedy-prompts", "1", "--greedy-tokens", "4", "--passkey-lengths", "", "--out", "ev",
-              "--evictions", "window", "--kv-budget", "20", "--rotations", "none,hadamard")
+              "--greedy-prompts", "0", "--passkey-lengths", "", "--out", "ev")
     report = (work / "ev" / "eval.md").read_text()
     assert report.startswith("Python reference docs (pydoc_data), 1 windows") and "kvserve int8 |" in report
-    assert "kvserve int8 rotated (hadamard)" in report
-    assert "kvserve evict window @20 (during decode)" in report
     assert "HF QuantizedCache rows skipped: optimum.quanto is not installed" in report
     run("bench", "throughput", "--num-requests", "2", "--skip-hf", "--skip-llama-cpp", "--skip-contiguous",
         "--out", "bt")

@@ -43,6 +43,25 @@ def test_a_region_runs_every_chunk_once_on_the_pool() -> None:
     assert ran == 4
 
 
+def test_an_idle_worker_sleeps_and_is_counted() -> None:
+    """A region wakes the worker (or finds it spinning); with no region after it the worker spins
+    about 1 ms and sleeps, and the pool counts that sleep (polled: on a busy machine the worker may
+    wake late)."""
+    x, w = rand(3, 256, seed=1), interleave_f32(rand(1024, 256, seed=2))
+    with torch_threads(2):
+        before = kernels.thread_pool_stats()
+        got = kernels.linear_f32(x, w, None)
+        deadline = time.monotonic() + 5
+        while kernels.thread_pool_stats()["worker_sleeps"] == before["worker_sleeps"]:
+            assert time.monotonic() < deadline, "the worker never slept after the region"
+            time.sleep(0.01)
+    after = kernels.thread_pool_stats()
+    assert after["worker_sleeps"] > before["worker_sleeps"] and after["caller_sleeps"] >= before["caller_sleeps"]
+    assert sum(after[k] - before[k] for k in ("caller_chunks", "worker_chunks")) == 4
+    with torch_threads(1):
+        assert torch.equal(got, kernels.linear_f32(x, w, None))
+
+
 def test_a_chunks_error_reaches_the_caller() -> None:
     """A kernel that fails inside its parallel region (encode_write checks each row's kind) raises
     in Python after every chunk has ended, and the pool goes on working."""

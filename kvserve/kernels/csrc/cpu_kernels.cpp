@@ -1195,7 +1195,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::map<std::string, int64_t>{{"parallel_regions", s.parallel_regions},
                                           {"waiting_ns", s.waiting_ns},
                                           {"caller_chunks", s.caller_chunks},
-                                          {"worker_chunks", s.worker_chunks}};
+                                          {"worker_chunks", s.worker_chunks},
+                                          {"caller_sleeps", s.caller_sleeps},
+                                          {"worker_sleeps", s.worker_sleeps}};
   }, "what the kernels' thread pool did since the process started (thread_pool.h, PoolStats)");
   bind_decoder_stack(m);
 }

@@ -81,7 +81,9 @@ class Pool {
  public:
   PoolStats stats() {
     std::lock_guard<std::mutex> region(busy_);
-    return stats_;
+    PoolStats stats = stats_;
+    stats.worker_sleeps = worker_sleeps_.load();
+    return stats;
   }
 
   void run(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const void* ctx) {
@@ -115,7 +117,7 @@ class Pool {
     const int64_t own = work(generation);
     in_region = false;
     const auto worked = Clock::now();
-    wait_done(count);
+    stats_.caller_sleeps += wait_done(count);
     ++stats_.parallel_regions;
     stats_.waiting_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - worked).count();
     stats_.caller_chunks += own;
@@ -160,16 +162,18 @@ class Pool {
     return ran;
   }
 
-  void wait_done(int64_t count) {
+  // Returns whether it slept.
+  bool wait_done(int64_t count) {
     for (Spin spin(kCallerSpin); done_.load() < count;) {
       if (!spin.spinning()) {
         std::unique_lock<std::mutex> lock(sleep_mutex_);
         caller_sleeping_.store(true);
         finished_.wait(lock, [&] { return done_.load() >= count; });
         caller_sleeping_.store(false);
-        return;
+        return true;
       }
     }
+    return false;
   }
 
   [[noreturn]] void worker(int64_t index) {
@@ -189,6 +193,7 @@ class Pool {
     }
     std::unique_lock<std::mutex> lock(sleep_mutex_);
     sleepers_.fetch_add(1);
+    worker_sleeps_.fetch_add(1, std::memory_order_relaxed);
     wake_.wait(lock, [&] { return generation_of(claim_.load()) != seen; });
     sleepers_.fetch_sub(1);
     return claim_.load();
@@ -209,6 +214,7 @@ class Pool {
   std::mutex sleep_mutex_;
   std::condition_variable wake_, finished_;
   std::atomic<int> sleepers_{0};
+  std::atomic<int64_t> worker_sleeps_{0};
   std::atomic<bool> caller_sleeping_{false};
   std::vector<std::thread> workers_;
   bool refused_ = false;

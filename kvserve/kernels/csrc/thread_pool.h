@@ -28,9 +28,10 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f);
 
 // What the pool did since the process started: regions run on several threads, the callers' time
 // waiting for chunks a worker still ran (on a busy machine, mostly for a worker off its core), and
-// the chunks callers and workers ran.
+// the chunks callers and workers ran, and how often a caller or a worker gave up spinning and slept.
 struct PoolStats {
   int64_t parallel_regions = 0, waiting_ns = 0, caller_chunks = 0, worker_chunks = 0;
+  int64_t caller_sleeps = 0, worker_sleeps = 0;
 };
 PoolStats pool_stats();
 
