@@ -30,9 +30,10 @@ import torch
 from kvserve import LLM
 from kvserve.bench.hf_baseline import run_hf_continuous_batching
 from kvserve.bench.metrics import summarize
-from kvserve.bench.roofline import measure_machine
 from kvserve.bench.throughput import greedy_params, run_kvserve
-from kvserve.bench.workload import WorkloadRequest, lognormal_lengths
+from kvserve.bench.workload import WorkloadRequest
+from kvserve.measure.request_lengths import lognormal_lengths
+from kvserve.measure.roofline import measure_machine
 
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=49152, max_position_embeddings=4096)

@@ -222,7 +222,7 @@ def _workload(args: argparse.Namespace, tokenizer: Any,
 
 def run_throughput(args: argparse.Namespace, out: Path) -> None:
     from kvserve.bench.metrics import summarize
-    from kvserve.bench.roofline import measure_machine, pct_of_compute, workload_flops
+    from kvserve.measure.roofline import measure_machine, pct_of_compute, workload_flops
     from kvserve.bench.throughput import run_kvserve
     from kvserve.model.loader import default_model_path
 
@@ -277,7 +277,7 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
     import statistics
     from collections.abc import Callable
 
-    from kvserve.bench.roofline import decode_step_bytes, measure_machine, pct_of_bandwidth
+    from kvserve.measure.roofline import decode_step_bytes, measure_machine, pct_of_bandwidth
     from kvserve.bench.scaling import mean_decode_s, median_ratios, plot, time_per_token
     from kvserve.model.loader import default_model_path
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from kvserve.measure.request_lengths import lognormal_lengths
 from kvserve.texts import load_text
 
 
@@ -26,15 +26,6 @@ def load_text_ids(tokenizer: Encoder, spec: str | None = None, max_chars: int = 
     ~50k tokens: plenty of distinct slices, where tokenizing a whole file would dominate start-up."""
     text = load_text(spec, max_chars)
     return text.name, tokenizer.encode(text.text, add_special_tokens=False)
-
-
-def lognormal_lengths(
-    rng: np.random.Generator, median: int, sigma: float, n: int, low: int, high: int
-) -> np.ndarray:
-    # A lognormal's median is exp(mu), so mu = log(median) pins the median
-    # while sigma controls the long tail real request lengths show.
-    raw = rng.lognormal(mean=math.log(median), sigma=sigma, size=n)
-    return np.clip(np.rint(raw), low, high).astype(np.int64)
 
 
 def make_workload(

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from kvserve.cache.kv_sizes import KVSizes
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.engine.llm import LLM
-from kvserve.engine.rank_setup import KVSizes
 from kvserve.eval.quality import forced_logprobs, forcing, kl, top1
 from kvserve.sampling_params import SamplingParams
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.arg_types import at_least, number
-from kvserve.bench import workload
 from kvserve.cache.kv_format import FORMAT_NAMES, make_format
 from kvserve.cache.kv_plan import KVPlan, plan_path
 from kvserve.config import parse_bytes
+from kvserve.measure import request_lengths
 from kvserve.model.config import PRESETS, ModelConfig
 
 KV_DTYPES = ("fp8", *FORMAT_NAMES)  # the engine's kv_cache_dtype names; fp8 means fp8_e4m3
@@ -215,7 +215,8 @@ def paging_waste(lengths: list[int], max_len: int, block_size: int) -> tuple[flo
 
 def lognormal_lengths(num_seqs: int, median: int, sigma: float, max_len: int, seed: int = 0) -> list[int]:
     """Sequence lengths in [1, max_len] with the long tail real requests show; seeded, so repeatable."""
-    return workload.lognormal_lengths(np.random.default_rng(seed), median, sigma, num_seqs, 1, max_len).tolist()
+    rng = np.random.default_rng(seed)
+    return request_lengths.lognormal_lengths(rng, median, sigma, num_seqs, 1, max_len).tolist()
 
 
 @dataclass(frozen=True)

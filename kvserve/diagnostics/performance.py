@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvserve.bench.roofline import decode_step_bytes, linear_params, measure_machine
+from kvserve.measure.roofline import decode_step_bytes, linear_params, measure_machine
 from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
 

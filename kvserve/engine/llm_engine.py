@@ -24,6 +24,7 @@ from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.compaction import Compaction
 from kvserve.cache.kv_remote import RemoteKVTier
+from kvserve.cache.kv_sizes import KVSizes
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig, parse_bytes
 from kvserve.device_copy import to_device
@@ -31,7 +32,7 @@ from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import TPGroup
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.detokenizer import Detokenizer
-from kvserve.engine.rank_setup import KVSizes, make_pool, rank_formats
+from kvserve.engine.rank_setup import make_pool, rank_formats
 from kvserve.engine.tp_worker import tp_worker_main
 from kvserve.engine.remote_namespace import remote_namespace
 from kvserve.engine.model_runner import ModelRunner

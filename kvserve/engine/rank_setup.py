@@ -2,7 +2,6 @@
 (tp_worker.py): what its pool costs, each layer's page formats for its KV heads, and the pool."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -19,32 +18,6 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.ops import resolve_ops
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class KVSizes:
-    """What a KV pool costs: bytes per block, plus the full-precision staging slots a compressed
-    format with a residual window keeps (max_num_seqs decides how many)."""
-    block_bytes: int
-    staging_slots: int
-    staging_bytes: int
-
-    @staticmethod
-    def of(config: EngineConfig, cfg: ModelConfig) -> KVSizes:
-        dense = KVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                       config.torch_dtype)
-        formats = config.kv_layer_formats(cfg.num_layers)
-        if formats is None:
-            return KVSizes(dense, 0, 0)
-        step_tokens = config.tokens_per_step(config.max_model_len or cfg.max_position)
-        staging = QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size, config.residual_tokens,
-                                                formats, step_tokens)
-        return KVSizes(QuantizedKVPool.bytes_per_block(config.block_size, cfg.num_kv_heads, cfg.head_dim, formats),
-                       staging, dense * staging)
-
-    def memory_for(self, num_blocks: int) -> int:
-        """The kv_cache_memory that gives exactly num_blocks blocks."""
-        return self.staging_bytes + self.block_bytes * num_blocks
 
 
 def rank_formats(config: EngineConfig, model: torch.nn.Module, tokenizer: Any, kernels: Any,

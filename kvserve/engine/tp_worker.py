@@ -9,11 +9,12 @@ import torch
 
 from kvserve.attention import make_backend
 from kvserve.attention.rotation import kv_rotation
+from kvserve.cache.kv_sizes import KVSizes
 from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import broadcast_object, init_group
 from kvserve.engine.model_runner import BlockMoves, ModelRunner
-from kvserve.engine.rank_setup import KVSizes, make_pool, rank_formats
+from kvserve.engine.rank_setup import make_pool, rank_formats
 from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
 

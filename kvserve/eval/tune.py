@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 from kvserve.arg_types import at_least
 from kvserve.cache.kv_plan import KVPlan
+from kvserve.cache.kv_sizes import KVSizes
 from kvserve.config import EngineConfig
-from kvserve.engine.rank_setup import KVSizes
 from kvserve.engine_args import add_engine_args, engine_kwargs, llm_from_args
 from kvserve.eval import quality
 from kvserve.eval.plan_solver import solve

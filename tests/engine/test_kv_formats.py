@@ -108,7 +108,7 @@ def test_a_uniform_plan_equals_the_format_and_each_layer_keeps_its_own(tiny_llm:
     windows = [[(7 * i + 3 * j) % 128 for j in range(60)] for i in range(2)]
 
     def run(**kwargs: Any) -> tuple[torch.Tensor, LLM]:
-        from kvserve.engine.rank_setup import KVSizes
+        from kvserve.cache.kv_sizes import KVSizes
 
         # The same 12 blocks whatever the format, so that both engines hand out the same block ids.
         config = EngineConfig(model=TINY, dtype="float32", max_num_seqs=2, kv_group_size=GROUP, **kwargs)
@@ -137,8 +137,8 @@ def test_a_uniform_plan_equals_the_format_and_each_layer_keeps_its_own(tiny_llm:
 
 def test_a_mixed_plan_survives_preemption_prefix_caching_and_leaks_nothing(tiny_llm: Callable[..., LLM],
                                                                           tmp_path: Any) -> None:
+    from kvserve.cache.kv_sizes import KVSizes
     from kvserve.config import EngineConfig
-    from kvserve.engine.rank_setup import KVSizes
 
     plan = plan_file(tmp_path, ("kivi4", "int8"), ("auto", "int4"))
     config = EngineConfig(model=TINY, dtype="float32", kv_cache_dtype=plan, kv_group_size=GROUP, kv_residual=16,

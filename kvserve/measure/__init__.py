@@ -1,0 +1,1 @@
+"""What the bench harness and the doctor both reckon with: request lengths and the machine's limits."""
