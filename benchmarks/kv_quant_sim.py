@@ -38,7 +38,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from kvserve.attention.rotation import rotation_matrix
 from kvserve.bench.hf_baseline import load_hf_model
-from kvserve.cache.kv_format import _dequantize_asym, _quantize_asym
+from kvserve.cache.formats.codes import dequantize_asym, quantize_asym
 from kvserve.model.llama import RotaryEmbedding
 from kvserve.model.loader import default_model_path
 from kvserve.texts import load_text
@@ -46,8 +46,8 @@ from kvserve.texts import load_text
 
 def minmax(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """The engine's asymmetric min-max codes along `dim` (fp16 scale and zero-point), decoded."""
-    codes, scale, zero = _quantize_asym(x, bits, dim)
-    return _dequantize_asym(codes, scale, zero, dim)
+    codes, scale, zero = quantize_asym(x, bits, dim)
+    return dequantize_asym(codes, scale, zero, dim)
 
 
 def midrise(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

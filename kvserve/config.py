@@ -12,7 +12,8 @@ import torch
 
 from kvserve.attention.selector import BACKEND_NAMES
 from kvserve.attention.rotation import ROTATIONS
-from kvserve.cache.kv_format import FORMAT_NAMES, FP8_SCALES, KVFormat, check_format_options, make_format
+from kvserve.cache.formats import (FORMAT_CHOICES, FP8_SCALES, KVFormat, check_format_options, format_entry,
+                                   format_names, make_format)
 from kvserve.cache.kv_plan import KVPlan, plan_path
 from kvserve.cache.kv_pool import KVPool
 from kvserve.eviction.policy import POLICY_NAMES, EvictionPolicy
@@ -96,10 +97,10 @@ class EngineConfig:
                                       "start-up (refused when swap_dir has too little)")
     swap_dir: str | None = _opt(None, "where the file tier lives (default: the temp dir)")
     offload_memory: str = _opt("0", "host memory for the cold blocks of sequences longer than the device pool")
-    # KV cache format (kvserve.cache.kv_format): "auto" stores K/V in the model dtype as computed;
+    # KV cache format (kvserve.cache.formats): "auto" stores K/V in the model dtype as computed;
     # a format name compresses the pages. Keys and values may differ.
-    kv_cache_dtype: str = _opt("auto", "how K/V pages are stored: auto keeps the model dtype; fp8_e4m3, fp8_e5m2, "
-                                       "int8, int4, kivi2, kivi4, outlier and sparse compress them; plan:PATH "
+    kv_cache_dtype: str = _opt("auto", "how K/V pages are stored: auto keeps the model dtype; a format name ("
+                                       f"{', '.join(format_names())}) stores them in that format; plan:PATH "
                                        "reads a per-layer plan (JSON: {'version': 1, 'layers': [{'k': 'int8', "
                                        "'v': 'int4'}, ...]}), one entry per layer")
     kv_rotation: str = _opt("none", "rotate each head's q, k and v before the pages (QuaRot): spreads outlier "
@@ -107,8 +108,8 @@ class EngineConfig:
                                     "random orthogonal", choices=ROTATIONS)
     kv_rotate_keys: bool = _opt(True, "with kv_rotation: false rotates values only, so keys keep their outlier "
                                       "channels in place for kv_key_wide_channels to find")
-    kv_cache_dtype_k: str | None = _opt(None, "keys only (default: kv_cache_dtype)", choices=FORMAT_NAMES)
-    kv_cache_dtype_v: str | None = _opt(None, "values only (default: kv_cache_dtype)", choices=FORMAT_NAMES)
+    kv_cache_dtype_k: str | None = _opt(None, "keys only (default: kv_cache_dtype)", choices=FORMAT_CHOICES)
+    kv_cache_dtype_v: str | None = _opt(None, "values only (default: kv_cache_dtype)", choices=FORMAT_CHOICES)
     kv_group_size: int = _opt(32, "channels per scale/zero-point for int4, kivi values and outlier (4..128)")
     kv_group_size_k: int | None = _opt(None, "keys only (default: kv_group_size)")
     kv_group_size_v: int | None = _opt(None, "values only (default: kv_group_size)")
@@ -320,9 +321,9 @@ class EngineConfig:
                     raise ValueError("EngineConfig.kv_cache_dtype_k / kv_cache_dtype_v: a plan (kv_cache_dtype="
                                      "'plan:...') names each layer's formats; drop the role overrides")
                 continue
-            if value is not None and value != "auto" and value not in FORMAT_NAMES:
+            if value is not None and value != "auto" and value not in FORMAT_CHOICES:
                 plan = ", 'plan:PATH' (a tune-kv plan)" if name == "kv_cache_dtype" else ""
-                raise ValueError(f"EngineConfig.{name} must be 'auto'{plan} or one of {', '.join(FORMAT_NAMES)}, "
+                raise ValueError(f"EngineConfig.{name} must be 'auto'{plan} or one of {', '.join(FORMAT_CHOICES)}, "
                                  f"got {value!r}")
         try:
             check_format_options(self.kv_group_size, self.kv_outliers, self.kv_sparse_threshold,
@@ -425,8 +426,8 @@ class EngineConfig:
                              f"or more, or use preemption_mode='recompute'")
         for pair in self.kv_layer_formats(model.num_layers) or ():
             for fmt, role in zip(pair, ("k", "v")):
-                group = getattr(fmt, "group_size", None)
-                if group is not None and model.head_dim % group:
+                group = fmt.layout.group_size
+                if group and model.head_dim % group:
                     field = "kv_group_size" if getattr(self, f"kv_group_size_{role}") is None else \
                         f"kv_group_size_{role}"
                     raise ValueError(f"EngineConfig.{field} ({group}) must divide the model's head_dim "
@@ -472,7 +473,7 @@ class EngineConfig:
     def residual_tokens(self) -> int:
         if self.kv_residual is not None:
             return self.kv_residual
-        return 128 if any(n.startswith("kivi") for pair in self.kv_format_names() for n in pair) else 0
+        return max(format_entry(n).default_residual for pair in self.kv_format_names() for n in pair)
 
     @property
     def torch_dtype(self) -> torch.dtype:

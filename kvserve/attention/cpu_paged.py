@@ -17,15 +17,16 @@ import torch
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.metadata import StepMetadata
 from kvserve.attention.scores import ScorePlan
-from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, HEAD_ABSMAX, page_kind, wide_slots
-from kvserve.cache.kv_format import KVFormat
+from kvserve.attention.page_kinds import kernel_unsupported, wide_slots
+from kvserve.cache.formats import PageKind, PageLayout
 from kvserve.cache.kv_pool import KVPool
 from kvserve.kernels import cpu_extension
 
 
-def _encodes(kind: int | None, fmt: KVFormat) -> bool:
-    """Whether the kernel's encoder writes `fmt`'s codes: int8 / fp8 per token, int4 with zero-points."""
-    return kind == ABSMAX or (kind == GROUPED and fmt.bits == 4 and not fmt.symmetric)
+def _encodes(layout: PageLayout) -> bool:
+    """Whether the kernel's encoder writes these codes: int8 / fp8 per token, 4-bit groups with zero-points."""
+    return layout.kind == PageKind.ABSMAX or (layout.kind == PageKind.GROUPED and layout.bits == 4
+                                              and not layout.symmetric)
 
 
 @dataclass(frozen=True)
@@ -46,27 +47,24 @@ class CPUPagedBackend(AttentionBackend):
         e = self._empty = torch.empty(0)
         # The kernel's per-layer arguments never change (the pool's tensors are fixed): built once.
         if self.dense:
-            self.layer_args = [(DENSE, kv.k, e, e, e if kv.host_k is None else kv.host_k,
-                                DENSE, kv.v, e, e, e if kv.host_v is None else kv.host_v,
+            dense = int(PageKind.DENSE)
+            self.layer_args = [(dense, kv.k, e, e, e if kv.host_k is None else kv.host_k,
+                                dense, kv.v, e, e, e if kv.host_v is None else kv.host_v,
                                 0, 0, 0, 0, False, False, e, e, e, e, e, e) for kv in pool.kv]
         else:
-            # Per layer (a plan may store layers apart), keys and values: their page kinds, and
-            # their channel groups (kv_group_size_k / _v may differ).
-            self.kinds = [[page_kind(f) for f in kv.formats] for kv in pool.kv]
-            self.groups = [[f.group_size if k == GROUPED else 0 for f, k in zip(kv.formats, kinds)]
-                           for kv, kinds in zip(pool.kv, self.kinds)]
-            # Layers whose codes the kernel also encodes (bit for bit as kv_format does) when no token is staged.
-            self.encodes = [all(_encodes(k, f) for k, f in zip(kinds, kv.formats))
-                            for kv, kinds in zip(pool.kv, self.kinds)]
-            self.layer_args = [self._layer_args(kv, kinds, groups)
-                               for kv, kinds, groups in zip(pool.kv, self.kinds, self.groups)]
+            # Per layer (a plan may store layers apart), keys' and values' page layouts (their
+            # kinds and channel groups: kv_group_size_k / _v may differ).
+            self.layouts = [[f.layout for f in kv.formats] for kv in pool.kv]
+            # Layers whose codes the kernel also encodes (bit for bit as the format does) when no token is staged.
+            self.encodes = [all(_encodes(layout) for layout in layouts) for layouts in self.layouts]
+            self.layer_args = [self._layer_args(kv, layouts) for kv, layouts in zip(pool.kv, self.layouts)]
 
     @classmethod
     def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
         if device.type != "cpu":
             return "runs on the CPU only"
         if not isinstance(pool, KVPool):
-            names = sorted({f.name for f in pool.formats if page_kind(f) is None})
+            names = kernel_unsupported(pool.formats)
             if names:
                 return f"no in-kernel decoder for {', '.join(names)} pages"
         if cpu_extension.load() is None:
@@ -99,9 +97,9 @@ class CPUPagedBackend(AttentionBackend):
         else:
             plan = meta.step.kv_plan
             if self.encodes[layer] and plan.per_token:
-                for x, kind, fields, group in zip((k, v), self.kinds[layer], kv.fields, self.groups[layer]):
-                    self.ext.encode_write(x, meta.step.slot_mapping, kind, fields["codes"], fields["scale"],
-                                          fields.get("zero", self._empty), group)
+                for x, layout, fields in zip((k, v), self.layouts[layer], kv.fields):
+                    self.ext.encode_write(x, meta.step.slot_mapping, int(layout.kind), fields["codes"],
+                                          fields["scale"], fields.get("zero", self._empty), layout.group_size)
             else:
                 kv.write(k, v, meta.step)
             new, staging = (self._empty, self._empty, self._empty), kv.staging
@@ -111,23 +109,22 @@ class CPUPagedBackend(AttentionBackend):
         kv.seal(meta.step)
         return out
 
-    def _layer_args(self, kv: Any, kinds: list[int | None], groups: list[int]) -> tuple:
-        """Keys' and values' sources, then their groups, code widths, symmetric flags, and side
-        tables (sink, wide-channel bit plane, channel-to-bit table; empty where unused)."""
+    def _layer_args(self, kv: Any, layouts: list[PageLayout]) -> tuple:
+        """Keys' and values' sources, then their groups (GROUPED only), code widths, symmetric
+        flags, and side tables (sink, wide-channel bit plane, channel-to-bit table; empty where unused)."""
         e = self._empty
         sides = []
-        for fmt, fields in zip(kv.formats, kv.fields):
-            slots = wide_slots(fmt, self.pool.head_dim)
+        for layout, fields in zip(layouts, kv.fields):
+            slots = wide_slots(layout, self.pool.head_dim)
             sides += [fields.get("sink", e), fields.get("wide", e), e if slots is None else slots]
-        return (*self._source(kinds[0], kv.formats[0], kv.fields[0]),
-                *self._source(kinds[1], kv.formats[1], kv.fields[1]), *groups,
-                *(getattr(f, "bits", 0) for f in kv.formats), *(getattr(f, "symmetric", False) for f in kv.formats),
-                *sides)
+        return (*self._source(layouts[0], kv.fields[0]), *self._source(layouts[1], kv.fields[1]),
+                *(layout.group_size if layout.kind == PageKind.GROUPED else 0 for layout in layouts),
+                *(layout.bits for layout in layouts), *(layout.symmetric for layout in layouts), *sides)
 
-    def _source(self, kind: int | None, fmt: KVFormat, fields: dict[str, torch.Tensor]) -> tuple:
-        e = self._empty
-        if kind == DENSE:
-            return DENSE, fields["data"], e, e, e
-        if kind == HEAD_ABSMAX:
-            return kind, fields["codes"], fmt.head_scale, e, e
+    def _source(self, layout: PageLayout, fields: dict[str, torch.Tensor]) -> tuple:
+        e, kind = self._empty, int(layout.kind)
+        if layout.kind == PageKind.DENSE:
+            return kind, fields["data"], e, e, e
+        if layout.kind == PageKind.HEAD_ABSMAX:
+            return kind, fields["codes"], layout.head_scale, e, e
         return kind, fields["codes"], fields["scale"], fields.get("zero", e), e

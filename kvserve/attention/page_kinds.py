@@ -1,42 +1,28 @@
-"""How a kernel reads a page: the kind numbers shared by the C++ and Triton kernels.
+"""What the kernels need of a format beyond its pages, read from its `PageLayout` (the kind numbers
+themselves are `PageKind`'s, shared by the C++ and Triton kernels).
 
-DENSE: values as stored. ABSMAX: int8 / fp8 codes times one scale per token and head.
-GROUPED: packed `bits`-bit codes with a scale and zero-point per `group` channels of each token
-(int4, KIVI values). CHANNEL: packed codes with a scale and zero-point per block, head and
-channel (KIVI keys). HEAD_ABSMAX: fp8 codes times one fixed fp32 scale per KV head
-(`kv_fp8_scales="head"`), the scale held by the format, not the pages. GROUPED codes may be
+A format whose layout has no kind is decoded by the torch backend alone. GROUPED codes may be
 symmetric (no zero-point) and CHANNEL codes may carry a bit plane for wide channels: a kernel
-checks those attributes too. Formats with no kind (outlier, sparse) are decoded by the torch
-backend.
+reads those from the layout too.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
-from kvserve.cache.kv_format import HeadScaleFormat, KVFormat
-
-DENSE, ABSMAX, GROUPED, CHANNEL, HEAD_ABSMAX = 0, 1, 2, 3, 4
-_ABSMAX_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
-_PLAIN_FORMATS = ("bf16", "fp16", "fp32")
-_GROUPED_FORMATS = ("int4", "kivi2", "kivi4")
+from kvserve.cache.formats import KVFormat, PageLayout
 
 
-def page_kind(fmt: KVFormat) -> int | None:
-    if isinstance(fmt, HeadScaleFormat):
-        return HEAD_ABSMAX
-    if fmt.name in _PLAIN_FORMATS:
-        return DENSE
-    if fmt.name in _ABSMAX_FORMATS:
-        return ABSMAX
-    if fmt.name in _GROUPED_FORMATS:
-        return GROUPED if fmt.per_token else CHANNEL
-    return None
+def kernel_unsupported(formats: Iterable[KVFormat]) -> list[str]:
+    """The names of `formats` whose pages no kernel reads, sorted, once each."""
+    return sorted({f.name for f in formats if f.layout.kind is None})
 
 
-def wide_slots(fmt: KVFormat, head_dim: int) -> torch.Tensor | None:
+def wide_slots(layout: PageLayout, head_dim: int) -> torch.Tensor | None:
     """[kv_heads, D] int32 on the CPU: each channel's bit in a wide KIVI key's extra plane, -1 where
-    it has none; None for a format without wide channels."""
-    channels = getattr(fmt, "wide_channels", None)
+    it has none; None for a layout without calibrated wide channels."""
+    channels = layout.wide_channels
     if channels is None:
         return None
     slots = torch.full((channels.shape[0], head_dim), -1, dtype=torch.int32)

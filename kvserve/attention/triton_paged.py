@@ -16,7 +16,8 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.metadata import StepMetadata
-from kvserve.attention.page_kinds import ABSMAX, DENSE, GROUPED, HEAD_ABSMAX, page_kind, wide_slots
+from kvserve.attention.page_kinds import kernel_unsupported, wide_slots
+from kvserve.cache.formats import PageKind
 from kvserve.cache.kv_pool import KVPool
 
 
@@ -62,7 +63,7 @@ class TritonPagedBackend(AttentionBackend):
             if pool.host_layers:
                 return "offloaded host blocks are not reachable from a GPU kernel"
             return None
-        names = sorted({f.name for f in pool.formats if page_kind(f) is None})
+        names = kernel_unsupported(pool.formats)
         return f"no in-register decoder for {', '.join(names)} pages" if names else None
 
     def prepare(self, step: StepMetadata) -> TritonMetadata:
@@ -94,24 +95,24 @@ class TritonPagedBackend(AttentionBackend):
 
     def _sources(self, kv: Any) -> tuple:
         source = self.kernels.PageSource
+        dense = int(PageKind.DENSE)
         if self.dense:
-            return source(DENSE, kv.k, kv.k, kv.k), source(DENSE, kv.v, kv.v, kv.v)
+            return source(dense, kv.k, kv.k, kv.k), source(dense, kv.v, kv.v, kv.v)
         out = []
-        for fmt, fields in zip(kv.formats, kv.fields):
-            kind = page_kind(fmt)
-            if kind == DENSE:
+        for layout, fields in zip((f.layout for f in kv.formats), kv.fields):
+            kind = int(layout.kind)
+            if layout.kind == PageKind.DENSE:
                 out.append(source(kind, fields["data"], fields["data"], fields["data"]))
-            elif kind == ABSMAX:
+            elif layout.kind == PageKind.ABSMAX:
                 out.append(source(kind, fields["codes"], fields["scale"], fields["codes"]))
-            elif kind == HEAD_ABSMAX:
-                out.append(source(kind, fields["codes"], fmt.head_scale, fields["codes"]))
+            elif layout.kind == PageKind.HEAD_ABSMAX:
+                out.append(source(kind, fields["codes"], layout.head_scale, fields["codes"]))
             else:
-                symmetric = getattr(fmt, "symmetric", False)
-                zero = fields["codes"] if symmetric else fields["zero"]  # never read when symmetric
-                out.append(source(kind, fields["codes"], fields["scale"], zero, bits=fmt.bits,
-                                  group=fmt.group_size if kind == GROUPED else 1, sink=fields.get("sink"),
-                                  symmetric=symmetric, wide=fields.get("wide"),
-                                  wide_slot=_device(wide_slots(fmt, self.pool.head_dim), fields["codes"].device)))
+                zero = fields["codes"] if layout.symmetric else fields["zero"]  # never read when symmetric
+                out.append(source(kind, fields["codes"], fields["scale"], zero, bits=layout.bits,
+                                  group=layout.group_size if layout.kind == PageKind.GROUPED else 1,
+                                  sink=fields.get("sink"), symmetric=layout.symmetric, wide=fields.get("wide"),
+                                  wide_slot=_device(wide_slots(layout, self.pool.head_dim), fields["codes"].device)))
         return tuple(out)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from kvserve.attention import StepMetadata
 from kvserve.attention.selector import BACKENDS
-from kvserve.cache.kv_format import make_format
+from kvserve.cache.formats import make_format
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 

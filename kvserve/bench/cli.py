@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvserve.arg_types import at_least, folder
+from kvserve.bench.format_lists import attention_formats, kv_formats_defaults
 from kvserve.bench.metrics import format_table, ratio, same_budget_table
 from kvserve.config import DTYPES
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
@@ -73,8 +74,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sk.set_defaults(func=run, max_model_len=2048)
 
     kf = kinds.add_parser("kv-formats", help="concurrency and throughput per KV format at one KV budget")
-    kf.add_argument("--formats", default="auto,int8,int4,kivi2@32",
-                    help="kv_cache_dtype values, each optionally name@residual (default auto,int8,int4,kivi2@32)")
+    formats = ",".join(kv_formats_defaults())
+    kf.add_argument("--formats", default=formats,
+                    help=f"kv_cache_dtype values, each optionally name@residual (default {formats})")
     _workload_args(kf, num_requests=32, prompt_median=256, output_median=32)
     _rounds_arg(kf)
     add_engine_args(kf)
@@ -89,7 +91,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ev.set_defaults(func=run, max_model_len=4096, kv_cache_memory="96MiB", max_num_seqs=48, kv_budget=512)
 
     at = kinds.add_parser("attention", help="attention backends on one layer: same pages, same queries")
-    at.add_argument("--formats", default="auto,int8,int4", help="kv_cache_dtype values (default auto,int8,int4)")
+    formats = ",".join(attention_formats())
+    at.add_argument("--formats", default=formats, help=f"kv_cache_dtype values (default {formats})")
     at.add_argument("--out", type=folder, default="bench_out", help="folder for attention.md (default bench_out)")
     at.set_defaults(func=run)
 

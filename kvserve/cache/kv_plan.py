@@ -5,8 +5,9 @@
     {"version": 1, "layers": [{"k": "int8", "v": "int4"}, {"k": "bf16", "v": "bf16"}, ...],
      "note": "free text, e.g. how the plan was chosen"}
 
-one entry per decoder layer, each naming a `kv_format` format ("auto": the model dtype). The pool
-then holds blocks whose layers are stored in different formats within one budget.
+one entry per decoder layer, each naming a registered format (kvserve.cache.formats; "auto": the
+model dtype). The pool then holds blocks whose layers are stored in different formats within one
+budget.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.cache.kv_format import FORMAT_NAMES
+from kvserve.cache.formats import FORMAT_CHOICES
 
 PLAN_PREFIX = "plan:"
 PLAN_VERSION = 1
@@ -32,9 +33,9 @@ class KVPlan:
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise ValueError(f"kv plan: layers[{i}] must be a (keys, values) pair, got {pair!r}")
             for role, name in zip("kv", pair):
-                if name != "auto" and name not in FORMAT_NAMES:
+                if name != "auto" and name not in FORMAT_CHOICES:
                     raise ValueError(f"kv plan: layers[{i}].{role} must be 'auto' or one of "
-                                     f"{', '.join(FORMAT_NAMES)}, got {name!r}")
+                                     f"{', '.join(FORMAT_CHOICES)}, got {name!r}")
 
     @classmethod
     def load(cls, path: str | Path) -> "KVPlan":

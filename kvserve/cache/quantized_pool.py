@@ -1,4 +1,4 @@
-"""A KV pool that stores pages compressed (`kv_format`), codes and scales inside each block.
+"""A KV pool that stores pages compressed (`kvserve.cache.formats`), codes and scales inside each block.
 
 Writes encode the step's new tokens; reads decode only the blocks in the step's block tables,
 one layer at a time, so the whole cache is never expanded.
@@ -29,7 +29,7 @@ import torch
 
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.compaction import Compaction, move_slots
-from kvserve.cache.kv_format import Fields, KVFormat
+from kvserve.cache.formats import Fields, KVFormat
 
 
 @dataclass

@@ -20,16 +20,21 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.arg_types import at_least, number
-from kvserve.cache.kv_format import FORMAT_NAMES, make_format
+from kvserve.cache.formats import FORMAT_CHOICES, make_format
 from kvserve.cache.kv_plan import KVPlan, plan_path
 from kvserve.config import parse_bytes
 from kvserve.measure import request_lengths
 from kvserve.model.config import PRESETS, ModelConfig
 
-KV_DTYPES = ("fp8", *FORMAT_NAMES)  # the engine's kv_cache_dtype names; fp8 means fp8_e4m3
+FP8_ALIAS = "fp8"  # --dtype fp8 means fp8_e4m3
 # kivi keys keep one scale and zero-point per channel per block: their cost per token depends on
 # the block size (the engine's default unless one is given).
 DEFAULT_BLOCK_SIZE = 16
+
+
+def kv_dtypes() -> tuple[str, ...]:
+    """The --dtype names: fp8 and every registered format, as the registry holds them now."""
+    return (FP8_ALIAS, *FORMAT_CHOICES)
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,8 @@ class KVLayout:
 
 def bytes_per_element(cfg: ModelConfig, layout: KVLayout) -> Fraction:
     """Bytes per K or V element, averaged over the codes and whatever scales, zero-points and side
-    tables the format stores (kvserve.cache.kv_format, the engine's own layouts)."""
+    tables the format stores: each registered format's own fields (kvserve.cache.formats), the
+    pages the engine would allocate."""
     dtype = layout.dtype
     path = plan_path(dtype)
     if path is not None:  # a per-layer plan: the mean over its layers ("auto" as bf16)
@@ -64,9 +70,9 @@ def bytes_per_element(cfg: ModelConfig, layout: KVLayout) -> Fraction:
             raise ValueError(f"kv plan {path}: names {len(plan.layers)} layers, the model has {cfg.num_layers}")
         pairs = [tuple("bf16" if n == "auto" else n for n in pair) for pair in plan.layers]
     else:
-        name = "fp8_e4m3" if dtype == "fp8" else dtype
-        if name not in FORMAT_NAMES:
-            raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(KV_DTYPES)} or plan:PATH")
+        name = "fp8_e4m3" if dtype == FP8_ALIAS else dtype
+        if name not in FORMAT_CHOICES:
+            raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(kv_dtypes())} or plan:PATH")
         pairs = [(name, name)]
     per_token = sum(Fraction(make_format(n, role, group_size=layout.group_size or 32, exact_sink=layout.exact_sink,
                                          key_wide_channels=layout.key_wide_channels,
@@ -311,8 +317,8 @@ _EXAMPLES = """examples:
 
 
 def _kv_dtype(text: str) -> str:
-    if text not in KV_DTYPES and plan_path(text) is None:
-        raise argparse.ArgumentTypeError(f"must be one of {', '.join(KV_DTYPES)} or plan:PATH, got {text!r}")
+    if text not in kv_dtypes() and plan_path(text) is None:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(kv_dtypes())} or plan:PATH, got {text!r}")
     return text
 
 
@@ -345,7 +351,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="explicit shape: query heads, for --compare-attention (default: --kv-heads)")
 
     cache = p.add_argument_group("cache")
-    cache.add_argument("--dtype", default="fp16", type=_kv_dtype, metavar="{" + ",".join(KV_DTYPES) + "} | plan:PATH",
+    cache.add_argument("--dtype", default="fp16", type=_kv_dtype, metavar="{" + ",".join(kv_dtypes()) + "} | plan:PATH",
                        help="KV format, as the engine's --kv-cache-dtype, or a per-layer plan file (default fp16)")
     cache.add_argument("--group-size", type=at_least(1), default=None,
                        help="channels per fp16 scale and zero-point for int4, kivi values and outlier "

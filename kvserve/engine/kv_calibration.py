@@ -20,7 +20,9 @@ import torch
 from kvserve.attention import StepAttention, StepMetadata
 from kvserve.attention.rotation import KVRotation
 from kvserve.attention.torch_sdpa import TorchSDPABackend
-from kvserve.cache.kv_format import ChannelFormat, HeadScaleFormat, KVFormat
+from kvserve.cache.formats import KVFormat
+from kvserve.cache.formats.absmax import HeadScaleFormat
+from kvserve.cache.formats.kivi import ChannelFormat
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import LayerFormats
 from kvserve.model.llama import LlamaForCausalLM

@@ -15,14 +15,13 @@ import torch
 
 from kvserve.arg_types import at_least, comma_list, folder, one_of
 from kvserve.attention.rotation import ROTATIONS
-from kvserve.cache.kv_format import FORMAT_NAMES
+from kvserve.cache.formats import FORMAT_CHOICES, format_names, make_format
 from kvserve.cache.kv_plan import plan_path
 from kvserve.config import DTYPES, EngineConfig
 from kvserve.eviction.policy import POLICY_NAMES, SCORED
 from kvserve.engine_args import add_engine_args, engine_kwargs, kv_format_overrides
 from kvserve.texts import DATA_HELP, load_text
 
-DEFAULT_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi4", "kivi2", "outlier", "sparse")
 EVICTION_ROWS = tuple(p for p in POLICY_NAMES if p != "none")  # "none" would repeat the format's own row
 # The module HF's QuantizedCache needs per backend, and the bits each quantizes to (transformers'
 # QuantoQuantizedLayer and HQQQuantizedLayer refuse others).
@@ -36,8 +35,8 @@ Row = tuple[str, dict[str, Any]]
 def _format_spec(text: str) -> str:
     """A format as kv_format_overrides reads it: `name` or `name@residual`."""
     name, at, residual = text.partition("@")
-    if name != "auto" and name not in FORMAT_NAMES and plan_path(name) is None:
-        raise argparse.ArgumentTypeError(f"{name!r} is not auto, plan:PATH or one of {', '.join(FORMAT_NAMES)}")
+    if name != "auto" and name not in FORMAT_CHOICES and plan_path(name) is None:
+        raise argparse.ArgumentTypeError(f"{name!r} is not auto, plan:PATH or one of {', '.join(FORMAT_CHOICES)}")
     if at and not residual.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r}: the residual after @ must be a whole number >= 0")
     return text
@@ -57,9 +56,10 @@ def add_parser(sub: Any) -> None:
                                    "format, against the reference cache (the model dtype), and HF "
                                    "transformers' QuantizedCache at the same bits. Writes a table and a "
                                    "plot of quality vs bytes per token.")
-    p.add_argument("--formats", type=comma_list(_format_spec), default=",".join(DEFAULT_FORMATS),
+    defaults = ",".join(format_names(default_in="eval"))  # the registry's, as they are when the parser is built
+    p.add_argument("--formats", type=comma_list(_format_spec), default=defaults,
                    help="comma-separated kv_cache_dtype values, each optionally name@residual for its own "
-                        f"full-precision window (default: {','.join(DEFAULT_FORMATS)})")
+                        f"full-precision window (default: {defaults})")
     p.add_argument("--rotations", type=comma_list(one_of(ROTATIONS)), default=None,
                    help="comma-separated kv_rotation values to run every format with, one row each "
                         f"({', '.join(ROTATIONS)}; default: --kv-rotation alone)")
@@ -93,13 +93,16 @@ def add_parser(sub: Any) -> None:
 
 
 def _format_label(name: str, rotation: str, args: argparse.Namespace) -> str:
-    """A row's name with every layout option that changed it (sinks, wide channels and symmetric
-    values are KIVI's alone)."""
+    """A row's name with every layout option that changed its pages (sinks, wide channels and
+    symmetric values, as its formats' layouts show them; `name` may carry @residual)."""
     parts = [name]
-    if name.startswith("kivi"):
-        parts += ["exact sink"] * args.kv_exact_sink
-        parts += [f"{args.kv_key_wide_channels} wide key channels"] * bool(args.kv_key_wide_channels)
-        parts += ["symmetric values"] * args.kv_symmetric_values
+    base = name.partition("@")[0]
+    if base in FORMAT_CHOICES:
+        keys = make_format(base, "k", exact_sink=args.kv_exact_sink, key_wide_channels=args.kv_key_wide_channels)
+        values = make_format(base, "v", symmetric_values=args.kv_symmetric_values)
+        parts += ["exact sink"] * keys.layout.exact_sink
+        parts += [f"{keys.layout.wide} wide key channels"] * bool(keys.layout.wide)
+        parts += ["symmetric values"] * values.layout.symmetric
     if rotation != "none":
         parts.append(f"{'' if args.kv_rotate_keys else 'values '}rotated ({rotation})")
     return " ".join(parts)

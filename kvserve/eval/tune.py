@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from kvserve.arg_types import at_least
+from kvserve.cache.formats import format_names
 from kvserve.cache.kv_plan import KVPlan
 from kvserve.cache.kv_sizes import KVSizes
 from kvserve.config import EngineConfig
@@ -34,7 +35,6 @@ from kvserve.eval import quality
 from kvserve.eval.plan_solver import solve
 from kvserve.texts import DATA_HELP, load_text
 
-DEFAULT_CANDIDATES = ("int8", "fp8_e4m3", "kivi4", "int4", "kivi2")
 CHECK_ROUNDS = 6
 
 
@@ -89,8 +89,9 @@ def add_parser(sub: Any) -> None:
                        help="perplexity increase, as 1%% or 0.01")
     bound.add_argument("--bytes-per-token", type=float, default=None,
                        help="KV bytes per token (all layers): the least loss within it")
-    p.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES),
-                   help=f"formats a layer may take besides the model dtype (default {','.join(DEFAULT_CANDIDATES)})")
+    candidates = ",".join(format_names(default_in="tune"))  # the registry's, as they are when the parser is built
+    p.add_argument("--candidates", default=candidates,
+                   help=f"formats a layer may take besides the model dtype (default {candidates})")
     p.add_argument("--windows", type=at_least(1), default=4, help="calibration windows (default 4)")
     p.add_argument("--window-len", type=at_least(2), default=512,
                    help="tokens per window, half prefilled (default 512)")

@@ -281,7 +281,7 @@ def test_bf16_dense_pages_match_the_dense_reference(block_size: int, dim: int, k
 def outputs_over_compressed_pages(fmt: str, heads: int, kv_heads: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Each backend's output (the reference's first) for one mixed step over pages of `fmt` that a
     prefill step wrote."""
-    from kvserve.cache.kv_format import make_format
+    from kvserve.cache.formats import make_format
     from kvserve.cache.quantized_pool import QuantizedKVPool
 
     seqs, _, _ = make_case(MIXED, heads, kv_heads, 16, seed=21)

@@ -10,7 +10,7 @@ import torch
 from kvserve import LLM
 from kvserve.attention.rotation import rotate, rotation_matrix
 from kvserve.attention.selector import BACKENDS
-from kvserve.cache.kv_format import make_format
+from kvserve.cache.formats import make_format
 from kvserve.eval.quality import forced_logprobs
 from tests.backend_cases import heavy_case
 

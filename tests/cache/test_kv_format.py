@@ -6,12 +6,14 @@ import math
 import pytest
 import torch
 
-from kvserve.cache.kv_format import FORMAT_NAMES, MIN_SCALE, KVFormat, make_format
+from kvserve.cache.formats import KVFormat, format_names, make_format
+from kvserve.cache.formats.codes import MIN_SCALE
 
 TOKENS = (37, 3, 64)         # [N, H, D]
 BLOCKS = (5, 16, 2, 64)      # [B, bs, H, D]
 PLANTED = [3, 17, 40]        # channels holding outliers, as keys do
 ROLES = ("k", "v")
+FORMAT_NAMES = format_names()  # the built-ins: no test registers one at collection
 F16_EPS = 2.0 ** -11         # fp16 rounding, relative
 F16_TINY = 2.0 ** -25        # half fp16's smallest subnormal
 

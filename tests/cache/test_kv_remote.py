@@ -10,7 +10,7 @@ import redis
 import torch
 
 from kvserve.cache.block_bytes import read_blocks, write_blocks
-from kvserve.cache.kv_format import make_format
+from kvserve.cache.formats import make_format
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.quantized_pool import QuantizedKVPool

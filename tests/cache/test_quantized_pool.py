@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.cache.block_manager import BlockManager
-from kvserve.cache.kv_format import FORMAT_NAMES, ChannelFormat, KVFormat, make_format
+from kvserve.cache.formats import KVFormat, format_names, make_format
+from kvserve.cache.formats.kivi import ChannelFormat
 from kvserve.cache.quantized_pool import QuantizedKVPool, encode_blocks
 from kvserve.attention import StepMetadata
 from kvserve.attention.selector import BACKENDS
@@ -109,7 +110,7 @@ class Driver:
 @pytest.mark.parametrize("backend,bs", [
     *((b, bs) for b in BACKENDS for bs in (1, 16)),
     *(heavy_case(b, 128, backend=b) for b in BACKENDS)])
-@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("fmt", format_names())
 def test_attention_over_compressed_pages_equals_dense_over_decoded(fmt: str, bs: int, backend: str) -> None:
     """Mixed prefill lengths (partial and full blocks), then decode steps across a block edge."""
     residual = 32 if fmt.startswith("kivi") else 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.cache.kv_format import FORMAT_NAMES
+from kvserve.cache.formats import format_names
 from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import shard_of
 from kvserve.eval.quality import forced_logprobs
@@ -25,7 +25,7 @@ _CI_FORMATS = ("auto", "int8", "kivi4", "sparse")
 
 
 @pytest.mark.parametrize("fmt", [f if f in _CI_FORMATS else pytest.param(f, marks=pytest.mark.slow)
-                                 for f in ("auto", *FORMAT_NAMES)])
+                                 for f in ("auto", *format_names())])
 def test_two_ranks_generate_what_one_does(tiny_llm: Callable[..., LLM], fmt: str) -> None:
     """Every page format, including kivi's block-encoded keys and the full-precision staging of
     a residual window, which rank 0 plans and every rank applies."""
@@ -113,7 +113,7 @@ def test_the_bundled_model_split_over_two_ranks_generates_what_one_does() -> Non
 
 @pytest.mark.model
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", [f for f in FORMAT_NAMES if f != "fp32"])
+@pytest.mark.parametrize("fmt", [f for f in format_names() if f != "fp32"])
 def test_splitting_the_bundled_model_changes_no_more_than_a_thread_count_does(fmt: str) -> None:
     """Compressed pages of the bundled model cannot be bit-identical across two ranks: o_proj's
     sum is taken in another order, a code then rounds the other way now and then, and on this

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.cache.kv_format import FORMAT_NAMES, make_format
+from kvserve.cache.formats import format_names, make_format
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.config import CHUNKED_BATCHED_TOKENS, EngineConfig
@@ -43,7 +43,7 @@ def generates_under_pressure(llm: LLM) -> None:
     assert llm.engine.block_manager.prefix_stats.cached_tokens > 0
 
 
-@pytest.mark.parametrize("fmt", [f for f in FORMAT_NAMES if f != "fp32"])
+@pytest.mark.parametrize("fmt", [f for f in format_names() if f != "fp32"])
 def test_every_format_generates_with_prefix_caching_and_preemption(tiny_llm: Callable[..., LLM], fmt: str) -> None:
     # 9 blocks of 16 tokens cannot hold three sequences of 40-66 tokens at once: someone is
     # preempted. The third prompt shares its first two blocks with the first (a prefix-cache hit).

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli import build_parser, main
-from kvserve.eval.cli import DEFAULT_FORMATS, _format_label
+from kvserve.cache.formats import format_names
+from kvserve.eval.cli import _format_label
 
 
 def label(name: str, rotation: str, *flags: str) -> str:
@@ -76,7 +77,7 @@ def test_list_options_are_read_into_lists_with_their_defaults() -> None:
     args = build_parser().parse_args(["eval", "--formats", "int8,kivi2@32,", "--hf-bits", ""])
     assert args.formats == ["int8", "kivi2@32"] and args.hf_bits == []
     defaults = build_parser().parse_args(["eval"])
-    assert defaults.formats == list(DEFAULT_FORMATS) and defaults.passkey_lengths == [256, 512, 1024]
+    assert defaults.formats == list(format_names(default_in="eval")) and defaults.passkey_lengths == [256, 512, 1024]
     assert defaults.evictions == [] and defaults.rotations is None and defaults.hf_bits == [4, 2]
 
 

@@ -1,0 +1,53 @@
+"""The formats kvserve ships, registered in the order their names are listed."""
+from __future__ import annotations
+
+import torch
+
+from kvserve.cache.formats.absmax import AbsMaxFormat, HeadScaleFormat
+from kvserve.cache.formats.base import KVFormat
+from kvserve.cache.formats.grouped import GroupFormat
+from kvserve.cache.formats.kivi import ChannelFormat
+from kvserve.cache.formats.options import FormatOptions, Role
+from kvserve.cache.formats.plain import PlainFormat
+from kvserve.cache.formats.registry import FormatFactory, register
+from kvserve.cache.formats.sparse import OutlierFormat, SparseFormat
+
+# KIVI's full-precision window (its paper's R = 128): its keys are encoded a block at a time
+# anyway, and the recent tokens, which draw the most attention, stay exact a while longer.
+KIVI_RESIDUAL = 128
+
+
+def _plain(name: str, dtype: torch.dtype) -> FormatFactory:
+    return lambda role, options: PlainFormat(name, dtype)
+
+
+def _fp8(name: str, code_dtype: torch.dtype) -> FormatFactory:
+    def make(role: Role, options: FormatOptions) -> KVFormat:
+        if options.fp8_scales == "head":
+            return HeadScaleFormat(name, code_dtype)
+        return AbsMaxFormat(name, code_dtype)
+    return make
+
+
+def _kivi(name: str, bits: int) -> FormatFactory:
+    def make(role: Role, options: FormatOptions) -> KVFormat:
+        if role == "k":
+            return ChannelFormat(name, bits, options.exact_sink, options.key_wide_channels)
+        return GroupFormat(name, bits, options.group_size, options.symmetric_values)
+    return make
+
+
+register("bf16", _plain("bf16", torch.bfloat16))
+register("fp16", _plain("fp16", torch.float16))
+register("fp32", _plain("fp32", torch.float32))
+register("fp8_e4m3", _fp8("fp8_e4m3", torch.float8_e4m3fn), default_in=("eval", "tune"))
+register("fp8_e5m2", _fp8("fp8_e5m2", torch.float8_e5m2), default_in=("eval",))
+# int8 keeps a scale per token whatever kv_fp8_scales says: its per-head scales are not built.
+register("int8", lambda role, options: AbsMaxFormat("int8", torch.int8), default_in=("eval", "tune", "bench"))
+register("int4", lambda role, options: GroupFormat("int4", 4, options.group_size),
+         default_in=("eval", "tune", "bench"))
+register("kivi2", _kivi("kivi2", 2), default_residual=KIVI_RESIDUAL, default_in=("eval", "tune", "bench"))
+register("kivi4", _kivi("kivi4", 4), default_residual=KIVI_RESIDUAL, default_in=("eval", "tune"))
+register("outlier", lambda role, options: OutlierFormat(options.group_size, options.outliers), default_in=("eval",))
+register("sparse", lambda role, options: SparseFormat(options.sparse_threshold, options.sparse_capacity),
+         default_in=("eval",))

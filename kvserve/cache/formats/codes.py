@@ -1,0 +1,98 @@
+"""The numeric pieces the quantized formats share: fp16 scales and zero-points rounded so that
+error bounds hold against the stored values, asymmetric and midrise codes, and bit packing.
+
+Scales and zero-points are stored in fp16 and chosen *after* fp16 rounding, so the per-entry
+error bounds documented here hold against the stored values, not against some fp32 value the
+decoder never sees. Inputs must lie within fp16 range (|x| < 65504), since zero-points and
+outliers are stored in fp16.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Smallest scale ever stored: fp16's smallest normal number. A smaller one (1e-6, say) would still
+# be representable, but as a subnormal: with a fixed step of 2^-24 it keeps few significant bits,
+# rounding it up to cover the range inflates it by up to 2x near the bottom, and its reciprocal
+# (1e6) overflows fp16 in a kernel that divides in half precision; 1 / 2^-14 = 16384 does not.
+# The cost, a step of at least 6.1e-5 for a token or group whose whole range is smaller than
+# qmax times that, is far below anything attention can notice.
+MIN_SCALE = 2.0 ** -14
+
+
+def fp16_rounded(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """x (fp32) in fp16, rounded toward +inf (up) or -inf instead of to nearest."""
+    h = x.to(torch.float16)
+    wrong_side = h.float() < x if up else h.float() > x
+    toward = torch.full_like(h, math.inf if up else -math.inf)
+    return torch.where(wrong_side, torch.nextafter(h, toward), h)
+
+
+def quantize_asym(x: torch.Tensor, bits: int, dim: int, include: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric `bits`-bit codes (uint8, unpacked) with one fp16 scale and zero-point per slice
+    reduced along `dim`; decoding is code * scale + zero, within scale / 2 of x. Only entries where
+    `include` is True set the range; the others are clamped (their caller stores them elsewhere)."""
+    qmax = 2 ** bits - 1
+    x = x.float()
+    if include is None:
+        lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    else:
+        lo = x.masked_fill(~include, math.inf).amin(dim, keepdim=True)
+        hi = x.masked_fill(~include, -math.inf).amax(dim, keepdim=True)
+        empty = lo > hi  # every entry excluded: any range will do, but not an infinite one
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    # Zero rounds down and the scale is sized from it, rounding up, so the grid still spans
+    # [lo, hi] after both are rounded to fp16 and no code has to be clamped.
+    zero = fp16_rounded(lo, up=False)
+    scale = fp16_rounded(((hi - zero.float()) / qmax).clamp_min(MIN_SCALE), up=True)
+    codes = ((x - zero.float()) / scale.float()).round().clamp(0, qmax).to(torch.uint8)
+    return codes, scale.squeeze(dim), zero.squeeze(dim)
+
+
+def dequantize_asym(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dim: int) -> torch.Tensor:
+    return codes.float() * scale.float().unsqueeze(dim) + zero.float().unsqueeze(dim)
+
+
+def quantize_midrise(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric `bits`-bit codes with no zero-point: code c (uint8) decodes as (c - 2^(b-1) + 1/2) *
+    scale, levels placed evenly about zero with none *at* zero, so all 2^b of them are used (an
+    absmax grid with a zero level wastes one). One fp16 scale per slice along `dim`, rounded up so
+    that the largest |x| is within the outermost level: decoding is within scale / 2 of x."""
+    half = 2 ** (bits - 1)
+    x = x.float()
+    scale = fp16_rounded((x.abs().amax(dim, keepdim=True) / (half - 0.5)).clamp_min(MIN_SCALE), up=True)
+    codes = (x / scale.float() - 0.5).round().clamp(-half, half - 1) + half
+    return codes.to(torch.uint8), scale.squeeze(dim)
+
+
+def dequantize_midrise(codes: torch.Tensor, scale: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    return (codes.float() - (2 ** (bits - 1) - 0.5)) * scale.float().unsqueeze(dim)
+
+
+def _bit_shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes < 2**bits, last dim L -> uint8 [..., L * bits / 8], first code in the low bits."""
+    shifts = _bit_shifts(bits, codes.device)
+    grouped = codes.unflatten(-1, (-1, len(shifts)))
+    # The codes occupy disjoint bits, so their sum is their bitwise or.
+    return (grouped << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    shifts = _bit_shifts(bits, packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & (2 ** bits - 1)).flatten(-2)
+
+
+def check_packable(name: str, head_dim: int, bits: int) -> None:
+    if head_dim % (8 // bits):
+        raise ValueError(f"{name}: head_dim {head_dim} must be a multiple of {8 // bits} to pack its codes")
+
+
+def check_index_range(name: str, head_dim: int) -> None:
+    if head_dim > 256:
+        raise ValueError(f"{name}: head_dim {head_dim} does not fit its uint8 channel indices (max 256)")
