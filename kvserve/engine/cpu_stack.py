@@ -46,7 +46,10 @@ class CPUDecodeStack:
     @staticmethod
     def unsupported(model: LlamaForCausalLM, backend: AttentionBackend, linear_kind: str | None,
                     rotation: KVRotation | None) -> str | None:
-        """Why the stack cannot run this configuration's steps; None when it can."""
+        """Why the stack cannot run this configuration's steps; None when it can. RoPE scaling needs
+        nothing here: the kernel reads the model's own cos/sin tables."""
+        if model.config.qk_norm:
+            return "q/k norms per head (Qwen3): the stack's kernel runs none"
         if linear_kind != "small-batch":
             return "needs bf16 weights and the small-batch linear (AVX512-BF16 or AVX2)"
         if any(isinstance(m, (nn.Linear, PackedLinear)) for m in model.model.layers.modules()):

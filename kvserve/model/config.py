@@ -1,9 +1,12 @@
-"""Shape and numerics of a Llama-family decoder."""
+"""Shape and numerics of a Llama-family decoder (the families: model/architectures.py)."""
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from kvserve.model.architectures import LLAMA, QWEN2, QWEN3, hf_family, refuse_unimplemented
+from kvserve.model.rope import Llama3RopeScaling, rope_from_hf
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     initializer_range: float = 0.02  # std of a random-weight model's matrices (HF's name and default)
+    rope_scaling: Llama3RopeScaling | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head, before RoPE
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -44,10 +49,16 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
     def to_hf_dict(self) -> dict:
-        """A `config.json` in Hugging Face's Llama/Qwen2 vocabulary."""
+        """A `config.json` of the Hugging Face class that computes this model: Qwen3 for q/k norms,
+        Qwen2 for a q/k/v bias, else Llama."""
+        if self.qk_norm and self.qkv_bias:
+            raise ValueError("ModelConfig: no Hugging Face class has q/k norms and a q/k/v bias "
+                             "without an o_proj bias")
+        family = QWEN3 if self.qk_norm else QWEN2 if self.qkv_bias else LLAMA
+        rope = {} if self.rope_scaling is None else {"rope_scaling": self.rope_scaling.to_hf_dict()}
         return {
-            "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
-            "model_type": "qwen2" if self.qkv_bias else "llama",
+            "architectures": [family.hf_architecture],
+            "model_type": family.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -64,12 +75,16 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "initializer_range": self.initializer_range,
             "hidden_act": "silu",
+            **rope,
         }
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
+        """A config.json of a supported architecture; `UnsupportedModel` names what is not."""
+        family = hf_family(d)
+        refuse_unimplemented(d, family)
+        rope_theta, rope_scaling = rope_from_hf(d)
         heads = d["num_attention_heads"]
-        rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         eos = d.get("eos_token_id")
         return cls(
             vocab_size=d["vocab_size"],
@@ -79,14 +94,16 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rope_theta=float(rope),
+            rope_theta=rope_theta,
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
             max_position=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            qkv_bias=d.get("attention_bias", d.get("model_type") == "qwen2"),
+            qkv_bias=family.qkv_bias,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             initializer_range=d.get("initializer_range", 0.02),
+            rope_scaling=rope_scaling,
+            qk_norm=family.qk_norm,
         )
 
     @classmethod

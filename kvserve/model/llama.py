@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) whose attention reads the paged pool."""
+"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) whose attention reads the paged
+pool; each family's deltas are options of its `ModelConfig` (model/architectures.py)."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,7 @@ from torch import nn
 from kvserve.attention.backend import StepAttention
 from kvserve.model.config import ModelConfig
 from kvserve.model.ops import Ops
+from kvserve.model.rope import inverse_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -22,15 +24,15 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """Non-interleaved ("rotate half") RoPE, the Hugging Face convention: fp32 tables of cos and
-    sin per position, applied by `Ops.rope_split`."""
+    sin per position (Llama 3's scaling already in their frequencies), applied by `Ops.rope_split`
+    and read as they are by the fused CPU stack."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         # Built on the CPU even under the loader's meta device: there these ops would run torch's
         # Python references, whose first use imports torch._dynamo (~2 s of every start-up).
-        cpu = torch.device("cpu")
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=cpu), inv_freq)
+        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32, device=inv_freq.device), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
@@ -45,11 +47,25 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
+        # Qwen3: one RMSNorm over each head's channels (weights shared by the heads), q and k apart.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, attention: StepAttention, ops: Ops) -> torch.Tensor:
-        q, k, v = ops.rope_split(self.qkv_proj(x), attention.positions, rotary.cos, rotary.sin,
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_heads(qkv, self.q_norm, self.k_norm, ops)
+        q, k, v = ops.rope_split(qkv, attention.positions, rotary.cos, rotary.sin,
                                  self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(attention(self.layer, q, k, v, self.scale).flatten(1))
+
+    def _norm_heads(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, ops: Ops) -> None:
+        """q and k heads of the fused projection normalised in place, so RoPE reads them as before."""
+        heads = qkv.unflatten(1, (-1, self.head_dim))
+        q, k = heads[:, :self.num_heads], heads[:, self.num_heads:self.num_heads + self.num_kv_heads]
+        for norm, part in ((q_norm, q), (k_norm, k)):
+            # reshape copies the strided heads into the contiguous rows the compiled norm needs
+            part.copy_(norm(part.reshape(-1, self.head_dim), ops).view_as(part))
 
 
 class MLP(nn.Module):
@@ -93,7 +109,7 @@ class LlamaModel(nn.Module):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg)
 
     def forward(self, input_ids: torch.Tensor, attention: StepAttention, ops: Ops) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvserve.model.architectures import LLAMA, UnsupportedModel, gguf_family
 from kvserve.model.config import PRESETS, ModelConfig
 from kvserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 from kvserve.paths import cache_root
@@ -94,7 +95,7 @@ def _random_model(cfg: ModelConfig, name: str, dtype: torch.dtype, device: torch
 
 def _with_fp32_rope(model: LlamaForCausalLM, cfg: ModelConfig) -> LlamaForCausalLM:
     """RoPE tables built anew in fp32: a dtype cast (or the meta device) must not reach them."""
-    model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+    model.model.rotary = RotaryEmbedding(cfg)
     return model
 
 
@@ -105,6 +106,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> Loaded
         raise FileNotFoundError(f"model: {path} needs config.json and *.safetensors")
     try:
         cfg = ModelConfig.from_json(config_file)
+    except UnsupportedModel as err:
+        raise UnsupportedModel(f"model: {config_file}: {err}") from None
     except (KeyError, TypeError, ValueError) as err:  # ValueError covers JSONDecodeError
         raise ValueError(f"model: {config_file} is not a valid model config ({type(err).__name__}: {err})") from err
     with torch.device("meta"):
@@ -202,6 +205,8 @@ _GGUF_LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -216,6 +221,25 @@ def _unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+def _refuse_gguf_options(reader: Any, arch: str) -> None:
+    """GGUF metadata the decoder does not compute, named by its key."""
+    head_dim = _gguf_field(reader, f"{arch}.attention.key_length")
+    rotary = _gguf_field(reader, f"{arch}.rope.dimension_count")
+    if head_dim is not None and rotary is not None and rotary != head_dim:
+        raise UnsupportedModel(f"{arch}.rope.dimension_count: {rotary} of {head_dim} channels: RoPE over part of "
+                               f"a head is not implemented")
+    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedModel(f"{arch}.rope.scaling.type: {scaling!r} is not implemented")
+    window = _gguf_field(reader, f"{arch}.attention.sliding_window")
+    if window is not None and window < _gguf_field(reader, f"{arch}.context_length", 2048):
+        raise UnsupportedModel(f"{arch}.attention.sliding_window: sliding-window attention (window {window}) "
+                               f"is not built yet")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # llama.cpp's form of Llama 3.x scaling
+        raise UnsupportedModel("rope_freqs.weight: RoPE frequency factors (Llama 3.x scaling as llama.cpp "
+                               "stores it) are not read yet; load the Hugging Face directory instead")
 
 
 def cached_conversion(path: Path, prefix: str = "") -> Path:
@@ -243,7 +267,8 @@ def publish(out: Path, write: Callable[[Path], None]) -> Path:
 
 
 def convert_gguf(path: Path) -> Path:
-    """Dequantize a Llama-family GGUF into a cached HF directory; returns that directory."""
+    """Dequantize a GGUF of a supported family (`architectures.GGUF_FAMILIES`) into a cached HF
+    directory; returns that directory."""
     out = cached_conversion(path)
     if (out / "config.json").exists():
         return out
@@ -252,8 +277,11 @@ def convert_gguf(path: Path) -> Path:
 
     reader = gguf.GGUFReader(path)
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"model: {path}: unsupported GGUF architecture {arch!r}")
+    try:
+        family = gguf_family(arch)
+        _refuse_gguf_options(reader, arch)
+    except UnsupportedModel as err:
+        raise UnsupportedModel(f"model: {path}: {err}") from None
     heads = _gguf_field(reader, f"{arch}.attention.head_count")
     kv_heads = _gguf_field(reader, f"{arch}.attention.head_count_kv", heads)
     hidden = _gguf_field(reader, f"{arch}.embedding_length")
@@ -265,12 +293,14 @@ def convert_gguf(path: Path) -> Path:
         num_layers=_gguf_field(reader, f"{arch}.block_count"),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=_gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads),
+        head_dim=_gguf_field(reader, f"{arch}.attention.key_length",
+                             _gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
         rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position=_gguf_field(reader, f"{arch}.context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm=family.qk_norm,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
     )
@@ -280,11 +310,12 @@ def convert_gguf(path: Path) -> Path:
         if t.name in _GGUF_NAMES:
             state[_GGUF_NAMES[t.name]] = w
             continue
-        _, layer, rest = t.name.split(".", 2)
-        if arch == "llama" and rest.startswith(("attn_q.", "attn_k.")):
+        _, layer, rest = t.name.split(".", 2) if t.name.startswith("blk.") else (None, None, None)
+        if rest not in _GGUF_LAYER_NAMES:
+            raise UnsupportedModel(f"model: {path}: tensor {t.name} is not read by kvserve's {arch} decoder")
+        if family is LLAMA and rest.startswith(("attn_q.", "attn_k.")):
             w = _unpermute_rope(w, heads if rest.startswith("attn_q.") else kv_heads)
         state[f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"] = w
-
 
     def write(tmp: Path) -> None:
         save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
