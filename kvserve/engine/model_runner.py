@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import operator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
@@ -13,7 +12,6 @@ from kvserve.attention import AttentionBackend, StepAttention, StepMetadata
 from kvserve.attention.rotation import KVRotation
 from kvserve.attention.scores import ScorePlan
 from kvserve.cache.block_bytes import write_blocks
-from kvserve.cache.block_manager import BlockManager, on_device
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
@@ -21,23 +19,14 @@ from kvserve.cache.swap_space import SwapSpace
 from kvserve.device_copy import to_device
 from kvserve.engine.cpu_stack import CPUDecodeStack
 from kvserve.engine.cuda_graphs import DecodeGraphs
-from kvserve.engine.logprobs import prompt_span
-from kvserve.engine.pending_tokens import PendingTokens
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
+from kvserve.engine.step_plan import StepPlan, TokenFill
 from kvserve.model.cpu_linear import SMALL_BATCH, cpu_linear_kind, replace_linears
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import resolve_ops
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TokenFill:
-    """Input positions whose token the host has not read yet: the previous step's samples, taken
-    on the device (async scheduling)."""
-    rows: torch.Tensor | None  # positions in the step's input ids (None: every one, in order)
-    tokens: torch.Tensor       # their tokens, where the model runs
 
 
 @dataclass(frozen=True)
@@ -73,18 +62,18 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool | QuantizedKVPool, block_manager: BlockManager | None,
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool | QuantizedKVPool,
                  device: torch.device, backend: AttentionBackend, kernels: ModuleType | None,
                  swap: SwapSpace | None = None, rotation: KVRotation | None = None,
                  peers: StepPeers | None = None, cuda_graphs: tuple[int, int] | None = None,
                  cpu_stack: bool = False) -> None:
         """`rotation`: the rotation of q, k and v (or v alone) before the pages (attention/rotation.py);
-        `peers`: the tensor-parallel ranks that run each step beside this one (rank 0's runner);
-        `block_manager` is None on those ranks, which only `execute`; `cuda_graphs`: (sequences,
+        `peers`: the tensor-parallel ranks that run each step beside this one (rank 0's runner;
+        the others only `execute`); `cuda_graphs`: (sequences,
         slots) up to which decode steps are replayed from CUDA graphs (engine/cuda_graphs.py);
         `cpu_stack`: run small steps through the decoder stack in one C++ call where the
         configuration allows (engine/cpu_stack.py; never on a tensor-parallel rank)."""
-        self.model, self.pool, self.block_manager, self.device = model, pool, block_manager, device
+        self.model, self.pool, self.device = model, pool, device
         self.peers = peers
         self.rotation = None if rotation is None else rotation.to(device)
         self.backend, self.ops, self.swap = backend, resolve_ops(kernels), swap
@@ -102,77 +91,40 @@ class ModelRunner:
                         if reason is None else f"the decoder layers run one by one from Python: {reason}")
 
     @torch.inference_mode()
-    def forward(self, seqs: list[Sequence], num_scheduled: list[int], ops: BlockOps,
-                score_from: list[int | None] | None = None, pending: PendingTokens | None = None) -> StepResult:
-        """Runs the next `num_scheduled[i]` uncomputed tokens of each sequence (all of them, or a
-        prompt chunk), after the step's block moves. `score_from[i]`: the position from which
-        sequence i's queries count toward the attention scores its eviction policy reads (None:
-        not scored). `pending`: the previous step's tokens, not yet read by the host, that some of
-        these sequences end in. With tensor-parallel peers, they run the same step first."""
+    def forward(self, plan: StepPlan) -> StepResult:
+        """Runs the plan's spans (a prompt, its chunk, or a decode per sequence) after the step's
+        block moves. With tensor-parallel peers, they run the same step first."""
         try:
-            step = self.prepare(seqs, num_scheduled, ops, score_from, pending)
+            step = self.prepare(plan)
         except BaseException:
             # The scheduler counts on its moves once made (blocks loaded from the remote tier are
             # in the prefix cache; swaps came before): they happen even if the step cannot run.
-            self.move_blocks(ops)
+            self.move_blocks(plan.ops)
             raise
         if self.peers is not None:
             self.peers.broadcast(step)
         return self.execute(step)
 
-    def prepare(self, seqs: list[Sequence], num_scheduled: list[int], ops: BlockOps,
-                score_from: list[int | None] | None = None, pending: PendingTokens | None = None) -> StepInput:
-        """Everything a rank needs to run the step, from the scheduler's state (rank 0 only)."""
-        bm = self.block_manager
-        starts = [s.num_computed_tokens for s in seqs]
-        ends = [start + n for start, n in zip(starts, num_scheduled)]
-        fill = None if pending is None else self._fill(seqs, starts, num_scheduled, pending)
-        # Taken whole from the device in the steady state of async scheduling: no list to build.
-        input_ids = [] if fill is not None and fill.rows is None else \
-            [t for s, start, end in zip(seqs, starts, ends) for t in s.tokens(start, end)]
+    def prepare(self, plan: StepPlan) -> StepInput:
+        """The tensors every rank needs to run the step (rank 0 only)."""
+        spans = plan.spans
         # Only a sequence that evicts holds fewer slots than tokens.
-        evicted = [s.num_evicted for s in seqs] if any(s.kv_state is not None for s in seqs) else [0] * len(seqs)
-        has_evicted = any(evicted)
-        slot_ends = [end - e for end, e in zip(ends, evicted)] if has_evicted else ends
-        tables = [bm.tables[s.seq_id] for s in seqs]  # whole: the builder reads the blocks holding context
+        has_evicted = any(span.evicted for span in spans)
         step = StepMetadata.build(
-            num_scheduled, slot_ends, tables, self.pool.block_size, self.device,
-            offloaded=bool(bm.num_host_blocks) and not all(on_device(b) for t in tables for b in t),
-            # A generator: only a pool that plans its writes reads it.
-            kv_plan=self.pool.plan_step(bm, ((s.seq_id, start - e, end - e)
-                                             for s, start, end, e in zip(seqs, starts, ends, evicted)),
-                                        list(ops.copies)),
-            evicted=evicted if has_evicted else None)
-        first_rows = {i: max(f - start, 0) for i, (f, start) in enumerate(zip(score_from or [], starts))
-                      if f is not None}
+            [span.num_tokens for span in spans], [span.end - span.evicted for span in spans],
+            [span.table for span in spans], self.pool.block_size, self.device, offloaded=plan.offloaded,
+            kv_plan=plan.kv_plan, evicted=[span.evicted for span in spans] if has_evicted else None)
+        first_rows = {i: max(span.score_from - span.start, 0) for i, span in enumerate(spans)
+                      if span.score_from is not None}
         rows = step.query_start[1:] - 1
         # Row of position p of sequence i: query_start[i] + p - start_i.
-        spans = [(i, *prompt_span(s, start, end)) for i, (s, start, end) in enumerate(zip(seqs, starts, ends))
-                 if s.params.prompt_logprobs is not None]
-        extra = [torch.arange(lo, hi) + int(step.query_start[i]) - starts[i] for i, lo, hi in spans if hi > lo]
+        extra = [torch.arange(lo, hi) + int(step.query_start[i]) - span.start
+                 for i, span in enumerate(spans) if span.prompt_rows is not None
+                 for lo, hi in [span.prompt_rows] if hi > lo]
         if extra:
             rows = torch.cat([rows, *extra])
-        return StepInput(ops, input_ids, step, rows, ScorePlan.build(step, first_rows) if first_rows else None,
-                         len(seqs), fill)
-
-    def _fill(self, seqs: list[Sequence], starts: list[int], num_scheduled: list[int],
-              pending: PendingTokens) -> TokenFill | None:
-        """Where the step's input ids take `pending`'s tokens: a pending sequence's last token, if
-        this step runs it (a decode, or the end of a recomputed prompt after a preemption)."""
-        if len(seqs) == len(pending.seqs) == sum(num_scheduled) and all(map(operator.is_, seqs, pending.seqs)):
-            return TokenFill(None, pending.device.to(self.device))  # the steady state: the same decodes
-        dest, src, offset = [], [], 0
-        for seq, start, n in zip(seqs, starts, num_scheduled):
-            row, last = pending.rows.get(seq.seq_id), seq.num_tokens - 1
-            # The same object: a request aborted with a token pending may be sent again by its id.
-            if row is not None and pending.seqs[row] is seq and start <= last < start + n:
-                dest.append(offset + last - start)
-                src.append(row)
-            offset += n
-        if not dest:
-            return None
-        return TokenFill(to_device(torch.tensor(dest), self.device),
-                         pending.device[to_device(torch.tensor(src), pending.device.device)].to(self.device))
+        return StepInput(plan.ops, plan.input_ids, step, rows,
+                         ScorePlan.build(step, first_rows) if first_rows else None, plan.num_seqs, plan.fill)
 
     def move_blocks(self, ops: BlockOps) -> set[str]:
         """Block moves outside a forward pass: a step's swaps, ahead of the rest (LLMEngine._swap),

@@ -148,7 +148,7 @@ class Scheduler:
             group = self._group_at_head()
             need = sum(s.num_tokens for s in group)
             # Readmitted beams may be cut into chunks too: a beam that completes before the others
-            # waits for them, recomputing its last token (LLMEngine._step_beams).
+            # waits for them, recomputing its last token (Forks.step_beams).
             if sum(1 + s.num_forks for s in group) > slots or budget <= 0 or (need > budget and not chunked):
                 break
             grants = [self.block_manager.allocate_prompt(s.seq_id, s.token_ids, self.reserve_tokens,

@@ -36,7 +36,7 @@ def tp_worker_main(config: EngineConfig, rank: int, port: int, num_blocks: int, 
     model = shard_model(loaded.model, shard, group)
     del loaded
     backend = make_backend(config.attention_backend, pool, rank_cfg.num_heads, device)
-    runner = ModelRunner(model, pool, None, device, backend, kernels, None, rotation)
+    runner = ModelRunner(model, pool, device, backend, kernels, None, rotation)
     try:
         while (step := broadcast_object(group, None, rank)) is not None:
             if isinstance(step, BlockMoves):  # a step in which no sequence runs

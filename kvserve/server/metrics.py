@@ -90,7 +90,7 @@ class Metrics:
         self.prefix_hit_rate.set(engine.block_manager.prefix_stats.hit_rate)
         self.engine_info.labels(attention_backend=engine.attention_backend.name,
                                 linear=engine.runner.linear_kind or "torch",
-                                chunked_prefill=str(engine.chunked_prefill).lower(),
+                                chunked_prefill=str(engine.scheduler.chunked_prefill).lower(),
                                 async_scheduling=str(engine.async_scheduling).lower()).set(1)
         sched = engine.scheduler
         for state, seqs in (("running", sched.running), ("waiting", sched.waiting), ("swapped", sched.swapped)):

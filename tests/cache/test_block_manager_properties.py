@@ -293,7 +293,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.model.kv = KVPool(num_layers=1, num_blocks=num_blocks, block_size=block_size,
                                num_kv_heads=1, head_dim=1, dtype=torch.float32,
                                device=torch.device("cpu"))
-        # The engine only swaps in paged mode, where nothing is reserved (LLMEngine.__init__).
+        # The engine only swaps in paged mode, where nothing is reserved (engine_parts.build_engine_parts).
         if reserve == 0:
             self.model.swap = SwapSpace(self.model.kv, host_blocks, disk_blocks)
 
@@ -378,7 +378,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 63))
     def fork(self, index: int) -> None:
-        """LLMEngine._fork_samples: the child shares all of the parent's blocks."""
+        """Forks.fork_samples: the child shares all of the parent's blocks."""
         self._forward_after_swap_in()
         parent = self._pick(index)
         if parent is None:
@@ -474,7 +474,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 63), data=st.data())
     def evict(self, index: int, data: st.DataObject) -> None:
-        """LLMEngine._evict after a forward: keep a subset of a sequence's slots (as a policy
+        """EvictionStep.evict after a forward: keep a subset of a sequence's slots (as a policy
         would, one head), moving kept slots from past the kept count into dropped ones below it.
         The engine evicts right after a forward, which applied every move returned before it."""
         apply_copies(self.bm, self.model)

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from kvserve import LLM, EngineConfig, SamplingParams
+from kvserve.engine.model_runner import StepResult
 from kvserve.engine.sequence import PLACEHOLDER, RequestOutput
+from kvserve.engine.step_plan import StepPlan
 
 from tests.engine.test_llm_engine import PROMPTS
 
@@ -24,9 +26,9 @@ def count_overlapped_steps(llm: LLM) -> list[int]:
     forward = runner.forward
     counted = [0]
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        counted[0] += args[4] is not None if len(args) > 4 else kwargs.get("pending") is not None
-        return forward(*args, **kwargs)
+    def counting(plan: StepPlan) -> StepResult:
+        counted[0] += plan.fill is not None
+        return forward(plan)
 
     runner.forward = counting  # type: ignore[method-assign]
     return counted

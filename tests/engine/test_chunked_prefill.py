@@ -76,5 +76,5 @@ def test_real_model_chunked_equals_whole_prefill(smol: LLM) -> None:
     chunked = LLM(dtype="float32", device="cpu", kv_cache_memory="64MiB", max_model_len=512,
                   max_num_batched_tokens=8, max_num_seqs=4)
     whole = smol.generate(prompts, params, use_tqdm=False)
-    assert smol.engine.chunked_prefill and smol.engine.max_num_batched_tokens >= max(len(smol.tokenizer.encode(p)) for p in prompts)
+    assert smol.engine.scheduler.chunked_prefill and smol.engine.scheduler.max_num_batched_tokens >= max(len(smol.tokenizer.encode(p)) for p in prompts)
     assert [o.token_ids for o in chunked.generate(prompts, params, use_tqdm=False)] == [o.token_ids for o in whole]

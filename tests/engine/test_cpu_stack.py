@@ -12,6 +12,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention import StepAttention
+from kvserve.engine.step_plan import plan_step
 from kvserve.engine.cpu_stack import CPUDecodeStack
 from kvserve.kernels import cpu_extension
 from kvserve.model.cpu_linear import kernel_layout
@@ -45,7 +46,7 @@ def test_stack_step_equals_the_layered_step(tiny_llm: Callable[..., LLM], block_
     ids.append(engine.add_request(list(range(40, 80)), SamplingParams(max_tokens=30, ignore_eos=True)))
     batch = engine.scheduler.schedule()
     assert sorted(batch.num_scheduled)[:3] == [1, 1, 1] and max(batch.num_scheduled) > 1  # a mixed step
-    step = runner.prepare(batch.seqs, batch.num_scheduled, batch.block_ops)
+    step = runner.prepare(plan_step(batch, engine.block_manager, engine.pool, engine.device))
     input_ids = torch.tensor(step.input_ids)
     assert runner.stack.serves(step.metadata)
     pages = [t.clone() for t in runner.pool.block_tensors]

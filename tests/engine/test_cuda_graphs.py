@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine.step_plan import plan_step
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from tests.backend_cases import NO_TRITON
 
@@ -31,7 +32,7 @@ def test_static_decode_step_equals_the_eager_step(tiny_llm: Callable[..., LLM], 
         engine.step()
     batch = engine.scheduler.schedule()
     assert batch.num_scheduled == [1, 1, 1]
-    step = runner.prepare(batch.seqs, batch.num_scheduled, batch.block_ops)
+    step = runner.prepare(plan_step(batch, engine.block_manager, engine.pool, engine.device))
     want = runner.execute(step).logits
     pages = [t.clone() for t in runner.pool.block_tensors]
     graphs = DecodeGraphs(runner.model, runner.backend, runner.ops, runner.rotation, max_batch,

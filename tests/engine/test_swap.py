@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine.model_runner import StepInput
+from kvserve.engine.step_plan import StepPlan
 
 from tests.engine.test_llm_engine import GREEDY, PROMPTS, token_ids
 
@@ -53,7 +55,7 @@ def test_auto_mode_swaps_when_copying_is_cheaper(tiny_llm: Callable[..., LLM]) -
     reference = token_ids(tiny_llm())
     llm = tiny_llm(preemption_mode="auto", host_swap_memory="1MiB", **SMALL_POOL)
     # Recomputing costs 2 x params FLOPs per token; copying a 16-token block twice is far cheaper.
-    assert llm.engine._prefer_swap(40)
+    assert llm.engine.scheduler.prefer_swap(40)
     assert token_ids(llm) == reference
     assert llm.engine.scheduler.preemptions["swap"] > 0
     assert_tiers_empty(llm)
@@ -121,11 +123,11 @@ def run_with_a_failed_step(llm: LLM, kind: str | None) -> dict[str, list[int]]:
     prepare, failed = runner.prepare, []
     moved = {"swap_out": engine.swap.swap_outs, "swap_in": engine.swap.swap_ins}.get(kind)
 
-    def faulty(seqs, num_scheduled, ops, *args):  # type: ignore[no-untyped-def]
+    def faulty(plan: StepPlan) -> StepInput:
         if moved is not None and moved.total() and not failed:
             failed.append(kind)
             raise RuntimeError("injected fault")
-        return prepare(seqs, num_scheduled, ops, *args)
+        return prepare(plan)
 
     runner.prepare = faulty  # type: ignore[method-assign]
     rng = random.Random(0)

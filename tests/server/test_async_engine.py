@@ -125,7 +125,7 @@ def test_error_in_one_request_fails_only_that_request(aengine: Callable[..., Asy
                 raise RuntimeError("boom")
             super().append_text(seq, token)
 
-    a.engine.output_processor = Faulty(a.engine.eos_token_id, a.engine.max_model_len)
+    a.engine.update.output_processor = Faulty(a.engine.eos_token_id, a.engine.max_model_len)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
 
     async def run() -> dict[str, RequestOutput]:
