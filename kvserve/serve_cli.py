@@ -1,4 +1,10 @@
-"""`kvserve serve`: the OpenAI-compatible HTTP server, one engine or replicas behind a router."""
+"""`kvserve serve`: the OpenAI-compatible HTTP server, one engine or replicas behind a router.
+
+It sits above both `server` and `replicas` (it builds either front), which is why it is inside
+neither. On SIGTERM it stops admitting (503), lets running requests finish (`--shutdown-timeout`,
+then ends the rest with an error) and exits 0; an engine that can run no further step (a dead
+tensor-parallel rank) makes it exit 1.
+"""
 from __future__ import annotations
 
 import argparse

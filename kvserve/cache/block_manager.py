@@ -2,7 +2,13 @@
 
 Free blocks wait in one queue, in eviction order. A block that held nothing worth keeping goes
 to the front, to be reused first; a full block whose last user finished keeps its contents and
-its prefix hash and goes to the back, so cached blocks are evicted least recently used first.
+its prefix hash and goes to the back, so cached blocks are evicted least recently used first
+(among blocks freed together, the deepest first).
+
+Every method that decides a block move returns it and keeps nothing for later: `allocate` the
+copy-on-write copies, `allocate_prompt` a `PromptGrant` (with the remote tier's loads),
+`offload_coldest` the (device, host) pair, `compact` a `Compaction`; the caller sends them to the
+runner in a `BlockOps`.
 """
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""The preallocated KV pool in the model's dtype: per layer, `num_blocks x block_size` token slots."""
+"""The preallocated KV pool in the model's dtype: per layer, `num_blocks x block_size` token slots.
+
+The pages are zeroed, not left empty: a masked, never-written slot is still multiplied by 0 in
+attention, and uninitialised memory may hold NaN. Dense pages are the fast path and the only
+pages that swap (cache/swap_space.py) and offload: a sequence longer than the device pool moves
+its oldest blocks to host blocks (pinned on CUDA), which the torch backend and the CPU kernel
+read in place (block ids from `num_blocks` on).
+"""
 from __future__ import annotations
 
 from collections.abc import Iterable

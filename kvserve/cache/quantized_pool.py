@@ -17,7 +17,15 @@ are their sum.
 
 A block shared by several sequences (prefix cache, forks) is sealed when the first of them
 moves past it, so another sharer may read it encoded before its own window would: with
-compressed pages, a request's output can depend slightly on what else ran.
+compressed pages, a request's output can depend slightly on what else ran. Likewise, with a
+residual window or a block-encoded format, where steps end (a prompt cut into chunks, a
+recompute after preemption that runs prompt and outputs in one step, a prefix hit reading
+sealed codes) changes which tokens later steps read as codes; formats coded token by token
+without a residual replay exactly.
+
+The KV budget pays for the staging slots first (`staging_slots`, sized for the worst case);
+blocks take the rest. Staging is planned on tensor-parallel rank 0 alone: every rank applies the
+plan it is sent, copy-on-write copies included (`StepPlan.stage_copies`).
 """
 from __future__ import annotations
 

@@ -1,1 +1,3 @@
-"""Tools that explain the engine's resource use without running a model (`kvserve memory`)."""
+"""Tools that explain the engine: `kvserve memory` (memory_planner.py, arithmetic on a model's
+shape, no weights loaded) and `kvserve doctor` (doctor.py: correctness checks through the real
+engine, checks.py, and where a decode step's time goes, performance.py)."""

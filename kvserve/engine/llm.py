@@ -1,4 +1,9 @@
-"""The offline entry point: `LLM(...).generate(prompts, params)` and streaming."""
+"""The offline entry point: `LLM(...).generate(prompts, params)` and streaming.
+
+One call at a time per `LLM`: each steps the engine and keeps only its own outputs, so a second
+one open at once is refused; a call that ends early (an exception, a stream closed) aborts its
+requests, returning their blocks. Concurrent clients go through `kvserve serve`.
+"""
 from __future__ import annotations
 
 import dataclasses

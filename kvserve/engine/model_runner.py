@@ -1,4 +1,14 @@
-"""Runs one scheduled batch through the model and samples each sequence's next token."""
+"""Runs one scheduled batch through the model and samples each sequence's next token.
+
+Its only inputs are a `StepPlan` (engine/step_plan.py) and the model: it reads no scheduler
+state. `prepare` (rank 0) turns the plan into a `StepInput` (one packed batch, its
+`StepMetadata`, the logits rows); `execute` (every tensor-parallel rank) first applies the step's
+`BlockOps` in one place (`apply`, in the order block_ops.py gives: every read of a block ahead of
+any write that may reuse it), then runs a decode step from a CUDA graph (engine/cuda_graphs.py),
+a small CPU step through the fused decoder stack (engine/cpu_stack.py), or else the layered model
+with the backend bound to the step (`StepAttention`). On CPU the model's linears are replaced
+once, at construction, where one of model/cpu_linear.py's fits the dtype and kernels.
+"""
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,9 @@
-"""Turns a batch of logits into next tokens: greedy, temperature, top-k, top-p, seeded."""
+"""Turns a batch of logits into next tokens: greedy, temperature, top-k, top-p, seeded.
+
+Vectorized over the batch. A draw is an inverse-CDF sample (fp64 CDF) with one uniform per row
+made from (seed, position) alone, with no generator per row, so a request's output does not
+depend on its batch or on preemption.
+"""
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,18 @@
-"""Continuous batching: which sequences run in the next step, and who is preempted."""
+"""Continuous batching: which sequences run in the next step, and who is preempted.
+
+Invariants the engine relies on:
+- Every block move of a step travels in the `SchedulerOutput`: each helper of `schedule()`
+  (`_swap_in`, `_make_room_for_decode`, `_admit`) returns the moves the block manager and swap
+  space returned to it, joined with `BlockOps.then`, so no move outlives its step.
+- Swapped sequences come back before new ones are admitted. When blocks run out, the most
+  recently admitted sequence is preempted (by recompute or swap, `prefer_swap`); one that has
+  outgrown the device pool offloads its cold blocks instead, since it could never be readmitted.
+- The beams of a request are admitted and preempted together; a group that does not fit whole
+  gives its grants back (`BlockManager.roll_back`, which also drops their remote loads).
+- A sequence runs at most `Sequence.num_runnable` tokens a step and holds blocks for
+  `num_slots_to_run` slots (an evicting sequence's chunk ends cap both); `complete_step` is the
+  one place `num_computed_tokens` advances.
+"""
 from __future__ import annotations
 
 import dataclasses

@@ -1,6 +1,10 @@
 """A tensor-parallel rank other than 0: the engine's model slice, pool and runner, and no
 scheduler. It loads the model as rank 0 does, keeps its shard, builds a pool of rank 0's block
-count over its own KV heads, and runs every step rank 0 broadcasts until told to stop."""
+count over its own KV heads, and runs every step rank 0 broadcasts until told to stop.
+
+A block id means the same block on every rank, so rank 0's block manager serves them all; a rank
+plans nothing itself (a compressed pool's staging arrives in the step's `kv_plan`), and
+`ModelRunner.apply` on a `BlockMoves` is a step with moves and no sequence."""
 from __future__ import annotations
 
 import logging

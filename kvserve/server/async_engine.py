@@ -4,6 +4,11 @@ Only this thread touches the engine. Handlers send it work (`call`, `submit`, `a
 inbox that it drains between steps, and each request's outputs come back on an asyncio queue of
 the handler's event loop. A slow client therefore only lets its own queue grow; the batch keeps
 stepping.
+
+The waiting queue is bounded: a request that would leave more than `max_waiting` requests
+waiting for a batch seat, counted by the scheduler's own admission rule
+(`Scheduler.waiting_past_seats`), is refused (`QueueFull`, a 429), so a burst that fits the batch
+is taken whole.
 """
 from __future__ import annotations
 
