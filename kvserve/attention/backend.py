@@ -3,11 +3,16 @@
 A backend owns how attention reads the pool's pages for one configuration: it turns the
 runner's `StepMetadata` into what its kernel needs (once per step, `prepare`), then for every
 layer writes the new K/V into the pages and attends over the block tables (`forward`).
+
+A sliding-window layer (Mistral, Qwen's windowed layers, Gemma 3's local ones) names its window
+in the call; the backend's `with_window` turns the step's metadata into that of a layer whose
+queries see only the last `window` positions, built once per step and window. Every layer keeps
+its whole KV in the pages: the window masks, it frees nothing.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -24,6 +29,7 @@ Pool = KVPool | QuantizedKVPool
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
+    masks_window: ClassVar[bool] = False  # whether `with_window` is implemented
 
     def __init__(self, pool: Pool, num_heads: int) -> None:
         self.pool = pool
@@ -43,6 +49,13 @@ class AttentionBackend(ABC):
                 scale: float) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] of the step's new tokens: stores k/v in layer
         `layer`'s pages, returns attention over each sequence's context [T, heads, D]."""
+
+    def with_window(self, meta: Any, window: int) -> Any:
+        """`meta` (this step's, from `prepare`) for a layer whose query at position p sees the keys
+        at p - window + 1 .. p only (transformers' sliding-window mask)."""
+        raise ValueError(f"EngineConfig.attention_backend: the {self.name} backend has no sliding-window mask, "
+                         f"and this model has layers that attend to the last {window} positions only; use "
+                         f"attention_backend='torch' (which 'auto' picks for such a model)")
 
     def graph_unsupported(self) -> str | None:
         """Why a decode step of this backend cannot be replayed from a CUDA graph; None when it
@@ -70,13 +83,15 @@ class StepAttention:
     With a `scoring` plan, each layer also fills its row of `scores` [layers, n, kv_heads,
     slots], the step's second output beside the logits (see attention/scores.py). With a
     `rotation`, q, k (unless it rotates values only) and v are rotated before the backend and
-    the output back after it (attention/rotation.py)."""
+    the output back after it (attention/rotation.py). `windowed` holds the step's metadata per
+    sliding window, made on first use."""
     backend: AttentionBackend
     step: StepMetadata
     meta: Any
     scoring: ScorePlan | None = None
     scores: torch.Tensor | None = None
     rotation: KVRotation | None = None
+    windowed: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, backend: AttentionBackend, step: StepMetadata, scoring: ScorePlan | None = None,
@@ -93,15 +108,25 @@ class StepAttention:
         return self.step.positions
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int | None = None) -> torch.Tensor:
+        """`window`: the layer's sliding window; None for a layer that sees its whole context."""
         with label("kvserve.attention"):  # for the doctor's profile of a step
+            meta = self.meta if window is None else self._windowed(window)
             r = None if self.rotation is None else self.rotation.matrix
             if r is not None:
                 if self.rotation.keys:
                     q, k = rotate(q, r), rotate(k, r)
                 v = rotate(v, r)
             if self.scoring is None:
-                out = self.backend.forward(layer, q, k, v, self.meta, scale)
+                out = self.backend.forward(layer, q, k, v, meta, scale)
             else:  # rotated queries over rotated keys: the same weights
-                out, self.scores[layer] = self.backend.forward_scored(layer, q, k, v, self.meta, scale, self.scoring)
+                out, self.scores[layer] = self.backend.forward_scored(layer, q, k, v, meta, scale, self.scoring)
             return out if r is None else rotate(out, r.T)
+
+    def _windowed(self, window: int) -> Any:
+        if window not in self.windowed:
+            if self.scoring is not None:  # slot_scores' causal mask would count the keys the window hides
+                raise ValueError(f"kv_eviction: policies that rank tokens by attention are not built for "
+                                 f"sliding-window layers (window {window})")
+            self.windowed[window] = self.backend.with_window(self.meta, window)
+        return self.windowed[window]

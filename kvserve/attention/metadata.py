@@ -25,6 +25,9 @@ class StepMetadata:
     max_query_len: int
     offloaded: bool              # a table holds host blocks (ids >= the device pool's size)
     kv_plan: Any                 # the pool's own plan for this step's writes (QuantizedKVPool)
+    # A sequence has evicted tokens: its slots no longer sit at their positions, which a
+    # sliding window (a span of positions, masked in slots) needs.
+    evicts: bool = False
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -54,7 +57,7 @@ class StepMetadata:
         tensor = torch.from_numpy
         return cls(tensor(query_start), tensor(ctx), to_device(tensor(tables), device),
                    to_device(tensor(slot_mapping), device), to_device(tensor(positions), device), max(query_lens),
-                   offloaded, kv_plan)
+                   offloaded, kv_plan, evicted is not None and any(evicted))
 
     @property
     def num_seqs(self) -> int:

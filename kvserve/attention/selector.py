@@ -20,11 +20,20 @@ BACKEND_NAMES = ("auto", *BACKENDS)
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "torch"), "cuda": ("triton", "torch")}
 
 
-def make_backend(name: str, pool: Pool, num_heads: int, device: torch.device) -> AttentionBackend:
+def _unsupported(cls: type[AttentionBackend], pool: Pool, device: torch.device, windowed: bool) -> str | None:
+    if windowed and not cls.masks_window:
+        return "no sliding-window mask, and the model has sliding-window layers"
+    return cls.unsupported(pool, device)
+
+
+def make_backend(name: str, pool: Pool, num_heads: int, device: torch.device,
+                 windowed: bool = False) -> AttentionBackend:
+    """`windowed`: the model has sliding-window layers (`ModelConfig.sliding_layers`), which only
+    backends with `masks_window` serve."""
     if name == "auto":
         reasons = {}
         for cls in (BACKENDS[n] for n in AUTO_ORDER.get(device.type, ("torch",))):
-            reason = cls.unsupported(pool, device)
+            reason = _unsupported(cls, pool, device, windowed)
             if reason is None:
                 logger.info("attention backend: %s (auto; %s)", cls.name,
                             "; ".join(f"{n}: {r}" for n, r in reasons.items()) or "first choice")
@@ -32,7 +41,7 @@ def make_backend(name: str, pool: Pool, num_heads: int, device: torch.device) ->
             reasons[cls.name] = reason
         raise AssertionError("the torch backend supports every configuration")
     cls = BACKENDS[name]
-    reason = cls.unsupported(pool, device)
+    reason = _unsupported(cls, pool, device, windowed)
     if reason is not None:
         raise ValueError(f"EngineConfig.attention_backend: {name!r} cannot serve this configuration: {reason}")
     logger.info("attention backend: %s", name)

@@ -2,11 +2,12 @@
 
 Queries are padded into a [batch, max_query_len] grid, each sequence's pages are gathered
 through its block table (decoded if compressed) and padded to the longest context of the step,
-and a causal + length mask does the rest. Simple, any device, every KV format: the backend the
-tests hold the fast ones to.
+and a causal + length mask does the rest (and a sliding layer's window: `with_window`). Simple,
+any device, every KV format: the backend the tests hold the fast ones to.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +23,12 @@ class SDPAMetadata:
     query_index: torch.Tensor | None  # [T] row of each new token in the [B * max_query_len] grid;
                                       # None when every sequence brings max_query_len tokens
     mask: torch.Tensor                # [B, 1, max_query_len * group, max_blocks * block_size] bool
+    query_slots: torch.Tensor         # [B, max_query_len * group, 1] each grid row's slot, on the CPU
 
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
+    masks_window = True
 
     @classmethod
     def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
@@ -43,13 +46,22 @@ class TorchSDPABackend(AttentionBackend):
         # counts evicted tokens). Padded rows keep slot 0: they attend to one key, never none (NaN).
         q_pos = torch.zeros(batch * max_q, dtype=torch.long)
         q_pos[query_index] = (step.context_lens - q_lens)[seq_of] + offsets
+        q_pos = q_pos.view(batch, max_q, 1).repeat_interleave(group, dim=1)
         k_pos = torch.arange(step.block_tables.shape[1] * self.pool.block_size)
-        mask = (k_pos[None, None, :] <= q_pos.view(batch, max_q, 1)) & (
-            k_pos[None, None, :] < step.context_lens[:, None, None])
-        mask = mask.repeat_interleave(group, dim=1).unsqueeze(1)
+        mask = (k_pos <= q_pos) & (k_pos < step.context_lens[:, None, None])
         device = step.block_tables.device
         padded = total != batch * max_q
-        return SDPAMetadata(step, query_index.to(device) if padded else None, mask.to(device))
+        return SDPAMetadata(step, query_index.to(device) if padded else None, mask.unsqueeze(1).to(device), q_pos)
+
+    def with_window(self, meta: SDPAMetadata, window: int) -> SDPAMetadata:
+        """The causal mask cut to keys after slot q - window, as transformers' sliding_window_overlay
+        (kv_idx > q_idx - window). A padded row keeps slot 0, so it still sees one key."""
+        if meta.step.evicts:
+            raise ValueError(f"kv_eviction: a sliding window (of {window} positions) cannot mask a sequence that "
+                             f"has evicted tokens: its slots no longer sit at their positions")
+        k_pos = torch.arange(meta.mask.shape[-1])
+        near = (k_pos > meta.query_slots - window).unsqueeze(1)
+        return dataclasses.replace(meta, mask=meta.mask & near.to(meta.mask.device))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SDPAMetadata,
                 scale: float) -> torch.Tensor:

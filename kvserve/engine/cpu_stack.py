@@ -48,8 +48,14 @@ class CPUDecodeStack:
                     rotation: KVRotation | None) -> str | None:
         """Why the stack cannot run this configuration's steps; None when it can. RoPE scaling needs
         nothing here: the kernel reads the model's own cos/sin tables."""
-        if model.config.qk_norm:
+        cfg = model.config
+        if cfg.norm_offset or cfg.sandwich_norms or cfg.hidden_act != "silu":
+            return ("Gemma 3's layer (offset and sandwich norms, GeGLU, scaled embeddings): the stack's kernel "
+                    "runs Llama's")
+        if cfg.qk_norm:
             return "q/k norms per head (Qwen3): the stack's kernel runs none"
+        if cfg.sliding_layers:
+            return f"sliding-window layers (window {cfg.sliding_window}): the stack's kernel masks none"
         if linear_kind != "small-batch":
             return "needs bf16 weights and the small-batch linear (AVX512-BF16 or AVX2)"
         if any(isinstance(m, (nn.Linear, PackedLinear)) for m in model.model.layers.modules()):

@@ -5,8 +5,11 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvserve.model.architectures import LLAMA, QWEN2, QWEN3, hf_family, refuse_unimplemented
-from kvserve.model.rope import Llama3RopeScaling, rope_from_hf
+from kvserve.model.architectures import (GEMMA3, LLAMA, MISTRAL, QWEN2, QWEN3, Family, hf_family, layer_windows,
+                                         refuse_unimplemented)
+from kvserve.model.rope import RopeScaling, layered_rope_from_hf, rope_from_hf
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -26,8 +29,20 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     initializer_range: float = 0.02  # std of a random-weight model's matrices (HF's name and default)
-    rope_scaling: Llama3RopeScaling | None = None
-    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head, before RoPE
+    rope_scaling: RopeScaling | None = None  # of the full-attention layers where rope_local_theta is set
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each q and k head, before RoPE
+    # Sliding windows: the layers in `sliding_layers` see only the last `sliding_window` positions
+    # (Mistral, Qwen's windowed layers, Gemma 3's local layers); `layer_windows` spells it per layer.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None: rope_theta
+    # Gemma 3's deltas from Llama.
+    hidden_act: str = "silu"              # the gated MLP's activation: silu or gelu_pytorch_tanh (GeGLU)
+    norm_offset: bool = False             # every RMSNorm scales by 1 + weight, in fp32
+    sandwich_norms: bool = False          # attention and MLP outputs normalised before the residual add
+    scale_embeddings: bool = False        # embeddings times sqrt(hidden_size), rounded to the model dtype
+    query_pre_attn_scalar: int | None = None  # attention scale query_pre_attn_scalar ** -0.5; None: head_dim
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -42,6 +57,21 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.initializer_range must be positive, got {self.initializer_range}")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if (self.sliding_window is None) != (not self.sliding_layers) or (
+                self.sliding_window is not None and self.sliding_window < 1):
+            raise ValueError(f"ModelConfig.sliding_window ({self.sliding_window}) must be positive exactly when "
+                             f"sliding_layers ({self.sliding_layers}) names layers")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers) or \
+                list(self.sliding_layers) != sorted(set(self.sliding_layers)):
+            raise ValueError(f"ModelConfig.sliding_layers must be increasing layer indices below num_layers "
+                             f"({self.num_layers}), got {self.sliding_layers}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window; None for a layer that sees its whole context."""
+        return tuple(self.sliding_window if i in self.sliding_layers else None for i in range(self.num_layers))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -49,14 +79,12 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
     def to_hf_dict(self) -> dict:
-        """A `config.json` of the Hugging Face class that computes this model: Qwen3 for q/k norms,
-        Qwen2 for a q/k/v bias, else Llama."""
-        if self.qk_norm and self.qkv_bias:
-            raise ValueError("ModelConfig: no Hugging Face class has q/k norms and a q/k/v bias "
-                             "without an o_proj bias")
-        family = QWEN3 if self.qk_norm else QWEN2 if self.qkv_bias else LLAMA
+        """A `config.json` of the Hugging Face class that computes this model: Gemma 3 for its
+        deltas, Qwen3 for q/k norms, Qwen2 for a q/k/v bias, Mistral for a window on every layer,
+        else Llama."""
+        family = self._hf_family()
         rope = {} if self.rope_scaling is None else {"rope_scaling": self.rope_scaling.to_hf_dict()}
-        return {
+        out = {
             "architectures": [family.hf_architecture],
             "model_type": family.model_type,
             "vocab_size": self.vocab_size,
@@ -74,18 +102,58 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "initializer_range": self.initializer_range,
-            "hidden_act": "silu",
+            family.activation[0]: self.hidden_act,
+            "sliding_window": self.sliding_window,
             **rope,
         }
+        if family.window != "always":
+            out["layer_types"] = ["full_attention" if w is None else "sliding_attention" for w in self.layer_windows]
+        if family.window == "switched":
+            out["use_sliding_window"] = self.sliding_window is not None
+        if family is GEMMA3:
+            # Gemma3TextModel builds a sliding mask even with no sliding layer: it needs a window.
+            out.update(sliding_window=self.sliding_window or self.max_position,
+                       rope_local_base_freq=self.rope_local_theta or self.rope_theta,
+                       query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
+                       final_logit_softcapping=self.final_logit_softcapping)
+        return out
+
+    def _hf_family(self) -> Family:
+        gemma = (self.norm_offset, self.sandwich_norms, self.scale_embeddings, self.qk_norm,
+                 self.hidden_act == "gelu_pytorch_tanh", not self.qkv_bias)
+        if all(gemma):
+            return GEMMA3
+        if any(gemma[:3]) or self.hidden_act != "silu" or self.rope_local_theta is not None \
+                or self.query_pre_attn_scalar is not None or self.final_logit_softcapping is not None:
+            raise ValueError("ModelConfig: only Gemma 3's class has offset or sandwich norms, scaled embeddings, "
+                             "GeGLU, a local RoPE base, query_pre_attn_scalar or logit soft-capping, and it has "
+                             "all of the first four, q/k norms and no q/k/v bias")
+        if self.qk_norm and self.qkv_bias:
+            raise ValueError("ModelConfig: no Hugging Face class has q/k norms and a q/k/v bias "
+                             "without an o_proj bias")
+        if self.qk_norm or self.qkv_bias:
+            return QWEN3 if self.qk_norm else QWEN2
+        if not self.sliding_layers:
+            return LLAMA
+        if len(self.sliding_layers) != self.num_layers:
+            raise ValueError("ModelConfig: windows on some layers of a Llama need Qwen's or Gemma's class")
+        return MISTRAL
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
         """A config.json of a supported architecture; `UnsupportedModel` names what is not."""
         family = hf_family(d)
         refuse_unimplemented(d, family)
-        rope_theta, rope_scaling = rope_from_hf(d)
+        gemma = family is GEMMA3
+        if gemma:
+            rope_theta, rope_scaling, local_theta = layered_rope_from_hf(d)
+        else:
+            (rope_theta, rope_scaling), local_theta = rope_from_hf(d), None
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
+        max_position = d.get("max_position_embeddings", 2048)
+        windows = layer_windows(d, family, max_position)
+        sliding = tuple(i for i, w in enumerate(windows) if w is not None)
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -96,14 +164,23 @@ class ModelConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rope_theta=rope_theta,
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
-            max_position=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            max_position=max_position,
+            tie_word_embeddings=d.get("tie_word_embeddings", gemma),  # Gemma3TextConfig's default: tied
             qkv_bias=family.qkv_bias,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             initializer_range=d.get("initializer_range", 0.02),
             rope_scaling=rope_scaling,
             qk_norm=family.qk_norm,
+            sliding_window=windows[sliding[0]] if sliding else None,
+            sliding_layers=sliding,
+            rope_local_theta=local_theta,
+            hidden_act=family.activation[1],
+            norm_offset=gemma,
+            sandwich_norms=gemma,
+            scale_embeddings=gemma,
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256) if gemma else None,
+            final_logit_softcapping=d.get("final_logit_softcapping") if gemma else None,
         )
 
     @classmethod

@@ -52,5 +52,18 @@ class EagerOps:
         return F.silu(gate) * up
 
 
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, as transformers' Gemma3RMSNorm: x scaled by 1 + weight, all in fp32, then cast."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh GELU (`gelu_pytorch_tanh`, Gemma), in the model dtype as transformers."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def resolve_ops(kernels: Any | None) -> Ops:
     return EagerOps() if kernels is None else kernels

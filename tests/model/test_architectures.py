@@ -1,6 +1,8 @@
 """Each supported family, written by HF transformers' own config class and `save_pretrained`, gives
 transformers' logits in kvserve (fp32, within 1e-4) over a prompt and 32 greedy tokens on the
-torch and cpu backends; what kvserve does not compute is refused naming the field or architecture."""
+torch and cpu backends (sliding windows and Gemma 3: tests/model/test_gemma3.py); sliding windows
+are read per layer as transformers reads them; what kvserve does not compute is refused naming the
+field or architecture."""
 from __future__ import annotations
 
 import json
@@ -10,13 +12,16 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                          PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
+from safetensors.torch import save_file
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          MistralConfig, PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
 
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import cpu_extension
 from kvserve.model.architectures import UnsupportedModel
-from kvserve.model.loader import load_model
+from kvserve.model.config import ModelConfig
+from kvserve.model.loader import hf_state_dict, load_model
+from kvserve.model.rope import LinearRopeScaling
 from tests.model.test_loader import logits
 
 CPU = torch.device("cpu")
@@ -103,32 +108,93 @@ def edit_config(path: Path, **changes: object) -> None:
                                                   if not (k in changes and v is None)}))
 
 
-def test_a_sliding_window_is_refused_naming_its_field(tmp_path: Path) -> None:
+def windows(path: Path) -> tuple[int | None, ...]:
+    return load_model(path, torch.float32, CPU).config.layer_windows
+
+
+def test_sliding_windows_are_read_per_layer_as_transformers_reads_them(tmp_path: Path) -> None:
+    """Mistral windows every layer; Qwen2 the layers its layer_types mark (written by transformers
+    from max_window_layers up), only under use_sliding_window; Gemma 3 its layer_types' sliding
+    ones, or in older files all but every sliding_window_pattern-th. A window covering every
+    position masks nothing and is read as none."""
     save_tiny(MistralConfig(**SHAPE, sliding_window=16), tmp_path / "mistral")
-    assert "sliding_window: sliding-window attention (sliding_window 16) is not built yet" in \
-        refused(tmp_path / "mistral")
-    # Qwen2 with its window switched on for the layers from max_window_layers up (transformers
-    # writes them out as layer_types).
+    assert windows(tmp_path / "mistral") == (16, 16)
     qwen = tmp_path / "qwen2"
     save_tiny(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=1), qwen)
-    assert "layer_types: sliding-window attention" in refused(qwen)
-    # A file from before layer_types: the same window, named by sliding_window ...
-    edit_config(qwen, layer_types=None)
-    assert "sliding_window: sliding-window attention" in refused(qwen)
-    # ... and switched off by use_sliding_window (Qwen2.5's files; off when absent, as in transformers),
-    # or below max_window_layers: full attention.
-    for switch in (False, None):
+    assert windows(qwen) == (None, 16)
+    edit_config(qwen, layer_types=None)  # a file from before layer_types
+    assert windows(qwen) == (None, 16)
+    for switch in (False, None):  # Qwen2.5's files: off, and off when absent, as in transformers
         edit_config(qwen, use_sliding_window=switch)
-        assert load_model(qwen, torch.float32, CPU).config.qkv_bias
+        assert windows(qwen) == (None, None)
     edit_config(qwen, use_sliding_window=True, max_window_layers=2)
-    load_model(qwen, torch.float32, CPU)
+    assert windows(qwen) == (None, None)
+    edit_config(qwen, max_window_layers=0, sliding_window=512)  # max_position_embeddings: 512
+    assert windows(qwen) == (None, None)
+    gemma = tmp_path / "gemma3"
+    save_tiny(Gemma3TextConfig(**{**SHAPE, "num_key_value_heads": 1}, head_dim=16, sliding_window=16,
+                               layer_types=["full_attention", "sliding_attention"]), gemma)
+    assert windows(gemma) == (None, 16)
+    edit_config(gemma, layer_types=None, sliding_window_pattern=2)
+    assert windows(gemma) == (16, None)
+    edit_config(gemma, layer_types=["sliding_attention", "local"])
+    assert "layer_types: expected 2 of full_attention, sliding_attention" in refused(gemma)
+    edit_config(gemma, layer_types=None, sliding_window=0)
+    assert "sliding_window: expected a positive integer, got 0" in refused(gemma)
+
+
+def test_an_older_gemma3_config_reads_as_transformers_5_writes_it(tmp_path: Path) -> None:
+    """Hub files from before transformers 5: rope_theta and rope_scaling for the global layers,
+    rope_local_base_freq for the local ones, sliding_window_pattern instead of layer_types."""
+    shape = {**SHAPE, "num_hidden_layers": 6, "num_key_value_heads": 1}
+    save_tiny(Gemma3TextConfig(**shape, head_dim=16, sliding_window=16, rope_local_base_freq=20000.0,
+                               rope_theta=30000.0, rope_scaling={"rope_type": "linear", "factor": 4.0}), tmp_path)
+    new = load_model(tmp_path, torch.float32, CPU).config
+    assert new.layer_windows == (16,) * 5 + (None,) and new.rope_local_theta == 20000.0
+    edit_config(tmp_path, rope_parameters=None, layer_types=None, sliding_window_pattern=6, rope_theta=30000.0,
+                rope_local_base_freq=20000.0, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    assert load_model(tmp_path, torch.float32, CPU).config == new
+
+
+def test_options_gemma3_has_and_kvserve_does_not_compute_are_refused(tmp_path: Path) -> None:
+    save_tiny(Gemma3TextConfig(**{**SHAPE, "num_key_value_heads": 1}, head_dim=16), tmp_path)
+    edit_config(tmp_path, use_bidirectional_attention=True)
+    assert "use_bidirectional_attention: true (EmbeddingGemma) is not implemented" in refused(tmp_path)
+    edit_config(tmp_path, use_bidirectional_attention=False, hidden_activation="gelu")
+    assert "hidden_activation: 'gelu' is not implemented" in refused(tmp_path)
+    edit_config(tmp_path, hidden_activation="gelu_pytorch_tanh", rope_parameters={
+        "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "linear", "factor": 2.0}})
+    assert "rope_parameters.sliding_attention: RoPE scaling on the sliding layers" in refused(tmp_path)
 
 
 def test_an_unsupported_architecture_is_refused_naming_it(tmp_path: Path) -> None:
-    config = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=1, head_dim=16)
-    Gemma3ForCausalLM(config).save_pretrained(tmp_path)
-    assert "architectures: 'Gemma3ForCausalLM' is not supported" in refused(tmp_path)
+    # Gemma 2 soft-caps attention logits, which kvserve's attention does not.
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=16)
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    assert "architectures: 'Gemma2ForCausalLM' is not supported" in refused(tmp_path)
+
+
+def test_a_gemma3_model_config_writes_a_directory_transformers_reads(tmp_path: Path) -> None:
+    """`ModelConfig.to_hf_dict` and `hf_state_dict` (what a converted GGUF is written with) give a
+    directory that transformers runs to kvserve's logits, and that kvserve reads back equal."""
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                      num_kv_heads=1, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6, max_position=256,
+                      initializer_range=0.2, rope_scaling=LinearRopeScaling(8.0), qk_norm=True, sliding_window=8,
+                      sliding_layers=(0, 1), rope_local_theta=1e4, hidden_act="gelu_pytorch_tanh",
+                      norm_offset=True, sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=24)
+    ours = load_model(cfg, torch.float32, CPU, seed=1).model
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if p.dim() == 1:
+                p.copy_(0.3 * torch.randn_like(p))
+    save_file(hf_state_dict(ours), tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    assert load_model(tmp_path, torch.float32, CPU).config == cfg
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = [(7 * i + 3) % 128 for i in range(30)]
+    got = torch.log_softmax(logits(ours, cfg, ids), dim=-1)
+    assert (got - hf_logprobs(hf, ids)).abs().max().item() < 1e-4
 
 
 def test_an_unknown_rope_type_is_refused_naming_the_field(tmp_path: Path) -> None:
@@ -204,11 +270,11 @@ def test_a_qwen3_gguf_gives_the_logits_of_its_model(tiny_models: dict, tmp_path:
 def test_an_unsupported_gguf_architecture_is_refused_naming_it(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
-    writer = gguf.GGUFWriter(tmp_path / "gemma.gguf", "gemma3")
+    writer = gguf.GGUFWriter(tmp_path / "phi3.gguf", "phi3")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    assert "general.architecture: 'gemma3' is not supported" in refused(tmp_path / "gemma.gguf")
+    assert "general.architecture: 'phi3' is not supported" in refused(tmp_path / "phi3.gguf")
 
 
 kernels = cpu_extension.load()
