@@ -19,7 +19,7 @@ from kvserve.cache.kv_pool import KVPool
 from kvserve.eviction.policy import POLICY_NAMES, EvictionPolicy
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_linear import SMALL_BATCH
-from kvserve.validate import is_int
+from kvserve.validate import FieldError, is_int
 
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -41,10 +41,32 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 _SIZE_FIELDS = ("host_swap_memory", "disk_swap_memory", "offload_memory")
 
 
+# The parts of a configuration: each is shown as one group of command-line options, in this
+# order, and each field belongs to exactly one (tests/test_config.py checks the partition).
+CONFIG_PARTS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "dtype", "device", "max_model_len", "seed"),
+    "cache": ("kv_cache_memory", "num_blocks_override", "block_size", "cache_mode", "enable_prefix_caching",
+              "host_swap_memory", "disk_swap_memory", "swap_dir", "offload_memory", "kv_remote",
+              "kv_remote_timeout", "kv_remote_secret"),
+    "KV format": ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v", "kv_rotation", "kv_rotate_keys",
+                  "kv_group_size", "kv_group_size_k", "kv_group_size_v", "kv_residual", "kv_outliers",
+                  "kv_sparse_threshold", "kv_sparse_capacity", "kv_fp8_scales", "kv_calibration_tokens",
+                  "kv_exact_sink", "kv_key_wide_channels", "kv_symmetric_values"),
+    "eviction": ("kv_eviction", "kv_budget", "kv_sink_tokens", "kv_window", "kv_stride", "kv_observation_window",
+                 "kv_pooling_kernel", "kv_evict_during_decode", "kv_evict_interval", "kv_prefill_chunk",
+                 "kv_mean_heads"),
+    "scheduler": ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "preemption_mode",
+                  "async_scheduling"),
+    "parallel": ("tensor_parallel_size",),
+    "runtime": ("attention_backend", "cpu_kernels", "cpu_fused_step", "cuda_graphs"),
+}
+
+
 def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"EngineConfig.kv_cache_memory: cannot parse {text!r} (use e.g. '2GiB' or 0.5)")
+        raise FieldError("kv_cache_memory",
+                         f"EngineConfig.kv_cache_memory: cannot parse {text!r} (use e.g. '2GiB' or 0.5)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -60,7 +82,7 @@ def policy_for(owner: str, **fields: Any) -> EvictionPolicy:
     try:
         return EvictionPolicy(**fields)
     except ValueError as err:
-        raise ValueError(str(err).replace("EvictionPolicy.", f"{owner}.", 1)) from None
+        raise FieldError(err.field, str(err).replace("EvictionPolicy.", f"{owner}.", 1)) from None
 
 
 def _opt(default: object, help: str, **cli: object) -> Any:
@@ -196,51 +218,62 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self._check_types()
         if self.dtype not in DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise FieldError("dtype", f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
-            raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+            raise FieldError("device", f"EngineConfig.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda"):
             self._check_cuda()
         if self.cache_mode not in CACHE_MODES:
-            raise ValueError(f"EngineConfig.cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
+            raise FieldError("cache_mode",
+                             f"EngineConfig.cache_mode must be one of {CACHE_MODES}, got {self.cache_mode!r}")
         for name in ("block_size", "max_num_seqs"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+                raise FieldError(name, f"EngineConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_num_batched_tokens", "max_model_len", "num_blocks_override"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
-                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+                raise FieldError(name, f"EngineConfig.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.kv_cache_memory, str) and not 0 < self.kv_cache_memory <= 1:
-            raise ValueError(f"EngineConfig.kv_cache_memory as a fraction must be in (0, 1], "
+            raise FieldError("kv_cache_memory",
+                             f"EngineConfig.kv_cache_memory as a fraction must be in (0, 1], "
                              f"got {self.kv_cache_memory}")
         if isinstance(self.kv_cache_memory, str):
             parse_bytes(self.kv_cache_memory)
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"EngineConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
+            raise FieldError("preemption_mode",
+                             f"EngineConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")
         for name in _SIZE_FIELDS:
             try:
                 parse_bytes(getattr(self, name))
             except ValueError:
-                raise ValueError(f"EngineConfig.{name}: cannot parse {getattr(self, name)!r}") from None
+                raise FieldError(name, f"EngineConfig.{name}: cannot parse {getattr(self, name)!r}") from None
         if self.swap_dir is not None and not (os.path.isdir(self.swap_dir) and os.access(self.swap_dir, os.W_OK)):
             why = "is not a writable directory" if os.path.exists(self.swap_dir) else "does not exist"
-            raise ValueError(f"EngineConfig.swap_dir: {self.swap_dir!r} {why}")
+            raise FieldError("swap_dir", f"EngineConfig.swap_dir: {self.swap_dir!r} {why}")
         # The baselines have no block tables to swap or offload: refused, not silently ignored.
         if self.cache_mode != "paged" and self.preemption_mode != "recompute":
-            raise ValueError(f"EngineConfig.preemption_mode={self.preemption_mode!r} needs cache_mode='paged' "
+            raise FieldError("preemption_mode",
+                             f"EngineConfig.preemption_mode={self.preemption_mode!r} needs cache_mode='paged' "
                              f"(the {self.cache_mode} baseline preempts by recompute)")
         if self.cache_mode != "paged" and parse_bytes(self.offload_memory):
-            raise ValueError(f"EngineConfig.offload_memory needs cache_mode='paged' (got {self.cache_mode!r})")
+            raise FieldError("offload_memory",
+                             f"EngineConfig.offload_memory needs cache_mode='paged' (got {self.cache_mode!r})")
         if self.attention_backend not in BACKEND_NAMES:
-            raise ValueError(f"EngineConfig.attention_backend must be one of {BACKEND_NAMES}, "
+            raise FieldError("attention_backend",
+                             f"EngineConfig.attention_backend must be one of {BACKEND_NAMES}, "
                              f"got {self.attention_backend!r}")
         if self.async_scheduling not in ASYNC_SCHEDULING:
-            raise ValueError(f"EngineConfig.async_scheduling must be one of {ASYNC_SCHEDULING}, "
+            raise FieldError("async_scheduling",
+                             f"EngineConfig.async_scheduling must be one of {ASYNC_SCHEDULING}, "
                              f"got {self.async_scheduling!r}")
-        self._check_kv_format()
+        formats = self._check_kv_format()
+        self._check_parallel()
+        self._check_remote(formats)
+        self._check_tiers(formats)
         if self.kv_rotation not in ROTATIONS:
-            raise ValueError(f"EngineConfig.kv_rotation must be one of {', '.join(ROTATIONS)}, "
+            raise FieldError("kv_rotation",
+                             f"EngineConfig.kv_rotation must be one of {', '.join(ROTATIONS)}, "
                              f"got {self.kv_rotation!r}")
         self._check_eviction()
 
@@ -254,15 +287,16 @@ class EngineConfig:
                 got = f"a value of type {type(value).__name__}" if name in _HIDDEN else repr(value)
                 if name in _SIZE_FIELDS:
                     names, got = "a size string such as '4GiB', '512MiB' or '0'", f"{got} of type {type(value).__name__}"
-                raise ValueError(f"EngineConfig.{name} must be {names}, got {got}")
+                raise FieldError(name, f"EngineConfig.{name} must be {names}, got {got}")
 
     def _check_cuda(self) -> None:
         if not torch.cuda.is_available():
             why = "this torch has no CUDA" if torch.version.cuda is None else "no GPU is visible"
-            raise ValueError(f"EngineConfig.device is {self.device!r} but {why}; use 'cpu' or 'auto'")
+            raise FieldError("device", f"EngineConfig.device is {self.device!r} but {why}; use 'cpu' or 'auto'")
         index = torch.device(self.device).index
         if index is not None and index >= torch.cuda.device_count():
-            raise ValueError(f"EngineConfig.device is {self.device!r} but only {torch.cuda.device_count()} "
+            raise FieldError("device",
+                             f"EngineConfig.device is {self.device!r} but only {torch.cuda.device_count()} "
                              f"GPU(s) are visible")
 
     def eviction_policy(self, name: str | None = None, budget: int | None = None,
@@ -272,11 +306,11 @@ class EngineConfig:
         name = self.kv_eviction if name is None else name
         if name == "none":
             if budget is not None:  # a request's budget alone would be ignored without a word
-                raise ValueError(f"{owner}.kv_budget has no effect without kv_eviction (this one: 'none')")
+                raise FieldError("kv_budget", f"{owner}.kv_budget has no effect without kv_eviction (this one: 'none')")
             return None
         budget = self.kv_budget if budget is None else budget
         if budget is None:
-            raise ValueError(f"{owner}.kv_budget is required with kv_eviction={name!r}")
+            raise FieldError("kv_budget", f"{owner}.kv_budget is required with kv_eviction={name!r}")
         return self._policy(owner, name, budget)
 
     def _policy(self, owner: str, name: str, budget: int) -> EvictionPolicy:
@@ -289,17 +323,18 @@ class EngineConfig:
 
     def _check_eviction(self) -> None:
         if self.kv_eviction not in POLICY_NAMES:
-            raise ValueError(f"EngineConfig.kv_eviction must be one of {', '.join(POLICY_NAMES)}, "
+            raise FieldError("kv_eviction",
+                             f"EngineConfig.kv_eviction must be one of {', '.join(POLICY_NAMES)}, "
                              f"got {self.kv_eviction!r}")
         if self.kv_budget is not None and (not is_int(self.kv_budget) or self.kv_budget < 1):
-            raise ValueError(f"EngineConfig.kv_budget must be a positive integer, got {self.kv_budget!r}")
+            raise FieldError("kv_budget", f"EngineConfig.kv_budget must be a positive integer, got {self.kv_budget!r}")
         # Knobs are checked whenever set, though only a policy reads them: a request may pick one.
         self._policy("EngineConfig", "none", 1)
         self.eviction_policy()
         if self.kv_eviction != "none":
             reason = self.eviction_unsupported()
             if reason:
-                raise ValueError(f"EngineConfig.kv_eviction: {reason}")
+                raise FieldError("kv_eviction", f"EngineConfig.kv_eviction: {reason}")
 
     def eviction_unsupported(self) -> str | None:
         """Why this engine cannot evict tokens (for the engine's policy or a request's), or None."""
@@ -313,55 +348,74 @@ class EngineConfig:
                     "int4, outlier, sparse with kv_residual=0); kivi pages are encoded a block at a time")
         return None
 
-    def _check_kv_format(self) -> None:
+    def _check_kv_format(self) -> list[tuple[KVFormat, KVFormat]] | None:
+        """The format fields; returns the layers' formats (None: pages as computed)."""
         for name in ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v"):
             value = getattr(self, name)
             if name == "kv_cache_dtype" and isinstance(value, str) and plan_path(value) is not None:
                 if self.kv_cache_dtype_k or self.kv_cache_dtype_v:
-                    raise ValueError("EngineConfig.kv_cache_dtype_k / kv_cache_dtype_v: a plan (kv_cache_dtype="
+                    raise FieldError("kv_cache_dtype_k",
+                                     "EngineConfig.kv_cache_dtype_k / kv_cache_dtype_v: a plan (kv_cache_dtype="
                                      "'plan:...') names each layer's formats; drop the role overrides")
                 continue
             if value is not None and value != "auto" and value not in FORMAT_CHOICES:
                 plan = ", 'plan:PATH' (a tune-kv plan)" if name == "kv_cache_dtype" else ""
-                raise ValueError(f"EngineConfig.{name} must be 'auto'{plan} or one of {', '.join(FORMAT_CHOICES)}, "
+                raise FieldError(name,
+                                 f"EngineConfig.{name} must be 'auto'{plan} or one of {', '.join(FORMAT_CHOICES)}, "
                                  f"got {value!r}")
         try:
             check_format_options(self.kv_group_size, self.kv_outliers, self.kv_sparse_threshold,
                                  self.kv_sparse_capacity, self.kv_fp8_scales, self.kv_key_wide_channels)
         except ValueError as err:
-            raise ValueError(f"EngineConfig.{err}") from None
+            raise FieldError(err.field, f"EngineConfig.{err}") from None
         if not (is_int(self.kv_calibration_tokens) and self.kv_calibration_tokens >= 1):
-            raise ValueError(f"EngineConfig.kv_calibration_tokens must be an integer >= 1, got "
+            raise FieldError("kv_calibration_tokens",
+                             f"EngineConfig.kv_calibration_tokens must be an integer >= 1, got "
                              f"{self.kv_calibration_tokens!r}")
         if self.kv_residual is not None and (not is_int(self.kv_residual) or self.kv_residual < 0):
-            raise ValueError(f"EngineConfig.kv_residual must be an integer >= 0, got {self.kv_residual!r}")
+            raise FieldError("kv_residual",
+                             f"EngineConfig.kv_residual must be an integer >= 0, got {self.kv_residual!r}")
         try:
             formats = self.kv_formats()
         except ValueError as err:
-            field = "kv_cache_dtype: " if str(err).startswith("kv plan") else ""
-            raise ValueError(f"EngineConfig.{field}{err}") from None
+            if isinstance(err, FieldError):
+                raise FieldError(err.field, f"EngineConfig.{err}") from None
+            raise FieldError("kv_cache_dtype", f"EngineConfig.kv_cache_dtype: {err}") from None
+        return formats
+
+    def _check_parallel(self) -> None:
         if not (is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1):
-            raise ValueError(f"EngineConfig.tensor_parallel_size must be an integer >= 1, got "
+            raise FieldError("tensor_parallel_size",
+                             f"EngineConfig.tensor_parallel_size must be an integer >= 1, got "
                              f"{self.tensor_parallel_size!r}")
         if self.tensor_parallel_size > 1:
             reason = self._tensor_parallel_unsupported()
             if reason:
-                raise ValueError(f"EngineConfig.tensor_parallel_size: {reason}")
+                raise FieldError("tensor_parallel_size", f"EngineConfig.tensor_parallel_size: {reason}")
+
+    def _check_remote(self, formats: list[tuple[KVFormat, KVFormat]] | None) -> None:
         if self.kv_remote is not None:
             reason = self._remote_unsupported(formats)
             if reason:
-                raise ValueError(f"EngineConfig.kv_remote: {reason}")
+                raise FieldError("kv_remote", f"EngineConfig.kv_remote: {reason}")
         if self.kv_remote_secret is not None and (self.kv_remote is None or not self.kv_remote_secret):
-            raise ValueError("EngineConfig.kv_remote_secret must be a non-empty string, used with kv_remote")
+            raise FieldError("kv_remote_secret",
+                             "EngineConfig.kv_remote_secret must be a non-empty string, used with kv_remote")
         if not (isinstance(self.kv_remote_timeout, (int, float)) and self.kv_remote_timeout > 0):
-            raise ValueError(f"EngineConfig.kv_remote_timeout must be a number of seconds > 0, got "
+            raise FieldError("kv_remote_timeout",
+                             f"EngineConfig.kv_remote_timeout must be a number of seconds > 0, got "
                              f"{self.kv_remote_timeout!r}")
+
+    def _check_tiers(self, formats: list[tuple[KVFormat, KVFormat]] | None) -> None:
+        """Swap and offload copy dense pages: a compressed pool has neither."""
         if formats is not None:
             if self.preemption_mode != "recompute":
-                raise ValueError("EngineConfig.preemption_mode: compressed KV formats support only "
+                raise FieldError("preemption_mode",
+                                 "EngineConfig.preemption_mode: compressed KV formats support only "
                                  "'recompute' preemption (swap copies dense pages)")
             if parse_bytes(self.offload_memory):
-                raise ValueError("EngineConfig.offload_memory: offload needs dense pages; use "
+                raise FieldError("offload_memory",
+                                 "EngineConfig.offload_memory: offload needs dense pages; use "
                                  "kv_cache_dtype='auto' with it")
 
     def _tensor_parallel_unsupported(self) -> str | None:
@@ -413,14 +467,21 @@ class EngineConfig:
     def check_model(self, model: ModelConfig) -> None:
         """The checks that need the model's shape, run as soon as it is known; errors name the field."""
         if self.max_model_len is not None and self.max_model_len > model.max_position:
-            raise ValueError(f"EngineConfig.max_model_len ({self.max_model_len}) exceeds the model's "
+            raise FieldError("max_model_len",
+                             f"EngineConfig.max_model_len ({self.max_model_len}) exceeds the model's "
                              f"context length ({model.max_position})")
+        # An evicting sequence's slots no longer sit where a window counts positions back from.
+        if model.sliding_layers and self.kv_eviction != "none":
+            raise FieldError("kv_eviction", f"EngineConfig.kv_eviction={self.kv_eviction!r}: this model has "
+                             f"sliding-window layers ({len(model.sliding_layers)} of {model.num_layers}), "
+                             f"and eviction on them is not built; use kv_eviction='none'")
         # Swap needs dense pages and one rank (checked above), so a block is a dense one.
         block = KVPool.bytes_per_block(model.num_layers, self.block_size, model.num_kv_heads, model.head_dim,
                                        self.torch_dtype)
         if self.preemption_mode != "recompute" and not any(parse_bytes(getattr(self, f)) // block for f in
                                                            ("host_swap_memory", "disk_swap_memory")):
-            raise ValueError(f"EngineConfig.host_swap_memory ({self.host_swap_memory}) and disk_swap_memory "
+            raise FieldError("host_swap_memory",
+                             f"EngineConfig.host_swap_memory ({self.host_swap_memory}) and disk_swap_memory "
                              f"({self.disk_swap_memory}) hold no KV block ({block} bytes for this model): "
                              f"preemption_mode={self.preemption_mode!r} could never swap; give a tier a block "
                              f"or more, or use preemption_mode='recompute'")
@@ -430,7 +491,8 @@ class EngineConfig:
                 if group and model.head_dim % group:
                     field = "kv_group_size" if getattr(self, f"kv_group_size_{role}") is None else \
                         f"kv_group_size_{role}"
-                    raise ValueError(f"EngineConfig.{field} ({group}) must divide the model's head_dim "
+                    raise FieldError(field,
+                                     f"EngineConfig.{field} ({group}) must divide the model's head_dim "
                                      f"({model.head_dim}) for {fmt.name} pages")
 
     def kv_layer_formats(self, num_layers: int) -> list[tuple[KVFormat, KVFormat]] | None:
@@ -441,7 +503,8 @@ class EngineConfig:
         if plan_path(self.kv_cache_dtype) is None:
             return formats * num_layers
         if len(formats) != num_layers:
-            raise ValueError(f"EngineConfig.kv_cache_dtype: the plan names {len(formats)} layers, the model has "
+            raise FieldError("kv_cache_dtype",
+                             f"EngineConfig.kv_cache_dtype: the plan names {len(formats)} layers, the model has "
                              f"{num_layers}")
         return formats
 
@@ -457,7 +520,9 @@ class EngineConfig:
             try:
                 formats.append(make_format(name, role, group_size=self.kv_group_size if own is None else own, **kwargs))
             except ValueError as err:  # name the field the bad group size came from
-                raise ValueError(str(err).replace("kv_group_size", field, 1) if own is not None else str(err)) from None
+                if own is None or not isinstance(err, FieldError):
+                    raise
+                raise FieldError(field, str(err).replace("kv_group_size", field, 1)) from None
         return formats[0], formats[1]
 
     def tokens_per_step(self, max_model_len: int) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import Field, fields
 from typing import Any
 
-from kvserve.config import EngineConfig
+from kvserve.config import CONFIG_PARTS, EngineConfig
 
 
 def _memory(text: str) -> str | float:
@@ -30,11 +30,14 @@ def _engine_flags() -> list[tuple[Field[Any], str]]:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One option per EngineConfig field, named after it, with the field's help and default. The
+    """One option per EngineConfig field, named after it, with the field's help and default, in one
+    argument group per part of the configuration (CONFIG_PARTS). The
     help shows the default at help time (`%(default)s`), so a command's own `set_defaults` (doctor's
     smaller pool) is what its --help says."""
-    g = p.add_argument_group("engine (EngineConfig)")
-    for f, dest in _engine_flags():
+    part_of = {name: part for part, names in CONFIG_PARTS.items() for name in names}
+    groups = {part: p.add_argument_group(f"engine: {part} (EngineConfig)") for part in CONFIG_PARTS}
+    for f, dest in sorted(_engine_flags(), key=lambda fd: list(CONFIG_PARTS).index(part_of[fd[0].name])):
+        g = groups[part_of[f.name]]
         flag = "--" + dest.replace("_", "-")
         if f.type == "bool":
             g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=f.default,

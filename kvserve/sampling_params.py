@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvserve.eviction.policy import POLICY_NAMES
-from kvserve.validate import check_utf8, is_int
+from kvserve.validate import FieldError, check_utf8, is_int
 
 OUTPUT_KINDS = ("cumulative", "final")
 GREEDY_BELOW = 1e-5
@@ -65,72 +65,84 @@ class SamplingParams:
             self.stop = [self.stop]
         for name in ("max_tokens", "n", "beam_width"):
             if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
-                raise ValueError(f"SamplingParams.{name} must be a positive integer, got {getattr(self, name)!r}")
+                raise FieldError(name, f"SamplingParams.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.beam_width > 1 and self.n > 1:
-            raise ValueError("SamplingParams.n must be 1 with beam search (beam_width > 1)")
+            raise FieldError("n", "SamplingParams.n must be 1 with beam search (beam_width > 1)")
         for name in ("temperature", "top_p", "length_penalty", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             if not _is_number(getattr(self, name)):
-                raise ValueError(f"SamplingParams.{name} must be a finite number, got {getattr(self, name)!r}")
+                raise FieldError(name, f"SamplingParams.{name} must be a finite number, got {getattr(self, name)!r}")
         if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+            raise FieldError("temperature", f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+            raise FieldError("top_k", f"SamplingParams.top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise FieldError(name, f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise FieldError("repetition_penalty",
+                             f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logit_bias is not None and (
                 not isinstance(self.logit_bias, dict) or not _are_token_ids(self.logit_bias)
                 or any(not _is_number(b) or not -100 <= b <= 100 for b in self.logit_bias.values())):
-            raise ValueError("SamplingParams.logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
+            raise FieldError("logit_bias",
+                             "SamplingParams.logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
         if self.logit_bias is not None:  # floats: an integer bias made a Long tensor the step could not add
             self.logit_bias = {token: float(bias) for token, bias in self.logit_bias.items()}
         if self.beam_width > 1 and self.penalized:
-            raise ValueError("SamplingParams.beam_width: penalties and logit_bias are not supported with beam search")
+            raise FieldError("beam_width",
+                             "SamplingParams.beam_width: penalties and logit_bias are not supported with beam search")
         if self.beam_width > 1 and (self.stop or self.stop_token_ids):
             # Hypotheses end on EOS or length only (HF num_beams): a stop would be ignored.
-            raise ValueError("SamplingParams.beam_width: stop and stop_token_ids are not supported with beam search")
+            raise FieldError("beam_width",
+                             "SamplingParams.beam_width: stop and stop_token_ids are not supported with beam search")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+            raise FieldError("seed", f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("SamplingParams.stop must be a list of non-empty strings")
+            raise FieldError("stop", "SamplingParams.stop must be a list of non-empty strings")
         if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise ValueError(f"SamplingParams.stop: at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} "
+            raise FieldError("stop",
+                             f"SamplingParams.stop: at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} "
                              f"characters each; got {len(self.stop)}, the longest of {max(map(len, self.stop))}")
         for stop in self.stop:
             check_utf8("SamplingParams.stop", stop)  # no decoded text holds a lone surrogate
         if not isinstance(self.stop_token_ids, list) or not _are_token_ids(self.stop_token_ids):
-            raise ValueError("SamplingParams.stop_token_ids must be a list of token ids (integers >= 0)")
+            raise FieldError("stop_token_ids",
+                             "SamplingParams.stop_token_ids must be a list of token ids (integers >= 0)")
         for name in ("ignore_eos", "early_stopping"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
+                raise FieldError(name, f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < -1):
-                raise ValueError(f"SamplingParams.{name} must be None, -1 (all) or an integer >= 0, got {value!r}")
+                raise FieldError(name,
+                                 f"SamplingParams.{name} must be None, -1 (all) or an integer >= 0, got {value!r}")
             if value is not None and self.beam_width > 1:
-                raise ValueError(f"SamplingParams.{name} is not supported with beam search (beam_width > 1)")
+                raise FieldError(name, f"SamplingParams.{name} is not supported with beam search (beam_width > 1)")
         if self.forced_token_ids is not None:
             forced = self.forced_token_ids
             if not isinstance(forced, list) or not _are_token_ids(forced):
-                raise ValueError("SamplingParams.forced_token_ids must be a list of token ids (integers >= 0)")
+                raise FieldError("forced_token_ids",
+                                 "SamplingParams.forced_token_ids must be a list of token ids (integers >= 0)")
             if len(forced) < self.max_tokens:
-                raise ValueError(f"SamplingParams.forced_token_ids holds {len(forced)} tokens, fewer than "
+                raise FieldError("forced_token_ids",
+                                 f"SamplingParams.forced_token_ids holds {len(forced)} tokens, fewer than "
                                  f"max_tokens ({self.max_tokens})")
             if self.n > 1 or self.beam_width > 1:
-                raise ValueError("SamplingParams.forced_token_ids needs n == 1 and beam_width == 1")
+                raise FieldError("forced_token_ids", "SamplingParams.forced_token_ids needs n == 1 and beam_width == 1")
 
         if self.kv_eviction is not None and self.kv_eviction not in POLICY_NAMES:
-            raise ValueError(f"SamplingParams.kv_eviction must be one of {', '.join(POLICY_NAMES)}, "
+            raise FieldError("kv_eviction",
+                             f"SamplingParams.kv_eviction must be one of {', '.join(POLICY_NAMES)}, "
                              f"got {self.kv_eviction!r}")
         if self.kv_budget is not None and (not is_int(self.kv_budget) or self.kv_budget < 1):
-            raise ValueError(f"SamplingParams.kv_budget must be a positive integer, got {self.kv_budget!r}")
+            raise FieldError("kv_budget",
+                             f"SamplingParams.kv_budget must be a positive integer, got {self.kv_budget!r}")
         if self.output_kind not in OUTPUT_KINDS:
-            raise ValueError(f"SamplingParams.output_kind must be one of {', '.join(OUTPUT_KINDS)}, "
+            raise FieldError("output_kind",
+                             f"SamplingParams.output_kind must be one of {', '.join(OUTPUT_KINDS)}, "
                              f"got {self.output_kind!r}")
 
     @property

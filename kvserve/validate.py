@@ -3,6 +3,15 @@ engine's and server's request validation."""
 from __future__ import annotations
 
 
+class FieldError(ValueError):
+    """A value refused, carrying the field or parameter it names, so that the CLI (its flag) and the
+    server (the OpenAI error's `param`) name it without parsing the message."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def is_int(value: object) -> bool:
     """An integer and not a bool (True is an int to Python, never a count or a token id here)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -15,4 +24,4 @@ def check_utf8(name: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{name}: not valid Unicode (lone surrogate at character {e.start})") from None
+        raise FieldError(name, f"{name}: not valid Unicode (lone surrogate at character {e.start})") from None

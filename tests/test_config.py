@@ -216,3 +216,27 @@ def test_swap_tiers_that_hold_no_block_are_refused(mode: str) -> None:
     for kwargs in ({"host_swap_memory": "2KiB"}, {"host_swap_memory": "1KiB", "disk_swap_memory": "2KiB"},
                    {"preemption_mode": "recompute", "host_swap_memory": "0"}):
         EngineConfig(**{"preemption_mode": mode, **kwargs}).check_model(model)
+
+
+def test_every_field_is_in_exactly_one_part() -> None:
+    from dataclasses import fields
+
+    from kvserve.config import CONFIG_PARTS
+    listed = [name for names in CONFIG_PARTS.values() for name in names]
+    assert sorted(listed) == sorted(f.name for f in fields(EngineConfig))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"block_size": 0}, "block_size"), ({"kv_cache_dtype": "int3"}, "kv_cache_dtype"),
+    ({"kv_group_size": 3, "kv_cache_dtype": "int4"}, "kv_group_size"),
+    ({"kv_group_size_v": 3, "kv_cache_dtype": "int4"}, "kv_group_size_v"),
+    ({"kv_eviction": "window"}, "kv_budget"), ({"kv_eviction": "snapkv", "kv_budget": 64, "kv_pooling_kernel": 4},
+                                               "kv_pooling_kernel"),
+    ({"kv_cache_dtype": "plan:"}, "kv_cache_dtype"), ({"host_swap_memory": "lots"}, "host_swap_memory")])
+def test_config_errors_carry_the_field(kwargs: dict, field: str) -> None:  # type: ignore[type-arg]
+    """The error names its field in a form callers read without parsing (FieldError.field), and the
+    message names it too."""
+    from kvserve.validate import FieldError
+    with pytest.raises(FieldError) as caught:
+        EngineConfig(**kwargs)
+    assert caught.value.field == field and field in str(caught.value)

@@ -5,24 +5,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvserve.validate import check_utf8
+from kvserve.validate import FieldError, check_utf8
 
 ROLES = ("system", "user", "assistant")
 
 
 def check_messages(messages: Any, name: str = "messages") -> list[dict[str, str]]:
-    """A conversation as a list of {"role", "content"} dicts of text; ValueError naming the field."""
+    """A conversation as a list of {"role", "content"} dicts of text; FieldError naming the field."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError(f"{name}: must be a non-empty list of {{'role': ..., 'content': ...}} messages")
+        raise FieldError(name, f"{name}: must be a non-empty list of {{'role': ..., 'content': ...}} messages")
     checked = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
-            raise ValueError(f"{name}.{i}: must be a dict with 'role' and 'content', got {type(m).__name__}")
+            raise FieldError(f"{name}.{i}",
+                             f"{name}.{i}: must be a dict with 'role' and 'content', got {type(m).__name__}")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise ValueError(f"{name}.{i}.role: must be one of {', '.join(ROLES)}, got {role!r}")
+            raise FieldError(f"{name}.{i}.role", f"{name}.{i}.role: must be one of {', '.join(ROLES)}, got {role!r}")
         if not isinstance(content, str):
-            raise ValueError(f"{name}.{i}.content: must be a string, got {type(content).__name__}")
+            raise FieldError(f"{name}.{i}.content",
+                             f"{name}.{i}.content: must be a string, got {type(content).__name__}")
         check_utf8(f"{name}.{i}.content", content)
         checked.append({"role": role, "content": content})
     return checked
@@ -32,7 +34,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]], add_generati
                     chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """The prompt the model's chat template makes of `messages` (checked by check_messages), as ids."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("messages: this model has no chat template; send a plain prompt instead")
+        raise FieldError("messages", "messages: this model has no chat template; send a plain prompt instead")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                          **dict(chat_template_kwargs or {}))
     return tokenizer.encode(text)

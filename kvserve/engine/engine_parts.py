@@ -107,7 +107,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                           reserve_tokens=max_model_len if contiguous else 0,
                           recompute_all=config.cache_mode == "no-cache",
                           swap=swap, prefer_swap=cost.prefer_swap, chunked_prefill=chunked_prefill)
-    backend = make_backend(config.attention_backend, pool, pool_cfg.num_heads, device)
+    backend = make_backend(config.attention_backend, pool, pool_cfg.num_heads, device,
+                           windowed=bool(cfg.sliding_layers))
     tp = None
     if shard is not None:
         tp = TPGroup.start(config, num_blocks, tp_worker_main)

@@ -27,6 +27,7 @@ from kvserve.engine.step_update import StepUpdate
 from kvserve.engine.token_counter import TokenCounter
 from kvserve.profiling import label
 from kvserve.sampling_params import SamplingParams
+from kvserve.validate import FieldError
 
 
 class LLMEngine:
@@ -42,7 +43,7 @@ class LLMEngine:
         self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
         self.attention_backend, self.runner, self.tp = parts.attention_backend, parts.runner, parts.tp
         self.async_scheduling = parts.async_scheduling
-        self.intake = RequestIntake(config, parts.tokenizer, parts.model_config.vocab_size, parts.max_model_len,
+        self.intake = RequestIntake(config, parts.tokenizer, parts.model_config, parts.max_model_len,
                                     parts.block_manager, parts.eos_token_id)
         self.counter = TokenCounter()
         self.update = StepUpdate(
@@ -92,7 +93,7 @@ class LLMEngine:
     def add_sequence(self, seq: Sequence) -> str:
         requests = self.update.requests
         if seq.request_id in requests:
-            raise ValueError(f"request_id: {seq.request_id!r} is already in use")
+            raise FieldError("request_id", f"request_id: {seq.request_id!r} is already in use")
         requests[seq.request_id] = [seq]
         self.scheduler.add(seq)
         return seq.request_id

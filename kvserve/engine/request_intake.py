@@ -15,16 +15,18 @@ from kvserve.config import EngineConfig
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.sequence import Sequence
+from kvserve.model.config import ModelConfig
 from kvserve.sampling_params import SamplingParams
-from kvserve.validate import check_utf8
+from kvserve.validate import FieldError, check_utf8
 
 
 class RequestIntake:
-    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, max_model_len: int,
+    def __init__(self, config: EngineConfig, tokenizer: Any, model_config: ModelConfig, max_model_len: int,
                  block_manager: BlockManager, eos_token_id: int | None) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        self.vocab_size = model_config.vocab_size
+        self.windowed = bool(model_config.sliding_layers)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self._device_capacity = block_manager.num_blocks * block_manager.block_size
@@ -35,19 +37,19 @@ class RequestIntake:
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+                raise FieldError("prompt", "prompt: this model has no tokenizer; pass token ids")
             check_utf8("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, Iterable) or isinstance(prompt, (bytes, bytearray)):
             # bytes would pass as token ids (its items are ints): the caller meant text
-            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise FieldError("prompt", f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         # numpy / torch integers are fine; floats and bools (an int to Python) are not token ids.
         # Plain ints are let through first: asking the ABC about every id took ~1 ms for a
         # 512-token prompt.
         if any(type(t) is not int and (not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_)))
                for t in ids):
-            raise ValueError("prompt: token ids must be integers")
+            raise FieldError("prompt", "prompt: token ids must be integers")
         return None, [int(t) for t in ids]
 
     def detokenizer(self) -> Detokenizer | None:
@@ -58,19 +60,22 @@ class RequestIntake:
         """`cache_salt`: prefix-cache hits only among requests carrying the same salt (a tenant's)."""
         if cache_salt is not None:
             if not isinstance(cache_salt, str) or not cache_salt:
-                raise ValueError("cache_salt: must be a non-empty string")
+                raise FieldError("cache_salt", "cache_salt: must be a non-empty string")
             check_utf8("cache_salt", cache_salt)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params: must be SamplingParams, got {type(params).__name__}")
+            raise FieldError("params", f"params: must be SamplingParams, got {type(params).__name__}")
         text, ids = self.encode(prompt)
         if not ids:
-            raise ValueError("prompt: empty prompt")
+            raise FieldError("prompt", "prompt: empty prompt")
         self._check_ids(ids, params)
         self._check_room(len(ids), params)
         eviction = self.config.eviction_policy(params.kv_eviction, params.kv_budget, owner="SamplingParams")
         if eviction is not None and (reason := self.config.eviction_unsupported()):
-            raise ValueError(f"kv_eviction: {reason}")
+            raise FieldError("kv_eviction", f"kv_eviction: {reason}")
+        if eviction is not None and self.windowed:
+            raise FieldError("kv_eviction", "kv_eviction: this model has sliding-window layers, and eviction on "
+                             "them is not built")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         beam = None
         if params.beam_width > 1:
@@ -87,33 +92,38 @@ class RequestIntake:
         for name, listed in (("prompt", ids), ("forced_token_ids", params.forced_token_ids),
                              ("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if listed and any(not 0 <= t < vocab for t in listed):
-                raise ValueError(f"{name}: token ids must be in [0, {vocab})")
+                raise FieldError(name, f"{name}: token ids must be in [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             if (k := getattr(params, name)) is not None and k > vocab:
-                raise ValueError(f"{name}: {k} exceeds the vocabulary ({vocab} tokens); -1 returns all")
+                raise FieldError(name, f"{name}: {k} exceeds the vocabulary ({vocab} tokens); -1 returns all")
 
     def _check_room(self, num_prompt: int, params: SamplingParams) -> None:
         """The prompt and its outputs fit the context and the KV cache; samples and beams fit the
         batch, and beams (run together, never offloaded) the device pool."""
         limit = self.max_model_len
         if num_prompt >= limit:
-            raise ValueError(f"prompt: {num_prompt} prompt tokens leave no room to generate within the "
+            raise FieldError("prompt",
+                             f"prompt: {num_prompt} prompt tokens leave no room to generate within the "
                              f"context length max_model_len={limit}")
         total = num_prompt + params.max_tokens
         if total > limit:
-            raise ValueError(f"max_tokens: {num_prompt} prompt tokens + max_tokens {params.max_tokens} exceed "
+            raise FieldError("max_tokens",
+                             f"max_tokens: {num_prompt} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"the context length max_model_len={limit}")
         if num_prompt > self._device_capacity:
-            raise ValueError(f"prompt: {num_prompt} tokens exceed the device KV pool ({self._device_capacity} "
+            raise FieldError("prompt",
+                             f"prompt: {num_prompt} tokens exceed the device KV pool ({self._device_capacity} "
                              f"tokens); raise kv_cache_memory")
         if total > self._capacity:
-            raise ValueError(f"prompt: {num_prompt} prompt tokens + max_tokens {params.max_tokens} exceed "
+            raise FieldError("prompt",
+                             f"prompt: {num_prompt} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"the whole KV cache ({self._capacity} tokens); raise kv_cache_memory")
         max_num_seqs = self.config.max_num_seqs
         if params.n > max_num_seqs:
-            raise ValueError(f"n: {params.n} samples exceed max_num_seqs={max_num_seqs}")
+            raise FieldError("n", f"n: {params.n} samples exceed max_num_seqs={max_num_seqs}")
         if params.beam_width > 1 and params.beam_width * total > self._device_capacity:
-            raise ValueError(f"beam_width: {params.beam_width} beams of up to {total} tokens must fit the "
+            raise FieldError("beam_width",
+                             f"beam_width: {params.beam_width} beams of up to {total} tokens must fit the "
                              f"device KV pool together ({self._device_capacity} tokens)")
         if params.beam_width > max_num_seqs:
-            raise ValueError(f"beam_width: {params.beam_width} beams exceed max_num_seqs={max_num_seqs}")
+            raise FieldError("beam_width", f"beam_width: {params.beam_width} beams exceed max_num_seqs={max_num_seqs}")

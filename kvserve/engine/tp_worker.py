@@ -39,7 +39,8 @@ def tp_worker_main(config: EngineConfig, rank: int, port: int, num_blocks: int, 
     group = init_group(rank, config.tensor_parallel_size, port, timeout_s)
     model = shard_model(loaded.model, shard, group)
     del loaded
-    backend = make_backend(config.attention_backend, pool, rank_cfg.num_heads, device)
+    backend = make_backend(config.attention_backend, pool, rank_cfg.num_heads, device,
+                           windowed=bool(rank_cfg.sliding_layers))
     runner = ModelRunner(model, pool, device, backend, kernels, None, rotation)
     try:
         while (step := broadcast_object(group, None, rank)) is not None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.validate import is_int
+from kvserve.validate import FieldError, is_int
 
 POLICY_NAMES = ("none", "window", "h2o", "snapkv", "tova", "strided")
 # Policies that rank tokens by the attention they receive (the step's scores are computed for them).
@@ -93,34 +93,41 @@ class EvictionPolicy:
     def check(self, owner: str) -> None:
         """Raises ValueError naming `owner`.field for the first invalid setting."""
         if self.name not in POLICY_NAMES:
-            raise ValueError(f"{owner}.kv_eviction must be one of {', '.join(POLICY_NAMES)}, got {self.name!r}")
+            raise FieldError("kv_eviction",
+                             f"{owner}.kv_eviction must be one of {', '.join(POLICY_NAMES)}, got {self.name!r}")
         for name in ("budget", "stride", "observation_window", "pooling_kernel"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
-                raise ValueError(f"{owner}.kv_{name} must be a positive integer, got {value!r}")
+                raise FieldError(f"kv_{name}", f"{owner}.kv_{name} must be a positive integer, got {value!r}")
         if not is_int(self.interval) or self.interval < 1:
-            raise ValueError(f"{owner}.kv_evict_interval must be a positive integer, got {self.interval!r}")
+            raise FieldError("kv_evict_interval",
+                             f"{owner}.kv_evict_interval must be a positive integer, got {self.interval!r}")
         if self.prefill_chunk is not None and (not is_int(self.prefill_chunk) or self.prefill_chunk < 1):
-            raise ValueError(f"{owner}.kv_prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
+            raise FieldError("kv_prefill_chunk",
+                             f"{owner}.kv_prefill_chunk must be a positive integer or None, got {self.prefill_chunk!r}")
         if self.name == "snapkv" and self.prefill_chunk is not None and self.prefill_chunk < self.observation_window:
-            raise ValueError(f"{owner}.kv_prefill_chunk ({self.prefill_chunk}) must be at least "
+            raise FieldError("kv_prefill_chunk",
+                             f"{owner}.kv_prefill_chunk ({self.prefill_chunk}) must be at least "
                              f"kv_observation_window ({self.observation_window}) for snapkv: its chunk's last "
                              f"queries rank the tokens")
         for name, field in (("during_decode", "kv_evict_during_decode"), ("mean_heads", "kv_mean_heads")):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{owner}.{field} must be True or False, got {getattr(self, name)!r}")
+                raise FieldError(field, f"{owner}.{field} must be True or False, got {getattr(self, name)!r}")
         if not is_int(self.sink_tokens) or self.sink_tokens < 0:
-            raise ValueError(f"{owner}.kv_sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
+            raise FieldError("kv_sink_tokens",
+                             f"{owner}.kv_sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
         if self.window is not None and (not is_int(self.window) or self.window < 0):
-            raise ValueError(f"{owner}.kv_window must be an integer >= 0 or None, got {self.window!r}")
+            raise FieldError("kv_window", f"{owner}.kv_window must be an integer >= 0 or None, got {self.window!r}")
         if self.pooling_kernel % 2 == 0:
-            raise ValueError(f"{owner}.kv_pooling_kernel must be odd (pooling keeps positions centred), "
+            raise FieldError("kv_pooling_kernel",
+                             f"{owner}.kv_pooling_kernel must be odd (pooling keeps positions centred), "
                              f"got {self.pooling_kernel}")
         reserved = {"window": self.sink_tokens, "strided": self.sink_tokens + self.recent, "h2o": self.recent,
                     "snapkv": self.observation_window}.get(self.name, 0)
         if self.name != "none" and self.budget <= reserved:
             what = {"window": "kv_sink_tokens", "strided": "kv_sink_tokens + kv_window", "h2o": "kv_window",
                     "snapkv": "kv_observation_window"}[self.name]
-            raise ValueError(f"{owner}.kv_budget ({self.budget}) must exceed {what} ({reserved}) for "
+            raise FieldError("kv_budget",
+                             f"{owner}.kv_budget ({self.budget}) must exceed {what} ({reserved}) for "
                              f"kv_eviction={self.name!r}")
 

@@ -25,6 +25,7 @@ from kvserve.replicas.replica import Accepted, EngineReplica, ReplicaDescription
 from kvserve.replicas.settings import ROUTER_CLASSES, ReplicaSettings, is_loopback
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import Done, request_ids
+from kvserve.validate import FieldError
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class ReplicaFront:
         if not ids:
             raise RuntimeError("no replica is running")
         if replica is not None and replica not in ids:  # a restarted replica has a new id
-            raise ValueError(f"replica: no replica {replica!r} runs here; these do: {', '.join(ids)}")
+            raise FieldError("replica", f"replica: no replica {replica!r} runs here; these do: {', '.join(ids)}")
         chosen = replica or ids[0]
         state = await asyncio.wait_for(self.handle.kv_state.remote(expose_request_ids, pin=chosen), _CALL_TIMEOUT_S)
         return {**state, "replica": chosen, "replicas": ids}

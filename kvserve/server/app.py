@@ -22,8 +22,7 @@ from kvserve.engine.sequence import RequestOutput
 from kvserve.server.async_engine import Draining, QueueFull
 from kvserve.server.front import EngineFront
 from kvserve.server.settings import ServerSettings
-from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, error_body,
-                                     param_of)
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _Common, error_body, field_of
 from kvserve.server.rendering import Rendering, longest_token_bytes, token_bytes_of
 from kvserve.server.reply import Reply
 from kvserve.validate import check_utf8
@@ -256,7 +255,7 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
             # Scoring a prompt still runs the engine's one-token minimum; that token is dropped.
             params = req.sampling_params(1 if score_only else max_tokens)
         except ValueError as err:
-            return _error(400, str(err), param_of(str(err)))
+            return _error(400, str(err), field_of(err))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             rids, sink = await aengine.submit(prompts, params, request_id, req.cache_salt)
@@ -266,7 +265,7 @@ def build_app(aengine: EngineFront, settings: ServerSettings | None = None) -> F
         except Draining as err:
             return _error(503, str(err), None, "service_unavailable")
         except ValueError as err:
-            param = param_of(str(err))
+            param = field_of(err)
             return _error(400, str(err), "messages" if chat and param == "prompt" else param)
         reply = Reply(request_id, model_name, chat, rids, params.n if params.beam_width == 1 else 1,
                        Rendering(tokenizer, token_text, token_bytes, echo, score_only))

@@ -27,6 +27,7 @@ from kvserve.engine.sequence import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.kv_state import kv_state
 from kvserve.server.metrics import Metrics
+from kvserve.validate import FieldError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,7 +105,7 @@ class AsyncEngine:
     async def kv_state(self, expose_request_ids: bool, replica: str | None = None) -> dict[str, Any]:
         """One engine: there is no `replica` to name."""
         if replica is not None:
-            raise ValueError("replica: this server runs one engine, not replicas (kvserve serve --replicas)")
+            raise FieldError("replica", "replica: this server runs one engine, not replicas (kvserve serve --replicas)")
         return await self.call(lambda e: kv_state(e, expose_request_ids))
 
     # -- called from the event loop ------------------------------------------------------------
@@ -132,7 +133,7 @@ class AsyncEngine:
         most = max_num_seqs // max(params.n, params.beam_width) + self.max_waiting
         if len(prompts) > most:
             self.metrics.rejected.labels(reason="invalid").inc()
-            raise ValueError(f"prompt: {len(prompts)} prompts in one request exceed what the server takes at "
+            raise FieldError("prompt", f"prompt: {len(prompts)} prompts in one request exceed what the server takes at "
                              f"once: {most} (a batch of max_num_seqs={max_num_seqs} sequences, then "
                              f"--max-waiting {self.max_waiting}); send at most {most}")
 

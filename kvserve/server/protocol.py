@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.sampling_params import SamplingParams
+from kvserve.validate import FieldError
 
 
 class _Strict(BaseModel):
@@ -78,7 +79,7 @@ class _Common(_Strict):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         # ASCII digits only: int() also reads " 1", "+1", "1_0" and "٣" (an Arabic-Indic three).
         if self.logit_bias is not None and not all(k.isascii() and k.isdigit() for k in self.logit_bias):
-            raise ValueError("logit_bias: keys must be token ids written in ASCII digits")
+            raise FieldError("logit_bias", "logit_bias: keys must be token ids written in ASCII digits")
         bias = None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
         logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(max_tokens=max_tokens, n=self.n, temperature=self.temperature,
@@ -214,7 +215,6 @@ def error_body(message: str, param: str | None = None, type_: str = "invalid_req
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def param_of(message: str) -> str | None:
-    """The field an engine validation error names: "max_tokens: ..." or "SamplingParams.n must...". """
-    head = message.split(":", 1)[0].split(" ", 1)[0]
-    return head.removeprefix("SamplingParams.") or None
+def field_of(err: ValueError) -> str | None:
+    """The request field an engine validation error names (the OpenAI error's `param`)."""
+    return err.field if isinstance(err, FieldError) else None

@@ -86,7 +86,7 @@ def test_a_mask_off_by_one_fails_the_mask_check(monkeypatch: pytest.MonkeyPatch)
         meta = prepare(self, step)
         # Each query also sees the key right after its own position.
         mask = meta.mask | torch.roll(meta.mask, 1, dims=-1)
-        return SDPAMetadata(meta.step, meta.query_index, mask)
+        return replace(meta, mask=mask)
 
     monkeypatch.setattr(TorchSDPABackend, "prepare", leaky)
     got = statuses(run("--formats", ""))

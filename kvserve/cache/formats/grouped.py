@@ -15,6 +15,7 @@ from kvserve.cache.formats.codes import (
     unpack,
 )
 from kvserve.cache.formats.layout import PageKind, PageLayout
+from kvserve.validate import FieldError
 
 
 class GroupFormat(PerTokenFormat):
@@ -31,7 +32,7 @@ class GroupFormat(PerTokenFormat):
 
     def check_head_dim(self, head_dim: int) -> None:
         if head_dim % self.group_size:
-            raise ValueError(f"kv_group_size {self.group_size} must divide head_dim {head_dim}")
+            raise FieldError("kv_group_size", f"kv_group_size {self.group_size} must divide head_dim {head_dim}")
         check_packable(self.name, head_dim, self.bits)
 
     def token_fields(self, num_kv_heads: int, head_dim: int) -> FieldSpec:

@@ -7,6 +7,7 @@ import torch
 from kvserve.cache.formats.base import FieldSpec, Fields, KVFormat
 from kvserve.cache.formats.codes import check_packable, dequantize_asym, pack, quantize_asym, unpack
 from kvserve.cache.formats.layout import PageKind, PageLayout
+from kvserve.validate import FieldError
 
 
 class ChannelFormat(KVFormat):
@@ -45,7 +46,7 @@ class ChannelFormat(KVFormat):
     def _check(self, num_kv_heads: int, head_dim: int) -> None:
         check_packable(self.name, head_dim, self.bits)
         if self.wide > head_dim:
-            raise ValueError(f"kv_key_wide_channels {self.wide} exceeds head_dim {head_dim}")
+            raise FieldError("kv_key_wide_channels", f"kv_key_wide_channels {self.wide} exceeds head_dim {head_dim}")
         if self.wide_channels is not None and self.wide_channels.shape[0] != num_kv_heads:
             raise ValueError(f"{self.name}: calibrated for {self.wide_channels.shape[0]} KV heads, got {num_kv_heads}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvserve.validate import is_int
+from kvserve.validate import FieldError, is_int
 
 Role = Literal["k", "v"]
 ROLES: tuple[Role, ...] = ("k", "v")
@@ -17,18 +17,20 @@ def check_format_options(group_size: int, outliers: int, sparse_threshold: float
     """The format settings' own ranges, named as the engine's fields (EngineConfig checks them too,
     whatever its formats)."""
     if not (is_int(group_size) and 4 <= group_size <= 128):
-        raise ValueError("kv_group_size must be an integer from 4 to 128 that divides head_dim, "
+        raise FieldError("kv_group_size",
+                         "kv_group_size must be an integer from 4 to 128 that divides head_dim, "
                          f"got {group_size!r}")
     if not (is_int(outliers) and outliers >= 1):
-        raise ValueError(f"kv_outliers must be an integer >= 1, got {outliers!r}")
+        raise FieldError("kv_outliers", f"kv_outliers must be an integer >= 1, got {outliers!r}")
     if not (isinstance(sparse_threshold, (int, float)) and sparse_threshold >= 0):
-        raise ValueError(f"kv_sparse_threshold must be >= 0, got {sparse_threshold!r}")
+        raise FieldError("kv_sparse_threshold", f"kv_sparse_threshold must be >= 0, got {sparse_threshold!r}")
     if not (isinstance(sparse_capacity, (int, float)) and 0 < sparse_capacity <= 1):
-        raise ValueError(f"kv_sparse_capacity must be in (0, 1], got {sparse_capacity!r}")
+        raise FieldError("kv_sparse_capacity", f"kv_sparse_capacity must be in (0, 1], got {sparse_capacity!r}")
     if fp8_scales not in FP8_SCALES:
-        raise ValueError(f"kv_fp8_scales must be one of {', '.join(FP8_SCALES)}, got {fp8_scales!r}")
+        raise FieldError("kv_fp8_scales", f"kv_fp8_scales must be one of {', '.join(FP8_SCALES)}, got {fp8_scales!r}")
     if not (is_int(key_wide_channels) and key_wide_channels >= 0 and key_wide_channels % 8 == 0):
-        raise ValueError("kv_key_wide_channels must be a multiple of 8 (whole bytes of its bit plane, whole RoPE "
+        raise FieldError("kv_key_wide_channels",
+                         "kv_key_wide_channels must be a multiple of 8 (whole bytes of its bit plane, whole RoPE "
                          f"pairs), got {key_wide_channels!r}")
 
 

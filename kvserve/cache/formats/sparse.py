@@ -11,6 +11,7 @@ from kvserve.cache.formats.base import FieldSpec, Fields, PerTokenFormat
 from kvserve.cache.formats.codes import check_index_range
 from kvserve.cache.formats.grouped import GroupFormat
 from kvserve.cache.formats.layout import PageLayout
+from kvserve.validate import FieldError
 
 
 class OutlierFormat(GroupFormat):
@@ -30,7 +31,7 @@ class OutlierFormat(GroupFormat):
         super().check_head_dim(head_dim)
         check_index_range(self.name, head_dim)
         if self.outliers > head_dim:
-            raise ValueError(f"kv_outliers {self.outliers} exceeds head_dim {head_dim}")
+            raise FieldError("kv_outliers", f"kv_outliers {self.outliers} exceeds head_dim {head_dim}")
 
     def token_fields(self, num_kv_heads: int, head_dim: int) -> FieldSpec:
         side = (num_kv_heads, self.outliers)

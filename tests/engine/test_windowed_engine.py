@@ -1,0 +1,35 @@
+"""An engine on a model with sliding-window layers: what it runs and what it refuses before a step
+(a combination not built is refused naming the field, never inside a batch's step)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.validate import FieldError
+from tests.conftest import TINY
+
+WINDOWED = dataclasses.replace(TINY, sliding_window=8, sliding_layers=(0,))
+BASE = {"model": WINDOWED, "dtype": "float32", "device": "cpu", "kv_cache_memory": "4MiB", "max_model_len": 256}
+
+
+def test_auto_backend_masks_the_window_and_cpu_is_refused() -> None:
+    llm = LLM(**BASE)
+    assert llm.engine.attention_backend.name == "torch"
+    out = llm.generate([list(range(1, 40))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(**BASE, attention_backend="cpu")
+
+
+def test_eviction_is_refused_at_start_up_and_per_request() -> None:
+    with pytest.raises(FieldError) as caught:
+        LLM(**BASE, kv_eviction="window", kv_budget=32)
+    assert caught.value.field == "kv_eviction"
+    llm = LLM(**BASE)
+    with pytest.raises(FieldError) as caught:
+        llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, kv_eviction="window", kv_budget=32))
+    assert caught.value.field == "kv_eviction"
+    assert not llm.engine.has_unfinished()
