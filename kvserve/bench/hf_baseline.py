@@ -21,7 +21,7 @@ from transformers import (
 
 from kvserve.bench.metrics import RequestTiming
 from kvserve.bench.workload import WorkloadRequest
-from kvserve.model.loader import cached_conversion, convert_gguf, publish
+from kvserve.model.gguf_convert import cached_conversion, convert_gguf, publish
 
 
 def load_hf_model(

@@ -107,7 +107,7 @@ def gguf_shape(path: Path) -> ModelConfig:
     # Imported here so that preset and config.json plans load neither gguf nor the model code.
     import gguf
 
-    from kvserve.model.loader import _gguf_field
+    from kvserve.model.gguf_convert import gguf_field as _gguf_field
 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")

@@ -232,7 +232,8 @@ def kvpress_rows(args: argparse.Namespace, windows: list[list[int]], prefill: in
     import subprocess
     import tempfile
 
-    from kvserve.model.loader import convert_gguf, default_model_path
+    from kvserve.model.gguf_convert import convert_gguf
+    from kvserve.model.loader import default_model_path
 
     source = Path(args.model) if args.model else default_model_path()
     model_dir = convert_gguf(source) if source.suffix == ".gguf" else source

@@ -16,9 +16,7 @@ from safetensors.torch import load_file
 
 from kvserve.model.architectures import UnsupportedModel
 from kvserve.model.config import PRESETS, ModelConfig
-# Re-exported: the tests, eval, the HF baseline and the memory planner import these from here.
-from kvserve.model.gguf_convert import (cached_conversion, convert_gguf, gguf_field as _gguf_field,  # noqa: F401
-                                        publish)
+from kvserve.model.gguf_convert import convert_gguf
 from kvserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 from kvserve.model.named_models import NAMED_MODELS, named_model_path
 

@@ -11,7 +11,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
 from kvserve.engine.detokenizer import Detokenizer
-from kvserve.model.loader import convert_gguf, default_model_path, load_tokenizer
+from kvserve.model.gguf_convert import convert_gguf
+from kvserve.model.loader import default_model_path, load_tokenizer
 
 TEXTS = ["The capital of France is Paris.", "naïve café 東京 🙂 ok", "  def f(x):\n\treturn x ** 2  ",
          "<|im_start|>user\nhi<|im_end|> after"]

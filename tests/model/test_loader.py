@@ -15,8 +15,8 @@ from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.cache.kv_pool import KVPool
 from kvserve.model.ops import EagerOps
 from kvserve.model.config import ModelConfig
-from kvserve.model.loader import (convert_gguf, default_model_path, hf_state_dict, load_model, load_tokenizer,
-                                  publish)
+from kvserve.model.gguf_convert import convert_gguf, publish
+from kvserve.model.loader import default_model_path, hf_state_dict, load_model, load_tokenizer
 
 CPU = torch.device("cpu")
 
