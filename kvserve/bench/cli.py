@@ -156,6 +156,12 @@ def _hf_dtype_arg(p: argparse.ArgumentParser) -> None:
                         "is HF's fastest, the fair peer of kvserve in bf16")
 
 
+def _peer_source(model: str | None) -> str:
+    """The file or directory the peers (HF, llama.cpp) load: random weights have none."""
+    from kvserve.model.loader import model_path
+    return "" if (model or "").startswith("random:") else str(model_path(model))
+
+
 def _hf_dtype(args: argparse.Namespace) -> torch.dtype:
     return DTYPES[args.hf_dtype or args.dtype]
 
@@ -227,7 +233,6 @@ def run_throughput(args: argparse.Namespace, out: Path) -> None:
     from kvserve.bench.metrics import summarize
     from kvserve.measure.roofline import measure_machine, pct_of_compute, workload_flops
     from kvserve.bench.throughput import run_kvserve
-    from kvserve.model.loader import default_model_path
 
     llm = llm_from_args(args, "paged")
     model_config = llm.engine.model_config
@@ -239,7 +244,7 @@ def run_throughput(args: argparse.Namespace, out: Path) -> None:
         del llm
         summaries.append(run_kvserve(llm_from_args(args, "contiguous"), prompts, params,
                                      "kvserve-contiguous"))
-    source = str(args.model or default_model_path())
+    source = _peer_source(args.model)
     if not args.skip_hf:
         from kvserve.bench.hf_baseline import load_hf_bench_model, run_hf_continuous_batching, run_hf_static_batches
 
@@ -282,7 +287,6 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
 
     from kvserve.measure.roofline import decode_step_bytes, measure_machine, pct_of_bandwidth
     from kvserve.bench.scaling import mean_decode_s, median_ratios, plot, time_per_token
-    from kvserve.model.loader import default_model_path
 
     args.max_model_len = args.max_model_len or args.prompt_len + args.num_tokens
     prompt = list(range(100, 100 + args.prompt_len))
@@ -293,7 +297,7 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
     model_config, kv_bytes, backend = engine.model_config, engine.kv_bytes_per_token, engine.attention_backend.name
     # The series a round times, in turn; each was warmed up once.
     timers: dict[str, Callable[[], list[float]]] = {ours: lambda: time_per_token(llm, prompt, args.num_tokens, ours)}
-    source = str(args.model or default_model_path())
+    source = _peer_source(args.model)
     if not args.skip_hf:
         from kvserve.bench.hf_baseline import hf_step_times, load_hf_bench_model
 

@@ -233,9 +233,9 @@ def kvpress_rows(args: argparse.Namespace, windows: list[list[int]], prefill: in
     import tempfile
 
     from kvserve.model.gguf_convert import convert_gguf
-    from kvserve.model.loader import default_model_path
+    from kvserve.model.loader import model_path
 
-    source = Path(args.model) if args.model else default_model_path()
+    source = model_path(args.model)
     model_dir = convert_gguf(source) if source.suffix == ".gguf" else source
     matched = [p for p in policies if p in ("window", "snapkv", "tova", "h2o")]
     spec = {"model_dir": str(model_dir), "windows": windows, "prefill": prefill, "budget": args.kv_budget,
@@ -278,9 +278,9 @@ def _hf_rows(args: argparse.Namespace, windows: list[list[int]], prefill: int, b
     """HF's QuantizedCache at each bit width, against HF's own full-precision cache, one model load."""
     from kvserve.bench.hf_baseline import load_hf_model
     from kvserve.eval.hf_quantized import hf_decode_nll, perplexity
-    from kvserve.model.loader import default_model_path
+    from kvserve.model.loader import model_path
 
-    model, _ = load_hf_model(str(args.model or default_model_path()), DTYPES[args.dtype])
+    model, _ = load_hf_model(str(model_path(args.model)), DTYPES[args.dtype])
     window_tensor = torch.tensor(windows)
     full, full_argmax = hf_decode_nll(model, window_tensor, prefill, "dynamic")
     rows = []

@@ -40,25 +40,33 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME
 
 
+def model_path(model: str | Path | None) -> Path:
+    """The file or directory `model` names: None is the bundled model; a name of `NAMED_MODELS`
+    (gemma3-270m) is its GGUF, unless a file or directory of that name exists (it wins, as in vLLM)."""
+    if model is None:
+        return default_model_path()
+    text = str(model)
+    path = Path(text).expanduser()
+    if text in NAMED_MODELS and not path.exists():
+        return named_model_path(text)
+    if not path.exists():
+        # A bare word may have been meant as a model's name.
+        names = "" if "/" in text or "." in text else f", nor a model name ({', '.join(NAMED_MODELS)})"
+        raise FileNotFoundError(f"model: no such file or directory: {path}{names}")
+    return path
+
+
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, device: torch.device,
                seed: int = 0) -> LoadedModel:
     """`model`: None (bundled model), a .gguf file, a HF directory, a name of `NAMED_MODELS`
     (gemma3-270m), `random:<preset>` or a ModelConfig."""
     if isinstance(model, ModelConfig):
         return _random_model(model, "random", dtype, device, seed)
-    if model is None:
-        model = default_model_path()
-    text = str(model)
+    text = str(model or "")
     if text.startswith("random:"):
         return _random_model(preset_config(text), text, dtype, device, seed)
-    path = Path(text).expanduser()
-    named = text in NAMED_MODELS and not path.exists()  # a file or directory of that name wins, as in vLLM
-    if named:
-        path = named_model_path(text)
-    if not path.exists():
-        # A bare word may have been meant as a model's name.
-        names = "" if "/" in text or "." in text else f", nor a model name ({', '.join(NAMED_MODELS)})"
-        raise FileNotFoundError(f"model: no such file or directory: {path}{names}")
+    path = model_path(model)
+    named = text in NAMED_MODELS and path != Path(text).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model: {path} is neither a .gguf file nor a model directory")

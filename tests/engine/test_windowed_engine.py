@@ -33,3 +33,17 @@ def test_eviction_is_refused_at_start_up_and_per_request() -> None:
         llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, kv_eviction="window", kv_budget=32))
     assert caught.value.field == "kv_eviction"
     assert not llm.engine.has_unfinished()
+
+
+def test_preemption_and_chunked_prefill_keep_a_windowed_models_tokens() -> None:
+    """Four 40-token prompts (past the window of 8) through a pool of six blocks (preempting by
+    recompute) and through a roomy one, in chunks of 16 tokens: the same greedy tokens."""
+    prompts = [[(7 * i + j) % 127 + 1 for j in range(40)] for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    roomy = LLM(**BASE)
+    want = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(**{**BASE, "num_blocks_override": 6, "max_num_batched_tokens": 16, "max_num_seqs": 4,
+                   "max_model_len": 80})
+    got = [o.token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert tight.engine.scheduler.num_preemptions > 0

@@ -161,3 +161,17 @@ def test_damaged_model_files_name_the_file(tmp_path: Path, monkeypatch: pytest.M
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file"):
         load_model(tmp_path, torch.float32, CPU)
+
+
+def test_model_path_resolves_what_every_command_takes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine, eval and bench find a model the same way: the bundled one for None, a named
+    model's GGUF (unless a file of that name exists), and an error naming the word otherwise."""
+    from kvserve.model import loader
+    assert loader.model_path(None) == default_model_path()
+    monkeypatch.setattr(loader, "named_model_path", lambda name: tmp_path / f"{name}.gguf")
+    assert loader.model_path("gemma3-270m") == tmp_path / "gemma3-270m.gguf"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma3-270m").mkdir()
+    assert loader.model_path("gemma3-270m") == Path("gemma3-270m")
+    with pytest.raises(FileNotFoundError, match="nor a model name"):
+        loader.model_path("gemma4")
