@@ -298,13 +298,14 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
     # The series a round times, in turn; each was warmed up once.
     timers: dict[str, Callable[[], list[float]]] = {ours: lambda: time_per_token(llm, prompt, args.num_tokens, ours)}
     source = _peer_source(args.model)
+    hf = None
     if not args.skip_hf:
-        from kvserve.bench.hf_baseline import hf_step_times, load_hf_bench_model
+        from kvserve.bench.hf_process import HFProcess
 
-        hf_model, _ = load_hf_bench_model(source, _hf_dtype(args))
-        hf_step_times(hf_model, prompt, 8, 0)  # warm-up, as kvserve's first run warms its kernels
-        timers[f"HF transformers (DynamicCache, {_hf_dtype(args)})"] = \
-            lambda: hf_step_times(hf_model, prompt, args.num_tokens, 0)
+        hf = HFProcess(source, _hf_dtype(args), torch.get_num_threads())  # OpenMP's own spin there
+        hf.step_times(prompt, 8)  # warm-up, as kvserve's first run warms its kernels
+        timers[f"HF transformers (DynamicCache, {_hf_dtype(args)}, own process)"] = \
+            lambda: hf.step_times(prompt, args.num_tokens)
     if not args.skip_llama_cpp and source.endswith(".gguf"):
         from kvserve.bench.llama_cpp import llama_cpp_step_times, load_llama_cpp
 
@@ -320,6 +321,8 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
         rounds.append({name: mean_decode_s(times) for name, times in runs.items()})
         for name, times in runs.items():
             series.setdefault(name, times)
+    if hf is not None:
+        hf.close()
     # Recompute is the curve the plot contrasts, ~30x slower: timed once, outside the rounds.
     no_cache_llm = llm_from_args(args, "no-cache")
     time_per_token(no_cache_llm, prompt, 8, "warm-up")
