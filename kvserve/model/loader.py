@@ -67,6 +67,7 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, devic
         return _random_model(preset_config(text), text, dtype, device, seed)
     path = model_path(model)
     named = text in NAMED_MODELS and path != Path(text).expanduser()
+    text = text or str(path)  # the bundled model is named after its file
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model: {path} is neither a .gguf file nor a model directory")
