@@ -246,14 +246,13 @@ def run_throughput(args: argparse.Namespace, out: Path) -> None:
                                      "kvserve-contiguous"))
     source = _peer_source(args.model)
     if not args.skip_hf:
-        from kvserve.bench.hf_baseline import load_hf_bench_model, run_hf_continuous_batching, run_hf_static_batches
+        from kvserve.bench.hf_process import HFProcess
 
-        model, tok = load_hf_bench_model(source, _hf_dtype(args))
-        timings, wall = run_hf_static_batches(model, requests, args.max_num_seqs, tok.pad_token_id or 0)
-        summaries.append(summarize("hf-static-batches", timings, wall))
-        timings, wall = run_hf_continuous_batching(model, requests, args.max_num_seqs)
-        summaries.append(summarize("hf-continuous-batching", timings, wall))
-        del model
+        hf = HFProcess(source, _hf_dtype(args), torch.get_num_threads())  # OpenMP's own spin there
+        for kind, name in (("static", "hf-static-batches"), ("continuous", "hf-continuous-batching")):
+            timings, wall = hf.batches(kind, requests, args.max_num_seqs)
+            summaries.append(summarize(name, timings, wall))
+        hf.close()
     if not args.skip_llama_cpp and source.endswith(".gguf"):
         from kvserve.bench.llama_cpp import load_llama_cpp, run_llama_cpp_sequential
 

@@ -1,5 +1,8 @@
 """HF transformers timed in a process of its own, with OpenMP's default spin.
 
+The child loads the model once and runs the timing functions of `bench/hf_baseline.py` on it by
+name (`HFProcess.run`), so that kvserve and HF can take turns.
+
 `import kvserve` sets `GOMP_SPINCOUNT=1000` (kvserve/threads.py: on a shared machine torch's idle
 OpenMP workers otherwise spin through kvserve's own kernels). A peer timed in the same process
 would inherit it, and transformers' many short OpenMP regions then wake sleeping workers every
@@ -15,26 +18,34 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from kvserve.bench.metrics import RequestTiming
+from kvserve.bench.workload import WorkloadRequest
+
 # libgomp's default spin count when OMP_WAIT_POLICY is unset.
 OPENMP_DEFAULT_SPINCOUNT = "300000"
 
 
+# What the child may run: the timing functions of hf_baseline.py, each taking the model first.
+RUNNABLE = ("hf_step_times", "run_hf_static_batches", "run_hf_continuous_batching")
+
+
 def _serve(conn: Connection, source: str, dtype: torch.dtype, threads: int) -> None:
-    from kvserve.bench.hf_baseline import hf_step_times, load_hf_bench_model
+    from kvserve.bench import hf_baseline
 
     torch.set_num_threads(threads)
-    model, _ = load_hf_bench_model(source, dtype)
-    conn.send("ready")
+    model, tokenizer = hf_baseline.load_hf_bench_model(source, dtype)
+    conn.send(tokenizer.pad_token_id or 0)
     while (request := conn.recv()) is not None:
         if request == "environment":  # what the child runs with, for the tests
             conn.send(dict(os.environ))
             continue
-        prompt, num_tokens = request
-        conn.send(hf_step_times(model, prompt, num_tokens, 0))
+        name, args = request
+        conn.send(getattr(hf_baseline, name)(model, *args))
 
 
 class HFProcess:
-    """`step_times(prompt, n)`: seconds each of n tokens took, as `hf_step_times` in the child."""
+    """`run(name, *args)`: hf_baseline's `name(model, *args)` in the child; `pad_token_id`: its
+    tokenizer's (0 without one)."""
 
     def __init__(self, source: str, dtype: torch.dtype, threads: int) -> None:
         context = multiprocessing.get_context("spawn")
@@ -50,8 +61,9 @@ class HFProcess:
             else:
                 os.environ["GOMP_SPINCOUNT"] = saved
         child.close()
-        if self._recv() != "ready":
-            raise RuntimeError("HF peer process: unexpected reply while loading")
+        pad = self._recv()
+        assert isinstance(pad, int)
+        self.pad_token_id = pad
 
     def _recv(self) -> object:
         try:
@@ -59,9 +71,26 @@ class HFProcess:
         except EOFError:
             raise RuntimeError(f"HF peer process died (exit code {self._process.exitcode})") from None
 
+    def run(self, name: str, *args: object) -> object:
+        if name not in RUNNABLE:
+            raise ValueError(f"HF peer process: {name!r} is not one of {', '.join(RUNNABLE)}")
+        self._conn.send((name, args))
+        return self._recv()
+
+    def batches(self, kind: str, requests: list[WorkloadRequest], batch_size: int
+                ) -> tuple[list[RequestTiming], float]:
+        """`kind` "static" (run_hf_static_batches) or "continuous" (HF's continuous batching): the
+        requests' timings and the wall time."""
+        if kind == "static":
+            result = self.run("run_hf_static_batches", requests, batch_size, self.pad_token_id)
+        else:
+            result = self.run("run_hf_continuous_batching", requests, batch_size)
+        assert isinstance(result, tuple)
+        return result
+
     def step_times(self, prompt: list[int], num_tokens: int) -> list[float]:
-        self._conn.send((prompt, num_tokens))
-        times = self._recv()
+        """Seconds each of `num_tokens` took, one sequence alone (`hf_step_times`)."""
+        times = self.run("hf_step_times", prompt, num_tokens, 0)  # one sequence: nothing to pad
         assert isinstance(times, list)
         return times
 

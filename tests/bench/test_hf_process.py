@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvserve.bench.hf_process import OPENMP_DEFAULT_SPINCOUNT, HFProcess
+from kvserve.bench.workload import WorkloadRequest
 from kvserve.model.gguf_convert import convert_gguf
 from kvserve.model.loader import default_model_path, hf_state_dict, load_model, load_tokenizer
 from tests.conftest import TINY
@@ -27,5 +28,8 @@ def test_the_peer_runs_in_its_own_process_with_openmps_spin(tmp_path: Path) -> N
         assert len(times) == 6 and all(t > 0 for t in times)
         child_env = peer.environment()
         assert child_env["GOMP_SPINCOUNT"] == OPENMP_DEFAULT_SPINCOUNT
+        requests = [WorkloadRequest([5, 17, 3], 4), WorkloadRequest([9, 2, 44, 61, 7], 3)]
+        timings, wall = peer.batches("static", requests, 2)
+        assert len(timings) == 2 and wall > 0
     finally:
         peer.close()
