@@ -81,7 +81,7 @@ def policy_for(owner: str, **fields: Any) -> EvictionPolicy:
     """An EvictionPolicy whose errors name `owner`'s fields (EngineConfig, SamplingParams)."""
     try:
         return EvictionPolicy(**fields)
-    except ValueError as err:
+    except FieldError as err:
         raise FieldError(err.field, str(err).replace("EvictionPolicy.", f"{owner}.", 1)) from None
 
 
@@ -366,7 +366,7 @@ class EngineConfig:
         try:
             check_format_options(self.kv_group_size, self.kv_outliers, self.kv_sparse_threshold,
                                  self.kv_sparse_capacity, self.kv_fp8_scales, self.kv_key_wide_channels)
-        except ValueError as err:
+        except FieldError as err:
             raise FieldError(err.field, f"EngineConfig.{err}") from None
         if not (is_int(self.kv_calibration_tokens) and self.kv_calibration_tokens >= 1):
             raise FieldError("kv_calibration_tokens",
@@ -377,9 +377,9 @@ class EngineConfig:
                              f"EngineConfig.kv_residual must be an integer >= 0, got {self.kv_residual!r}")
         try:
             formats = self.kv_formats()
-        except ValueError as err:
-            if isinstance(err, FieldError):
-                raise FieldError(err.field, f"EngineConfig.{err}") from None
+        except FieldError as err:
+            raise FieldError(err.field, f"EngineConfig.{err}") from None
+        except ValueError as err:  # a plan file's or a format's own error
             raise FieldError("kv_cache_dtype", f"EngineConfig.kv_cache_dtype: {err}") from None
         return formats
 
@@ -519,8 +519,8 @@ class EngineConfig:
             own = getattr(self, field)
             try:
                 formats.append(make_format(name, role, group_size=self.kv_group_size if own is None else own, **kwargs))
-            except ValueError as err:  # name the field the bad group size came from
-                if own is None or not isinstance(err, FieldError):
+            except FieldError as err:  # name the field the bad group size came from
+                if own is None:
                     raise
                 raise FieldError(field, str(err).replace("kv_group_size", field, 1)) from None
         return formats[0], formats[1]

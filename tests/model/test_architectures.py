@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           MistralConfig, PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, RequestOutput, SamplingParams
 from kvserve.kernels import cpu_extension
 from kvserve.model.architectures import UnsupportedModel
 from kvserve.model.config import ModelConfig
@@ -66,6 +66,18 @@ def hf_logprobs(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
+def assert_logprobs_equal_hf(hf: PreTrainedModel, prompt: list[int], out: RequestOutput, scored_prompt: bool) -> None:
+    """`out`'s log-probabilities (with `scored_prompt`, its prompt's too) equal transformers' over
+    the same tokens within 1e-4, and its greedy tokens are transformers' argmax."""
+    ref = hf_logprobs(hf, prompt + out.token_ids)[:-1]
+    outputs = ref[len(prompt) - 1:]
+    assert (torch.stack([t.full for t in out.logprobs]) - outputs).abs().max().item() < 1e-4
+    if scored_prompt:
+        scored = torch.stack([p.full for p in out.prompt_logprobs[1:]])
+        assert (scored - ref[:len(prompt) - 1]).abs().max().item() < 1e-4
+    assert outputs.argmax(-1).tolist() == out.token_ids
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_equal_transformers(tiny_models: dict, family: str, backend: str) -> None:
@@ -77,11 +89,7 @@ def test_logits_equal_transformers(tiny_models: dict, family: str, backend: str)
               cpu_kernels=backend == "cpu", kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=4,
               max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=-1, prompt_logprobs=-1)
-    out = llm.generate([PROMPT], params, use_tqdm=False)[0]
-    ours = torch.stack([p.full for p in out.prompt_logprobs[1:]] + [t.full for t in out.logprobs])
-    ref = hf_logprobs(hf, PROMPT + out.token_ids)[:-1]
-    assert (ours - ref).abs().max().item() < 1e-4
-    assert ref[len(PROMPT) - 1:].argmax(-1).tolist() == out.token_ids
+    assert_logprobs_equal_hf(hf, PROMPT, llm.generate([PROMPT], params, use_tqdm=False)[0], scored_prompt=True)
 
 
 def test_the_llama3_scaling_changes_the_logits_under_test(tiny_models: dict) -> None:
@@ -217,12 +225,9 @@ _GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weigh
              "lm_head.weight": "output.weight"}
 
 
-def write_qwen3_gguf(model: PreTrainedModel, path: Path) -> None:
-    """fp32 tensors and metadata as llama.cpp's convert_hf_to_gguf writes a Qwen3 (no q/k permutation:
-    llama.cpp runs Qwen's RoPE rotate-half), with a byte-level tokenizer of the model's vocabulary."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    cfg = model.config
-    writer = gguf.GGUFWriter(path, "qwen3")
+def gguf_writer(path: Path, arch: str, cfg: PreTrainedConfig, rope_theta: float) -> gguf.GGUFWriter:
+    """A writer with the decoder's shape as llama.cpp's convert_hf_to_gguf writes it for `arch`."""
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -231,8 +236,17 @@ def write_qwen3_gguf(model: PreTrainedModel, path: Path) -> None:
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return writer
+
+
+def write_qwen3_gguf(model: PreTrainedModel, path: Path) -> None:
+    """fp32 tensors and metadata as llama.cpp's convert_hf_to_gguf writes a Qwen3 (no q/k permutation:
+    llama.cpp runs Qwen's RoPE rotate-half), with a byte-level tokenizer of the model's vocabulary."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    cfg = model.config
+    writer = gguf_writer(path, "qwen3", cfg, cfg.rope_parameters["rope_theta"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     tokens = list(bytes_to_unicode().values())[:cfg.vocab_size - 1] + ["th"]

@@ -19,7 +19,7 @@ from kvserve.cache.kv_pool import KVPool
 from kvserve.engine.cpu_stack import CPUDecodeStack
 from kvserve.kernels import cpu_extension
 from kvserve.model.loader import load_model
-from tests.model.test_architectures import CPU, edit_config, hf_logprobs, save_tiny
+from tests.model.test_architectures import CPU, assert_logprobs_equal_hf, edit_config, hf_logprobs, save_tiny
 from tests.model.test_loader import logits
 
 WINDOW = 8
@@ -76,10 +76,7 @@ def test_logits_equal_transformers(tiny_models: dict, family: str, compiled: boo
               enable_prefix_caching=True)
     scored = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=-1, prompt_logprobs=-1)
     first = llm.generate([PROMPT], scored, use_tqdm=False)[0]
-    ours = torch.stack([p.full for p in first.prompt_logprobs[1:]] + [t.full for t in first.logprobs])
-    ref = hf_logprobs(hf, PROMPT + first.token_ids)[:-1]
-    assert (ours - ref).abs().max().item() < 1e-4
-    assert ref[len(PROMPT) - 1:].argmax(-1).tolist() == first.token_ids
+    assert_logprobs_equal_hf(hf, PROMPT, first, scored_prompt=True)
     # Prompt log-probs would compute every prompt position: these two ask for the outputs' alone.
     stats = llm.engine.block_manager.prefix_stats
     cached = stats.cached_tokens
@@ -87,10 +84,7 @@ def test_logits_equal_transformers(tiny_models: dict, family: str, compiled: boo
     again = llm.generate([PROMPT, OTHER], params, use_tqdm=False)
     assert stats.cached_tokens - cached == 32  # the prompt's two whole blocks came from the cache
     for prompt, out in ((PROMPT, again[0]), (OTHER, again[1])):
-        ours = torch.stack([t.full for t in out.logprobs])
-        ref = hf_logprobs(hf, prompt + out.token_ids)[len(prompt) - 1:-1]
-        assert (ours - ref).abs().max().item() < 1e-4
-        assert ref.argmax(-1).tolist() == out.token_ids
+        assert_logprobs_equal_hf(hf, prompt, out, scored_prompt=False)
     assert again[0].token_ids == first.token_ids
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -20,6 +20,7 @@ from kvserve.model.architectures import UnsupportedModel
 from kvserve.model.gguf_convert import convert_gguf
 from kvserve.model.loader import load_model, load_tokenizer
 from kvserve.model.named_models import NAMED_MODELS, named_model_path
+from tests.model.test_architectures import gguf_writer
 
 # Rows of 256 (a K-quant block) for every matrix; six layers, so the sixth is global. head_dim 256
 # as in every Gemma 3: the file does not store query_pre_attn_scalar, which llama.cpp takes to be
@@ -65,17 +66,7 @@ def write_gemma3_gguf(model: Gemma3ForCausalLM, path: Path, quantized: bool,
     `quantized`: the matrices as QUANTS says, the K-quant ones random blocks (gguf cannot write them);
     `scaling`: rope.scaling.type and factor, as Gemma 3 4B and up carry."""
     cfg = model.config
-    writer = gguf.GGUFWriter(path, "gemma3")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = gguf_writer(path, "gemma3", cfg, cfg.rope_parameters["full_attention"]["rope_theta"])
     writer.add_sliding_window(cfg.sliding_window)
     if scaling is not None:
         writer.add_string("gemma3.rope.scaling.type", scaling[0])
