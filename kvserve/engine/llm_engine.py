@@ -136,6 +136,7 @@ class LLMEngine:
             outputs = self.update.read(pending)
         else:
             scores = self.update.scores(batch)
+            self.counter.computed += batch.num_tokens
             with label("kvserve.forward"):
                 try:
                     result = self.runner.forward(self._plan(batch, scores.score_from, pending))

@@ -81,7 +81,6 @@ class StepUpdate:
     def scores(self, batch: SchedulerOutput) -> StepScores:
         """A step of plain sequences (most) skips the stages that serve the others: scores,
         evictions, beams, forks, penalties, forced tokens, logprobs."""
-        self.counter.computed += batch.num_tokens
         if all(map(is_plain, batch.seqs)):
             return StepScores(True, None)
         starts = [score_from(s, n) for s, n in zip(batch.seqs, batch.num_scheduled)]
