@@ -5,7 +5,13 @@ K and one V vector of `num_kv_heads x head_dim` elements per token, so a batch's
 
     2 x batch x layers x kv_heads x head_dim x seq_len x bytes_per_element
 
-`kvserve memory` prints these figures; the functions below are its Python interface.
+A model with sliding-window layers (Gemma 3, Mistral v0.1) is priced as the engine's hybrid KV
+cache holds it: a sliding layer keeps only the blocks its window sees, so its cost stops growing at
+the window; the per-group arithmetic is kv_group_pricing.py's. `--no-hybrid` prices every layer
+full, as the engine with `disable_hybrid_kv_cache`.
+
+`kvserve memory` prints these figures; the functions below and kv_group_pricing's are its Python
+interface.
 """
 from __future__ import annotations
 
@@ -14,72 +20,17 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass, replace
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 
 from kvserve.arg_types import at_least, number
-from kvserve.cache.formats import FORMAT_CHOICES, make_format
-from kvserve.cache.kv_plan import KVPlan, plan_path
+from kvserve.cache.kv_plan import plan_path
 from kvserve.config import parse_bytes
+from kvserve.diagnostics.kv_group_pricing import (KVLayout, bytes_per_element, format_bytes, format_groups, kv_dtypes,
+                                                  sequence_price, windowed, windowed_fit)
 from kvserve.measure import request_lengths
 from kvserve.model.config import PRESETS, ModelConfig
-
-FP8_ALIAS = "fp8"  # --dtype fp8 means fp8_e4m3
-# kivi keys keep one scale and zero-point per channel per block: their cost per token depends on
-# the block size (the engine's default unless one is given).
-DEFAULT_BLOCK_SIZE = 16
-
-
-def kv_dtypes() -> tuple[str, ...]:
-    """The --dtype names: fp8 and every registered format, as the registry holds them now."""
-    return (FP8_ALIAS, *FORMAT_CHOICES)
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """How pages store K/V, in the engine's terms: `dtype` (a `kv_cache_dtype` name, fp8, or
-    plan:PATH), `group_size` (`kv_group_size`; None: the engine's 32), `block_size` (KIVI keys keep
-    their ranges per block), `exact_sink` (`kv_exact_sink`), `key_wide_channels`
-    (`kv_key_wide_channels`) and `symmetric_values` (`kv_symmetric_values`). Every function below
-    takes it whole, so a new format option is one new field here."""
-    dtype: str = "fp16"
-    group_size: int | None = None
-    block_size: int = DEFAULT_BLOCK_SIZE
-    exact_sink: bool = False
-    key_wide_channels: int = 0
-    symmetric_values: bool = False
-
-    def describe(self) -> str:
-        return (self.dtype + (f" in groups of {self.group_size}" if self.group_size else "")
-                + (", exact sinks" if self.exact_sink else "")
-                + (f", {self.key_wide_channels} wide key channels" if self.key_wide_channels else "")
-                + (", symmetric values" if self.symmetric_values else ""))
-
-
-def bytes_per_element(cfg: ModelConfig, layout: KVLayout) -> Fraction:
-    """Bytes per K or V element, averaged over the codes and whatever scales, zero-points and side
-    tables the format stores: each registered format's own fields (kvserve.cache.formats), the
-    pages the engine would allocate."""
-    dtype = layout.dtype
-    path = plan_path(dtype)
-    if path is not None:  # a per-layer plan: the mean over its layers ("auto" as bf16)
-        plan = KVPlan.load(path)
-        if len(plan.layers) != cfg.num_layers:
-            raise ValueError(f"kv plan {path}: names {len(plan.layers)} layers, the model has {cfg.num_layers}")
-        pairs = [tuple("bf16" if n == "auto" else n for n in pair) for pair in plan.layers]
-    else:
-        name = "fp8_e4m3" if dtype == FP8_ALIAS else dtype
-        if name not in FORMAT_CHOICES:
-            raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(kv_dtypes())} or plan:PATH")
-        pairs = [(name, name)]
-    per_token = sum(Fraction(make_format(n, role, group_size=layout.group_size or 32, exact_sink=layout.exact_sink,
-                                         key_wide_channels=layout.key_wide_channels,
-                                         symmetric_values=layout.symmetric_values)
-                             .bytes_per_token(cfg.num_kv_heads, cfg.head_dim, layout.block_size))
-                    for pair in pairs for n, role in zip(pair, "kv"))
-    return per_token / (2 * cfg.num_kv_heads * cfg.head_dim * len(pairs))
 
 
 # ---- model shapes ----------------------------------------------------------------------------
@@ -108,11 +59,14 @@ def gguf_shape(path: Path) -> ModelConfig:
     import gguf
 
     from kvserve.model.gguf_convert import gguf_field as _gguf_field
+    from kvserve.model.gguf_gemma3 import GEMMA3_ARCH, gemma3_config
 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     reader = gguf.GGUFReader(path)
     arch = _gguf_field(reader, "general.architecture")
+    if arch == GEMMA3_ARCH:  # its sliding layers are llama.cpp's fixed pattern, which gemma3_config spells out
+        return ModelConfig.from_hf_dict(gemma3_config(reader))
 
     def field(key: str, default: int | None = None) -> int:
         value = _gguf_field(reader, f"{arch}.{key}", default)
@@ -250,39 +204,58 @@ def compare_attention_kinds(cfg: ModelConfig, layout: KVLayout = KVLayout()) -> 
 
 # ---- report ----------------------------------------------------------------------------------
 
-def format_bytes(n: int) -> str:
-    """`309,237,645,312 bytes (288.00 GiB)`: exact for checking, binary units for reading."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n:,} bytes ({n / scale:.2f} {unit})"
-    return f"{n:,} bytes"
+def batch_bytes(cfg: ModelConfig, layout: KVLayout, batch: int, seq_len: int, hybrid: bool = True) -> int:
+    """A batch's KV cache: `kv_bytes`, or for a windowed model with the hybrid cache, the whole
+    blocks its sequences hold between steps."""
+    if windowed(cfg, hybrid):
+        return batch * sequence_price(cfg, layout, seq_len).held
+    return kv_bytes(cfg, layout, batch, seq_len)
 
 
 def format_plan(cfg: ModelConfig, layout: KVLayout, batch: int, seq_len: int, *,
                 name: str = "model", budget_bytes: int | None = None,
                 max_len: int | None = None, lengths: list[int] | None = None,
-                compare: bool = False) -> str:
-    """The human-readable plan `kvserve memory` prints."""
+                compare: bool = False, hybrid: bool = True) -> str:
+    """The human-readable plan `kvserve memory` prints; `hybrid` False prices every layer full."""
     max_len = cfg.max_position if max_len is None else max_len
     block_size = layout.block_size
     element = bytes_per_element(cfg, layout)
+    window = (f", sliding window {cfg.sliding_window:,} on {len(cfg.sliding_layers)} of {cfg.num_layers} layers"
+              if cfg.sliding_layers else "")
     lines = [
         f"Model: {name}: {cfg.num_layers} layers, {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads "
-        f"({attention_kind(cfg)}), head_dim {cfg.head_dim}",
+        f"({attention_kind(cfg)}), head_dim {cfg.head_dim}{window}",
         f"KV dtype: {layout.describe()}, {float(element):g} bytes per element (scales included)",
-        f"KV per token: {format_bytes(kv_bytes_per_token(cfg, layout))}",
-        f"KV cache: {format_bytes(kv_bytes(cfg, layout, batch, seq_len))}",
-        f"  = 2 x {batch:,} batch x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x "
-        f"{cfg.head_dim} head_dim x {seq_len:,} tokens x {float(element):g} bytes",
     ]
-    if budget_bytes is not None:
-        fit = sequences_that_fit(cfg, layout, budget_bytes, seq_len, max_len)
+    if windowed(cfg, hybrid):
+        lines += format_groups(sequence_price(cfg, layout, seq_len), block_size, batch)
+    else:
         lines += [
-            f"Sequences of {seq_len:,} tokens that fit {format_bytes(budget_bytes)}:",
-            f"  paged:      {fit.paged:,} ({fit.num_blocks:,} blocks of {block_size} tokens, "
-            f"{_blocks(seq_len, block_size):,} blocks each)",
-            f"  contiguous: {fit.contiguous:,} (each reserving {max_len:,} tokens)",
+            f"KV per token: {format_bytes(kv_bytes_per_token(cfg, layout))}",
+            f"KV cache: {format_bytes(kv_bytes(cfg, layout, batch, seq_len))}",
+            f"  = 2 x {batch:,} batch x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x "
+            f"{cfg.head_dim} head_dim x {seq_len:,} tokens x {float(element):g} bytes",
         ]
+        if cfg.sliding_layers:
+            lines.append("  (--no-hybrid: every layer holds every block; the windows only mask)")
+    if budget_bytes is not None:
+        lines.append(f"Sequences of {seq_len:,} tokens that fit {format_bytes(budget_bytes)}:")
+        fit = sequences_that_fit(cfg, layout, budget_bytes, seq_len, max_len)
+        every_block = (f"{fit.paged:,} ({fit.num_blocks:,} blocks of {block_size} tokens, "
+                       f"{_blocks(seq_len, block_size):,} blocks each)")
+        if windowed(cfg, hybrid):
+            held = windowed_fit(cfg, layout, budget_bytes, seq_len, max_len)
+            lines += [
+                f"  paged:      {held.paged:,} held between steps ({held.price.held:,} bytes each); "
+                f"{held.whole_prompts:,} if each arrives as one {seq_len:,}-token prompt (its prefill step "
+                f"holds {held.price.full:,} bytes; one at a time)",
+                f"  paged, every layer full (--no-hybrid): {every_block}",
+                f"  contiguous: {held.contiguous:,} (each reserving {max_len:,} tokens in full layers, "
+                f"its window in sliding ones)",
+            ]
+        else:
+            lines += [f"  paged:      {every_block}",
+                      f"  contiguous: {fit.contiguous:,} (each reserving {max_len:,} tokens)"]
     if lengths is not None:
         contiguous, paged = paging_waste(lengths, max_len, block_size)
         lines += [
@@ -297,7 +270,7 @@ def format_plan(cfg: ModelConfig, layout: KVLayout, batch: int, seq_len: int, *,
         lines += [f"Attention kinds, {layout.dtype}, batch {batch:,} x {seq_len:,} tokens:",
                   "  kind  KV heads   bytes/token    bytes for the batch  MHA/this"]
         for kind in kinds:
-            total = kv_bytes(replace(cfg, num_kv_heads=kind.kv_heads), layout, batch, seq_len)
+            total = batch_bytes(replace(cfg, num_kv_heads=kind.kv_heads), layout, batch, seq_len, hybrid)
             own = "  <- this model" if kind.kv_heads == cfg.num_kv_heads else ""
             lines.append(f"  {kind.name}   {kind.kv_heads:>8}  {kind.bytes_per_token:>12,}  {total:>21,}"
                          f"  {mha / kind.bytes_per_token:>8g}{own}")
@@ -311,6 +284,7 @@ def format_plan(cfg: ModelConfig, layout: KVLayout, batch: int, seq_len: int, *,
 _EXAMPLES = """examples:
   kvserve memory --preset gpt3-175b --batch 32 --seq-len 2048 --dtype fp16
   kvserve memory --preset llama-2-70b --budget 80GiB --seq-len 1000 --compare-attention
+  kvserve memory --preset gemma-3-1b --seq-len 32768 --budget 4GiB [--no-hybrid]
   kvserve memory --config path/to/model --lengths-median 300 --max-len 4096
   kvserve memory --layers 32 --kv-heads 8 --heads 32 --head-dim 128 --dtype int4 --group-size 64
 """
@@ -367,6 +341,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cache.add_argument("--batch", type=at_least(1), default=1, help="sequences in the batch (default 1)")
     cache.add_argument("--seq-len", type=at_least(1), default=2048, help="tokens per sequence (default 2048)")
     cache.add_argument("--block-size", type=at_least(1), default=16, help="tokens per paged block (default 16)")
+    cache.add_argument("--no-hybrid", action="store_true",
+                       help="price every layer full, as the engine with disable_hybrid_kv_cache (sliding windows "
+                            "then only mask); by default a sliding layer holds only its window's blocks")
     cache.add_argument("--max-len", type=at_least(1), default=None,
                        help="tokens a contiguous cache reserves per sequence (default: the model's context; "
                             "--seq-len for an explicit shape)")
@@ -433,7 +410,7 @@ def run(args: argparse.Namespace) -> None:
     layout = KVLayout(args.dtype, args.group_size, args.block_size, args.exact_sink, args.key_wide_channels,
                       args.symmetric_values)
     print(format_plan(cfg, layout, args.batch, args.seq_len, name=name, budget_bytes=args.budget, max_len=max_len,
-                      lengths=lengths, compare=args.compare_attention))
+                      lengths=lengths, compare=args.compare_attention, hybrid=not args.no_hybrid))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvserve.model.architectures import (GEMMA3, LLAMA, MISTRAL, QWEN2, QWEN3, Family, hf_family, layer_windows,
                                          refuse_unimplemented)
-from kvserve.model.rope import RopeScaling, layered_rope_from_hf, rope_from_hf
+from kvserve.model.rope import LinearRopeScaling, RopeScaling, layered_rope_from_hf, rope_from_hf
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -191,8 +191,24 @@ class ModelConfig:
         return asdict(self)
 
 
+def _gemma3(*, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
+            num_kv_heads: int, head_dim: int, sliding_window: int, max_position: int,
+            query_pre_attn_scalar: int = 256, rope_scaling: RopeScaling | None = None) -> ModelConfig:
+    """A Gemma 3 text decoder: what every size shares (Gemma3TextConfig's values, which the sizes'
+    config.json files keep or leave to the defaults) around the numbers that differ. Every sixth
+    layer is global (layer i when (i + 1) % 6 == 0, `layer_types` in the files), the rest slide."""
+    return ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                       num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position=max_position,
+                       tie_word_embeddings=True, rope_scaling=rope_scaling,
+                       qk_norm=True, sliding_window=sliding_window,
+                       sliding_layers=tuple(i for i in range(num_layers) if (i + 1) % 6),
+                       rope_local_theta=10_000.0, hidden_act="gelu_pytorch_tanh", norm_offset=True,
+                       sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=query_pre_attn_scalar)
+
+
 # Shapes of models we cannot download; benchmarks build them with random weights and
-# fewer layers. Values from the models' published config.json files.
+# fewer layers, and `kvserve memory` prices them. Values from the models' published config.json files.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16, max_position=512),
@@ -216,6 +232,27 @@ PRESETS: dict[str, ModelConfig] = {
     "mistral-7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                               num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                               rope_theta=1000000.0, max_position=32768, tie_word_embeddings=False),
+    # v0.1 (huggingface.co/mistralai/Mistral-7B-v0.1, config.json): v0.2's shape but rope_theta 1e4 and a
+    # 4096-token sliding window on every layer (MistralForCausalLM ignores layer_types).
+    "mistral-7b-v0.1": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                   num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                                   max_position=32768, tie_word_embeddings=False, sliding_window=4096,
+                                   sliding_layers=tuple(range(32))),
+    # Gemma 3: huggingface.co/google/gemma-3-{270m,1b,4b,27b}-it, config.json. The 4B and 27B files are
+    # Gemma3ForConditionalGeneration; their text_config leaves vocab (262208) and context (131072), and
+    # the 4B's also heads (8), KV heads (4) and head_dim (256), to Gemma3TextConfig's defaults. 4B and 27B
+    # scale the global layers' RoPE linearly by 8.
+    "gemma-3-270m": _gemma3(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18,
+                            num_heads=4, num_kv_heads=1, head_dim=256, sliding_window=512, max_position=32768),
+    "gemma-3-1b": _gemma3(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+                          num_heads=4, num_kv_heads=1, head_dim=256, sliding_window=512, max_position=32768),
+    "gemma-3-4b": _gemma3(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_layers=34,
+                          num_heads=8, num_kv_heads=4, head_dim=256, sliding_window=1024, max_position=131072,
+                          rope_scaling=LinearRopeScaling(8.0)),
+    # head_dim 128 (not 5376 / 32 = 168) and query_pre_attn_scalar 168 are both in its text_config.
+    "gemma-3-27b": _gemma3(vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_layers=62,
+                           num_heads=32, num_kv_heads=16, head_dim=128, sliding_window=1024, max_position=131072,
+                           query_pre_attn_scalar=168, rope_scaling=LinearRopeScaling(8.0)),
     # Multi-query attention: 71 query heads share one K/V head; head_dim = 4544 / 71.
     "falcon-7b": ModelConfig(vocab_size=65024, hidden_size=4544, intermediate_size=18176,
                              num_layers=32, num_heads=71, num_kv_heads=1, head_dim=64,

@@ -34,6 +34,11 @@ HAND_WORKED_FP16_PER_TOKEN = {
     "llama-2-70b": 327_680,  # 2 x 80 x 8 x 128 x 2 (GQA 8)
     "llama-3-8b": 131_072,  # 2 x 32 x 8 x 128 x 2 (GQA 8)
     "mistral-7b": 131_072,  # 2 x 32 x 8 x 128 x 2 (GQA 8)
+    "mistral-7b-v0.1": 131_072,  # the same, a token in every layer (its window bounds a sequence's total)
+    "gemma-3-270m": 18_432,  # 2 x 18 x 1 x 256 x 2 (MQA)
+    "gemma-3-1b": 26_624,  # 2 x 26 x 1 x 256 x 2 (MQA)
+    "gemma-3-4b": 139_264,  # 2 x 34 x 4 x 256 x 2 (GQA 4)
+    "gemma-3-27b": 507_904,  # 2 x 62 x 16 x 128 x 2 (GQA 16)
     "falcon-7b": 8_192,  # 2 x 32 x 1 x 64 x 2 (MQA)
     "smollm2-135m": 23_040,  # 2 x 30 x 3 x 64 x 2 (GQA 3)
     "tiny": 256,  # 2 x 2 x 2 x 16 x 2
