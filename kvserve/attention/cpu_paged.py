@@ -4,10 +4,12 @@ No dense copy of the context and no padding to the longest sequence: each (seque
 query tile) work item walks its own block table, decodes one block at a time into a small
 fp32 buffer (dequantizing int8 / fp8 / int4 / KIVI codes there, or reading the block's
 full-precision staging slot), and keeps an online softmax. The query heads of a GQA group share every decoded
-block. Offloaded host blocks are read in place too.
+block. Offloaded host blocks are read in place too. A sliding-window layer's items start at the
+block holding their first query's first key (`with_window`): earlier blocks are never read.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -33,10 +35,12 @@ def _encodes(layout: PageLayout) -> bool:
 class CPUMetadata:
     step: StepMetadata
     step_args: tuple  # the kernel's per-step arguments, shared by every layer
+    window: int = 0   # a sliding layer's window (`with_window`); 0: none
 
 
 class CPUPagedBackend(AttentionBackend):
     name = "cpu"
+    masks_window = True
 
     def __init__(self, pool: Pool, num_heads: int) -> None:
         super().__init__(pool, num_heads)
@@ -76,6 +80,13 @@ class CPUPagedBackend(AttentionBackend):
         stage_of = plan.stage_of if plan is not None and plan.stage_of is not None else self._empty
         return CPUMetadata(step, (step.query_start, step.context_lens, step.block_tables, stage_of))
 
+    def with_window(self, meta: CPUMetadata, window: int) -> CPUMetadata:
+        """The kernel masks keys before slot q - window + 1 and skips the blocks before the window."""
+        if meta.step.evicts:  # as the torch backend: the window is a span of positions, masked in slots
+            raise ValueError(f"kv_eviction: a sliding window (of {window} positions) cannot mask a sequence that "
+                             f"has evicted tokens: its slots no longer sit at their positions")
+        return dataclasses.replace(meta, window=window)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CPUMetadata,
                 scale: float) -> torch.Tensor:
         return self._run(layer, q, k, v, meta, scale, self._empty, self._empty)
@@ -105,7 +116,7 @@ class CPUPagedBackend(AttentionBackend):
             new, staging = (self._empty, self._empty, self._empty), kv.staging
         out = self.ext.paged_attention(q, *new, query_start, context_lens, tables, *self.layer_args[layer],
                                        stage_of, *staging, scale, self.pool.block_size, self.pool.num_kv_heads,
-                                       score_first, scores)
+                                       meta.window, score_first, scores)
         kv.seal(meta.step)
         return out
 

@@ -3,10 +3,12 @@
 New K/V are written by the pool (dense: one scatter per layer; compressed: its encoder), then
 one kernel launch per layer attends for every sequence of the step, prefill and decode alike,
 decoding int8 / fp8 / int4 / KIVI pages in registers. Offloaded host blocks are not reachable
-from a GPU kernel: pools with host blocks use the torch backend.
+from a GPU kernel: pools with host blocks use the torch backend. A sliding-window layer's tiles
+start at their first query's first key (`with_window`): earlier blocks are never read.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -37,10 +39,12 @@ def _interpreted() -> bool:
 class TritonMetadata:
     step: StepMetadata
     tiles: Any  # triton_attention.Tiles
+    window: int = 0  # a sliding layer's window (`with_window`); 0: none
 
 
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
+    masks_window = True
 
     def __init__(self, pool: Pool, num_heads: int) -> None:
         super().__init__(pool, num_heads)
@@ -72,6 +76,15 @@ class TritonPagedBackend(AttentionBackend):
                                         step.max_query_len, group, self.pool.num_kv_heads)
         return TritonMetadata(step, tiles)
 
+    def with_window(self, meta: TritonMetadata, window: int) -> TritonMetadata:
+        """The kernel masks keys before slot q - window + 1 and skips the blocks before the window;
+        fewer context splits may do. Reads no step's values: graph-captured metadata takes it too."""
+        if meta.step.evicts:  # as the torch backend: the window is a span of positions, masked in slots
+            raise ValueError(f"kv_eviction: a sliding window (of {window} positions) cannot mask a sequence that "
+                             f"has evicted tokens: its slots no longer sit at their positions")
+        return dataclasses.replace(meta, tiles=self.kernels.window_tiles(meta.tiles, window, self.pool.num_kv_heads),
+                                   window=window)
+
     def graph_unsupported(self) -> str | None:
         return None if self.dense else "compressed pages plan each step's writes on the host"
 
@@ -89,7 +102,7 @@ class TritonPagedBackend(AttentionBackend):
         stage_of = None if self.dense or plan.stage_of is None else plan.stage_of
         k_stage, v_stage = (None, None) if stage_of is None else kv.staging
         out = self.kernels.paged_attention(q.contiguous(), meta.tiles, k_src, v_src, stage_of, k_stage, v_stage,
-                                           scale, self.pool.block_size, self.pool.num_kv_heads)
+                                           scale, self.pool.block_size, self.pool.num_kv_heads, meta.window)
         kv.seal(meta.step)
         return out
 

@@ -11,10 +11,15 @@ zero-point; a block holding a full-precision staging slot is read from there ins
 Long contexts are split across programs (flash-decoding): each split writes its unnormalised
 output with its running max and sum, and `_combine_splits` merges them.
 
+A sliding window (`window` > 0) masks the keys before slot q - window + 1 of each query, and a
+tile's keys start at its first row's first key: the blocks before it are never read, nor their
+table entries (a hybrid KV cache points those at a null block).
+
 Under TRITON_INTERPRET=1 the same kernels run on CPU tensors, which is how CI tests them.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -23,7 +28,6 @@ import triton
 import triton.language as tl
 
 from kvserve.device_copy import to_device
-
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ def _paged_attention(
         q, out, part_acc, part_ml,
         tile_seq, tile_q0, query_start, context_lens, tables, table_stride,
         k_data, k_scale, k_zero, v_data, v_scale, v_zero, k_sink, k_wide, k_slot, v_wide, v_slot,
-        stage_of, k_stage, v_stage, sm_scale, total_tokens,
+        stage_of, k_stage, v_stage, sm_scale, total_tokens, reach,
         HEADS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_SINK: tl.constexpr,
@@ -121,10 +125,12 @@ def _paged_attention(
     q_pos = ctx - q_len + m
     qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
 
-    # The last row of the tile sees keys up to its own position; none sees past the context.
+    # The last row of the tile sees keys up to its own position; none sees past the context. A
+    # row sees `reach` slots back, its own included: the window, or (none) past slot 0.
+    kv_start = tl.maximum(ctx - q_len + q0 - reach + 1, 0)  # the first row's first key
     kv_end = tl.minimum(ctx, ctx - q_len + q0 + BLOCK_M)
-    per_split = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
+    per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_start + split * per_split
     hi = tl.minimum(kv_end, lo + per_split)
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -153,7 +159,7 @@ def _paged_attention(
             kx = tl.where(staged[:, None], ks, kx)
             vx = tl.where(staged[:, None], vs, vx)
         s = tl.dot(qv, tl.trans(kx.to(qv.dtype)), input_precision=PRECISION) * qk_scale
-        visible = key_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        visible = key_ok[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - reach)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps -inf; subtracting 0 keeps exp2 at 0, not NaN.
@@ -187,7 +193,7 @@ def _combine_splits(out, part_acc, part_ml, rows, D: tl.constexpr, SPLITS: tl.co
     ml = (s[:, None] * rows + row[None, :]) * 2
     m_s = tl.load(part_ml + ml, mask=ok, other=float("-inf"))  # [splits, rows]
     l_s = tl.load(part_ml + ml + 1, mask=ok, other=0.0)
-    m_max = tl.max(m_s, 0)  # split 0 always holds key 0: finite for every real row
+    m_max = tl.max(m_s, 0)  # some split holds a real row's own key: finite
     m_max = tl.where(row_ok, m_max, 0.0)
     w = tl.where(m_s > float("-inf"), tl.exp2(m_s - m_max[None, :]), 0.0)
     at = (s[:, None, None] * rows + row[None, :, None]) * D + d[None, None, :]
@@ -214,8 +220,15 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Enough programs to fill a large GPU several times over before splitting contexts further.
 TARGET_PROGRAMS = 512
 SPLIT_MIN_KEYS = 256
-BLOCK_N = 64
 COMBINE_ROWS = 32
+# The reach of a query without a window: past slot 0 from any slot, and slot - reach fits int32.
+NO_WINDOW = 1 << 30
+
+
+def _block_n(dim: int) -> int:
+    """Keys per loop step: 64, or 32 past head_dim 128, so a step's K and V tiles (fp32 when the
+    queries are) stay within shared memory at head_dim 256."""
+    return 64 if dim <= 128 else 32
 
 
 def plan_tiles(query_start: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -251,6 +264,14 @@ def decode_tiles(context_lens: torch.Tensor, tables: torch.Tensor, max_context: 
                  _splits(max_context, batch, kv_heads))
 
 
+def window_tiles(tiles: Tiles, window: int, kv_heads: int) -> Tiles:
+    """`tiles` for a layer whose queries see their last `window` slots: a tile reads at most
+    window - 1 + block_m keys, so fewer splits may cover it (a choice from sizes alone, as a CUDA
+    graph needs)."""
+    splits = min(tiles.splits, _splits(window - 1 + tiles.block_m, tiles.tile_seq.shape[0], kv_heads))
+    return dataclasses.replace(tiles, splits=splits)
+
+
 def _splits(max_context: int, tiles: int, kv_heads: int) -> int:
     return max(1, min(-(-max_context // SPLIT_MIN_KEYS), TARGET_PROGRAMS // max(1, tiles * kv_heads)))
 
@@ -265,8 +286,9 @@ def _wide_bits(src: PageSource) -> int:
 
 def paged_attention(q: torch.Tensor, tiles: Tiles, k: PageSource, v: PageSource,
                     stage_of: torch.Tensor | None, k_stage: torch.Tensor | None, v_stage: torch.Tensor | None,
-                    scale: float, block_size: int, kv_heads: int) -> torch.Tensor:
-    """q [T, heads, D] contiguous -> attention over each sequence's pages, [T, heads, D]."""
+                    scale: float, block_size: int, kv_heads: int, window: int = 0) -> torch.Tensor:
+    """q [T, heads, D] contiguous -> attention over each sequence's pages, [T, heads, D]; each query
+    sees its last `window` slots only (0 or -1: all up to its own)."""
     total, heads, dim = q.shape
     group = heads // kv_heads
     out = torch.empty_like(q)
@@ -284,9 +306,9 @@ def paged_attention(q: torch.Tensor, tiles: Tiles, k: PageSource, v: PageSource,
         k.data, k.scale, k.zero, v.data, v.scale, v.zero, k.data if k.sink is None else k.sink,
         *_wide_args(k), *_wide_args(v),
         stage_of if staged else tiles.tables, k_stage if staged else q, v_stage if staged else q,
-        scale, total,
+        scale, total, window if window > 0 else NO_WINDOW,
         HEADS=heads, H=kv_heads, D=dim, BS=block_size, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
-        BLOCK_M=tiles.block_m, BLOCK_N=BLOCK_N,
+        BLOCK_M=tiles.block_m, BLOCK_N=_block_n(dim),
         K_KIND=k.kind, K_BITS=k.bits, K_GROUP=k.group, K_SINK=k.sink is not None, K_SYM=k.symmetric,
         K_WIDE=_wide_bits(k), V_KIND=v.kind, V_BITS=v.bits, V_GROUP=v.group, V_SYM=v.symmetric, V_WIDE=_wide_bits(v),
         STAGED=staged, SPLITS=splits, DOT_FP32=q.dtype == torch.float32 or INTERPRETED,

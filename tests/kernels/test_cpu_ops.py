@@ -161,7 +161,7 @@ def test_paged_attention_decodes_every_absmax_code_exactly(code_dtype: torch.dty
     out = kernels.paged_attention(
         torch.zeros(4, 1, dim), e, e, e, torch.arange(5), torch.ones(4, dtype=torch.long), torch.arange(4)[:, None],
         1, k_codes, k_scale, e, e, 1, v_codes, v_scale, e, e, 0, 0, 0, 0, False, False, e, e, e, e, e, e,
-        e, e, e, 1.0, bs, 1, e, e)
+        e, e, e, 1.0, bs, 1, 0, e, e)
     want = v_codes[:, 0, 0].float() * v_scale[:, 0].float()
     assert torch.equal(out[:, 0], want)
 

@@ -117,15 +117,6 @@ def test_each_gemma_delta_changes_the_logits(tiny_models: dict, tmp_path: Path) 
         assert (got - want).abs().max().item() > 1e-2, name
 
 
-def test_a_backend_without_a_window_mask_is_refused_naming_it(tiny_models: dict) -> None:
-    """The cpu kernel masks no window: asked for by name on a windowed model it is refused, naming
-    attention_backend (never run with full attention)."""
-    with pytest.raises(ValueError, match="attention_backend.*sliding-window"):
-        llm = LLM(model=str(tiny_models["mistral"][0]), dtype="float32", device="cpu", attention_backend="cpu",
-                  kv_cache_memory="4MiB", max_model_len=256)
-        llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)
-
-
 def test_the_fused_cpu_stack_declines_gemma3_and_windows(tiny_models: dict) -> None:
     for family, reason in (("gemma3", "Gemma 3's layer"), ("mistral", "sliding-window layers (window 8)")):
         loaded = load_model(tiny_models[family][0], torch.float32, CPU)

@@ -272,6 +272,14 @@ struct BlockRows {
   Rows<c10::Float8_e5m2> e5m2{nullptr, 0};
   const float* scale = nullptr;
   bool in_place() const { return bf16.base || i8.base || e4m3.base || e5m2.base; }
+  // The rows from token t on (a sliding window's first visible key in the block).
+  BlockRows from(int64_t t) const {
+    BlockRows r = *this;
+    auto shift = [t](auto& rows) { if (rows.base) rows.base += t * rows.stride; };
+    shift(r.f32), shift(r.bf16), shift(r.i8), shift(r.e4m3), shift(r.e5m2);
+    if (r.scale) r.scale += t;
+    return r;
+  }
   // f(rows) on the rows that hold the block.
   template <typename F>
   decltype(auto) visit(F&& f) const {
@@ -494,7 +502,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
                     const at::Tensor& context_lens, const at::Tensor& block_tables,
                     const Pages& kp, const Pages& vp, const at::Tensor& stage_of,
                     const at::Tensor& k_staging, const at::Tensor& v_staging, double scale,
-                    int64_t block_size, int64_t num_kv_heads, const at::Tensor& score_first,
+                    int64_t block_size, int64_t num_kv_heads, int64_t window, const at::Tensor& score_first,
                     at::Tensor& scores) {
   const int64_t B = context_lens.size(0);
   const int64_t H = q.size(1), D = q.size(2), G = H / num_kv_heads;
@@ -506,6 +514,10 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   // Query tokens per work item: enough rows to reuse each decoded key block, few enough that
   // a prefill splits across threads.
   const int64_t q_tile = std::max<int64_t>(1, 32 / G);
+  // A sliding window (window > 0): the query in slot p sees keys p - window + 1 .. p. An item
+  // starts at the block holding its first row's first key: the blocks before it are never read
+  // (a hybrid KV cache points their table entries at a null block).
+  auto first_key = [window](int64_t slot) { return window > 0 ? std::max<int64_t>(0, slot - window + 1) : 0; };
   // Scores: the softmax weights of a sequence's query rows from score_first[b] on (-1: none),
   // summed over those rows and averaged over the group's query heads, into scores[b, h, slot].
   // A scored sequence is one item per head, so no two threads add into the same row.
@@ -532,18 +544,19 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         const int64_t q1 = std::min(q0 + tile, qs[b + 1]);
         const int64_t keys = ctx[b] - (qs[b + 1] - q1);  // what the item's last row sees
         const int64_t nblocks = (keys - 1) / block_size + 1;
-        if (q1 - q0 == 1 && !scored && nblocks > split_blocks) {
-          const int64_t parts = (nblocks + split_blocks - 1) / split_blocks;
+        const int64_t lo = first_key(ctx[b] - (qs[b + 1] - q0)) / block_size;
+        if (q1 - q0 == 1 && !scored && nblocks - lo > split_blocks) {
+          const int64_t parts = (nblocks - lo + split_blocks - 1) / split_blocks;
           splits.push_back({h, q0, num_parts, parts});
           for (int64_t i = 0; i < parts; ++i) {
-            const int64_t bi0 = i * split_blocks, bi1 = std::min(nblocks, bi0 + split_blocks);
+            const int64_t bi0 = lo + i * split_blocks, bi1 = std::min(nblocks, bi0 + split_blocks);
             items.push_back({b, h, q0, q1, (bi1 - bi0) * block_size, bi0, bi1, num_parts + i});
           }
           num_parts += parts;
           continue;
         }
-        // Rows times the keys its last row sees: a 2,000-token context costs 100 times a 20.
-        items.push_back({b, h, q0, q1, (q1 - q0) * keys, 0, nblocks, -1});
+        // Rows times the keys it reads: a 2,000-token context costs 100 times a 20.
+        items.push_back({b, h, q0, q1, (q1 - q0) * (keys - lo * block_size), lo, nblocks, -1});
       }
   }
   // The pieces' running max and sum per row [part, G] and weighted values [part, G, D].
@@ -585,7 +598,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           pos[r] = ctx[w.b] - q_len + (w.q0 + i - qs[w.b]);
         }
       const int64_t last = pos[rows - 1];  // the furthest key any row of this item sees
-      const int64_t nblocks = w.bi1;  // the scoring pass (never a split item) reads them all
+      const int64_t nblocks = w.bi1;  // the scoring pass (never a split item, never windowed) reads them all
       // bf16 pages and int8 / fp8 codes are read in place by a decode item, whose few rows would
       // not repay decoding a block into fp32 first; a prefill item's 30-odd rows would each widen
       // the same keys again. Either way gives the same values (both widen exactly).
@@ -626,9 +639,12 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       };
       // A block's values into every row's sums, rows three at a time (a decode item's rows).
       auto accumulate_group = [&](int64_t bi, const Loaded& blk) {
-        const int64_t visible = std::min(blk.n, pos[0] + 1 - bi * block_size);
+        const int64_t k0 = bi * block_size, skip = std::max<int64_t>(0, first_key(pos[0]) - k0);
+        const int64_t visible = std::min(blk.n, pos[0] + 1 - k0) - skip;
+        if (visible <= 0) return;  // the rows skipped the block too, leaving `corrections` stale
+        const BlockRows v = blk.v.from(skip);
         auto run = [&](auto tile, int64_t r) {
-          blk.v.visit([&](auto vr) {
+          v.visit([&](auto vr) {
             scale_accumulate_group<decltype(tile)::value>(acc.data() + r * D, corrections.data() + r,
                                                           sbuf.data() + r * block_size, block_size, vr, visible, D);
           });
@@ -651,15 +667,18 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         const int64_t k0 = bi * block_size;
         for (int64_t r = 0; r < rows; ++r) {
           float* s = sbuf.data() + r * block_size;
-          const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);  // causal: keys at or before pos
+          // Causal: keys at or before pos; windowed, from its first key on. s[t] is key k0 + skip + t.
+          const int64_t skip = std::max<int64_t>(0, first_key(pos[r]) - k0);
+          const int64_t visible = std::min(blk.n, pos[r] + 1 - k0) - skip;
           if (visible <= 0) continue;
-          const float mx = std::max(m[r], score_block(qbuf.data() + r * D, blk.k, visible, s));
+          const BlockRows v = blk.v.from(skip);
+          const float mx = std::max(m[r], score_block(qbuf.data() + r * D, blk.k.from(skip), visible, s));
           const float correction = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
           const float sum = exp_sub_sum(s, visible, mx);
-          if (blk.v.scale)  // the weights onto unscaled values
-            for (int64_t t = 0; t < visible; ++t) s[t] *= blk.v.scale[t];
+          if (v.scale)  // the weights onto unscaled values
+            for (int64_t t = 0; t < visible; ++t) s[t] *= v.scale[t];
           if (grouped) corrections[r] = correction;
-          else blk.v.visit([&](auto vr) { scale_accumulate(acc.data() + r * D, correction, s, vr, visible, D); });
+          else v.visit([&](auto vr) { scale_accumulate(acc.data() + r * D, correction, s, vr, visible, D); });
           l[r] = l[r] * correction + sum;
           m[r] = mx;
         }
@@ -754,7 +773,9 @@ void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 // step's new k/v [T, Hkv, D] are first written to `slot_mapping` (one call instead of two;
 // compressed pages are encoded by the pool beforehand: pass empty tensors). Returns [T, H, D].
 // score_first [B] int64 (or empty): from which of its query rows sequence b's attention weights
-// are added into scores [B, Hkv, >= its context] fp32 (zeros in; -1: not scored).
+// are added into scores [B, Hkv, >= its context] fp32 (zeros in; -1: not scored). window > 0: each
+// query sees its last `window` slots only, and blocks wholly before its item's window are not read
+// (0 or -1: no window).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                            const at::Tensor& slot_mapping, const at::Tensor& query_start,
                            const at::Tensor& context_lens, const at::Tensor& block_tables, int64_t k_kind, const at::Tensor& k_data,
@@ -766,12 +787,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
                            const at::Tensor& v_sink, const at::Tensor& v_wide, const at::Tensor& v_wide_slot,
                            const at::Tensor& stage_of, const at::Tensor& k_staging,
                            const at::Tensor& v_staging, double scale, int64_t block_size,
-                           int64_t num_kv_heads, const at::Tensor& score_first, at::Tensor scores) {
+                           int64_t num_kv_heads, int64_t window, const at::Tensor& score_first, at::Tensor scores) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous D");
   TORCH_CHECK(q.size(1) % num_kv_heads == 0, "paged_attention: heads must be a multiple of kv heads");
   TORCH_CHECK(block_tables.is_contiguous() && query_start.is_contiguous() && context_lens.is_contiguous(),
               "paged_attention: metadata must be contiguous");
   if (score_first.numel()) {
+    // Scores are read from every key of a sequence, a window's hidden ones too.
+    TORCH_CHECK(window <= 0, "paged_attention: attention scores are not built for a sliding window");
     TORCH_CHECK(score_first.scalar_type() == at::kLong && score_first.is_contiguous() &&
                 score_first.size(0) == context_lens.size(0), "paged_attention: score_first must be [B] int64");
     TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 3 && scores.size(0) == context_lens.size(0) &&
@@ -789,7 +812,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
                               v_wide_slot);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attention_impl<scalar_t>(out, q, query_start, context_lens, block_tables, kp, vp, stage_of, k_staging,
-                             v_staging, scale, block_size, num_kv_heads, score_first, scores);
+                             v_staging, scale, block_size, num_kv_heads, window, score_first, scores);
   });
   return out;
 }

@@ -21,7 +21,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
                            const at::Tensor& k_wide_slot, const at::Tensor& v_sink, const at::Tensor& v_wide,
                            const at::Tensor& v_wide_slot, const at::Tensor& stage_of, const at::Tensor& k_staging,
                            const at::Tensor& v_staging, double scale, int64_t block_size, int64_t num_kv_heads,
-                           const at::Tensor& score_first, at::Tensor scores);
+                           int64_t window, const at::Tensor& score_first, at::Tensor scores);
 void encode_write(const at::Tensor& x, const at::Tensor& slot_mapping, int64_t kind, const at::Tensor& codes,
                   const at::Tensor& scale, const at::Tensor& zero, int64_t group);
 

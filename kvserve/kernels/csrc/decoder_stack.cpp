@@ -95,7 +95,7 @@ class DecoderStack {
                                p.k_zero, p.k_host, p.v_kind, p.v_data, p.v_scale, p.v_zero, p.v_host, p.k_group,
                                p.v_group, p.k_bits, p.v_bits, p.k_symmetric, p.v_symmetric, p.k_sink, p.k_wide,
                                p.k_wide_slot, p.v_sink, p.v_wide, p.v_wide_slot, e, e, e, scale_, block_size_,
-                               kv_heads_, e, e);
+                               kv_heads_, 0, e, e);  // no window: cpu_stack declines windowed models
       }
       normed = rms_norm(linear_bf16(attn.view({attn.size(0), -1}), w[3], c10::nullopt), w[4], eps_, hidden);
       const at::Tensor mlp = linear_bf16(silu_mul(linear_bf16(normed, w[5], c10::nullopt)), w[6], c10::nullopt);
