@@ -46,7 +46,7 @@ _SIZE_FIELDS = ("host_swap_memory", "disk_swap_memory", "offload_memory")
 CONFIG_PARTS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "device", "max_model_len", "seed"),
     "cache": ("kv_cache_memory", "num_blocks_override", "block_size", "cache_mode", "enable_prefix_caching",
-              "host_swap_memory", "disk_swap_memory", "swap_dir", "offload_memory", "kv_remote",
+              "disable_hybrid_kv_cache", "host_swap_memory", "disk_swap_memory", "swap_dir", "offload_memory", "kv_remote",
               "kv_remote_timeout", "kv_remote_secret"),
     "KV format": ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v", "kv_rotation", "kv_rotate_keys",
                   "kv_group_size", "kv_group_size_k", "kv_group_size_v", "kv_residual", "kv_outliers",
@@ -112,6 +112,9 @@ class EngineConfig:
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
     cache_mode: str = _opt("paged", "paged; contiguous and no-cache are baselines", choices=CACHE_MODES)
     enable_prefix_caching: bool = _opt(True, "reuse the K/V of shared prompt prefixes (paged mode)")
+    disable_hybrid_kv_cache: bool = _opt(
+        False, "keep every block of a sliding-window layer (vLLM's disable_hybrid_kv_cache_manager): by default "
+               "those layers hold only the blocks their window sees")
     preemption_mode: str = _opt("recompute", "when blocks run out: recompute, swap, or auto (the cheaper)",
                                 choices=PREEMPTION_MODES)
     host_swap_memory: str = _opt("1GiB", "host tier for swapped blocks")
@@ -475,6 +478,7 @@ class EngineConfig:
             raise FieldError("kv_eviction", f"EngineConfig.kv_eviction={self.kv_eviction!r}: this model has "
                              f"sliding-window layers ({len(model.sliding_layers)} of {model.num_layers}), "
                              f"and eviction on them is not built; use kv_eviction='none'")
+        self._check_hybrid(model)
         # Swap needs dense pages and one rank (checked above), so a block is a dense one.
         block = KVPool.bytes_per_block(model.num_layers, self.block_size, model.num_kv_heads, model.head_dim,
                                        self.torch_dtype)
@@ -494,6 +498,24 @@ class EngineConfig:
                     raise FieldError(field,
                                      f"EngineConfig.{field} ({group}) must divide the model's head_dim "
                                      f"({model.head_dim}) for {fmt.name} pages")
+
+    def _check_hybrid(self, model: ModelConfig) -> None:
+        """What the hybrid KV cache (sliding layers freeing out-of-window blocks) is not built for."""
+        if not model.sliding_layers or self.disable_hybrid_kv_cache:
+            return
+        refused = [(field, why) for field, why in (
+            ("kv_cache_dtype", self.kv_formats() is not None and f"compressed pages ({self.kv_cache_dtype!r})"),
+            ("preemption_mode", self.preemption_mode != "recompute" and "preemption by swap"),
+            ("offload_memory", parse_bytes(self.offload_memory) > 0 and "offload to host blocks"),
+            ("kv_remote", self.kv_remote is not None and "the remote tier"),
+            ("tensor_parallel_size", self.tensor_parallel_size > 1 and "tensor parallelism"),
+            ("cache_mode", self.cache_mode != "paged" and f"cache_mode={self.cache_mode!r}")) if why]
+        if refused:
+            field, why = refused[0]
+            raise FieldError(field, f"EngineConfig.{field}: {why} is not built for the hybrid KV cache of this "
+                                    f"model's sliding-window layers ({len(model.sliding_layers)} of "
+                                    f"{model.num_layers}); set disable_hybrid_kv_cache=True (every layer keeps "
+                                    f"every block) or leave {field} at its default")
 
     def kv_layer_formats(self, num_layers: int) -> list[tuple[KVFormat, KVFormat]] | None:
         """`kv_formats` for each of a model's `num_layers` layers; a plan must name exactly that many."""

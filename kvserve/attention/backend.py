@@ -6,8 +6,9 @@ layer writes the new K/V into the pages and attends over the block tables (`forw
 
 A sliding-window layer (Mistral, Qwen's windowed layers, Gemma 3's local ones) names its window
 in the call; the backend's `with_window` turns the step's metadata into that of a layer whose
-queries see only the last `window` positions, built once per step and window. Every layer keeps
-its whole KV in the pages: the window masks, it frees nothing.
+queries see only the last `window` positions, built once per step, group and window. The
+window always masks; with the hybrid KV cache (cache/kv_groups.py) a sliding layer's group also
+frees the blocks before it, whose table entries then name the never-written null block.
 """
 from __future__ import annotations
 
@@ -79,29 +80,35 @@ class AttentionBackend(ABC):
 
 @dataclass(frozen=True)
 class StepAttention:
-    """One step's attention as the model sees it: a backend bound to its prepared metadata.
-    With a `scoring` plan, each layer also fills its row of `scores` [layers, n, kv_heads,
-    slots], the step's second output beside the logits (see attention/scores.py). With a
-    `rotation`, q, k (unless it rotates values only) and v are rotated before the backend and
-    the output back after it (attention/rotation.py). `windowed` holds the step's metadata per
-    sliding window, made on first use."""
+    """One step's attention as the model sees it: a backend bound to its prepared metadata, one
+    per KV cache group (`metas`; a layer finds its group and pool tensor in `layer_map`, None
+    when one group holds layer i in tensor i). With a `scoring` plan, each layer also fills its
+    row of `scores` [layers, n, kv_heads, slots], the step's second output beside the logits (see
+    attention/scores.py). With a `rotation`, q, k (unless it rotates values only) and v are
+    rotated before the backend and the output back after it (attention/rotation.py). `windowed`
+    holds a group's metadata per sliding window, made on first use."""
     backend: AttentionBackend
     step: StepMetadata
-    meta: Any
+    metas: tuple[Any, ...]
     scoring: ScorePlan | None = None
     scores: torch.Tensor | None = None
     rotation: KVRotation | None = None
-    windowed: dict[int, Any] = field(default_factory=dict)
+    layer_map: tuple[tuple[int, int], ...] | None = None
+    windowed: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, backend: AttentionBackend, step: StepMetadata, scoring: ScorePlan | None = None,
-           rotation: KVRotation | None = None) -> "StepAttention":
+           rotation: KVRotation | None = None, other_groups: tuple[StepMetadata, ...] = (),
+           layer_map: tuple[tuple[int, int], ...] | None = None) -> "StepAttention":
+        """`step`: the first KV cache group's metadata; `other_groups`: the same tokens over the
+        other groups' block tables (cache/kv_groups.py)."""
         scores = None
         if scoring is not None:
             pool = backend.pool
             scores = torch.zeros(len(pool.kv), len(scoring.batch_index), pool.num_kv_heads, scoring.max_slots,
                                  device=step.block_tables.device)
-        return cls(backend, step, backend.prepare(step), scoring, scores, rotation)
+        metas = tuple(backend.prepare(s) for s in (step, *other_groups))
+        return cls(backend, step, metas, scoring, scores, rotation, layer_map)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -111,22 +118,23 @@ class StepAttention:
                  scale: float, window: int | None = None) -> torch.Tensor:
         """`window`: the layer's sliding window; None for a layer that sees its whole context."""
         with label("kvserve.attention"):  # for the doctor's profile of a step
-            meta = self.meta if window is None else self._windowed(window)
+            group, slot = (0, layer) if self.layer_map is None else self.layer_map[layer]
+            meta = self.metas[group] if window is None else self._windowed(group, window)
             r = None if self.rotation is None else self.rotation.matrix
             if r is not None:
                 if self.rotation.keys:
                     q, k = rotate(q, r), rotate(k, r)
                 v = rotate(v, r)
             if self.scoring is None:
-                out = self.backend.forward(layer, q, k, v, meta, scale)
+                out = self.backend.forward(slot, q, k, v, meta, scale)
             else:  # rotated queries over rotated keys: the same weights
-                out, self.scores[layer] = self.backend.forward_scored(layer, q, k, v, meta, scale, self.scoring)
+                out, self.scores[layer] = self.backend.forward_scored(slot, q, k, v, meta, scale, self.scoring)
             return out if r is None else rotate(out, r.T)
 
-    def _windowed(self, window: int) -> Any:
-        if window not in self.windowed:
+    def _windowed(self, group: int, window: int) -> Any:
+        if (group, window) not in self.windowed:
             if self.scoring is not None:  # slot_scores' causal mask would count the keys the window hides
                 raise ValueError(f"kv_eviction: policies that rank tokens by attention are not built for "
                                  f"sliding-window layers (window {window})")
-            self.windowed[window] = self.backend.with_window(self.meta, window)
-        return self.windowed[window]
+            self.windowed[group, window] = self.backend.with_window(self.metas[group], window)
+        return self.windowed[group, window]

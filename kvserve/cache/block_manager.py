@@ -1,111 +1,46 @@
-"""Gives each sequence a block table; shares blocks by reference count and caches full blocks.
-
-Free blocks wait in one queue, in eviction order. A block that held nothing worth keeping goes
-to the front, to be reused first; a full block whose last user finished keeps its contents and
-its prefix hash and goes to the back, so cached blocks are evicted least recently used first
-(among blocks freed together, the deepest first).
+"""Gives each sequence a block table per KV cache group, from one pool of blocks shared by
+reference count, whose full blocks join a prefix cache (cache/block_pool.py); among blocks freed
+together, the deepest is evicted first.
 
 Every method that decides a block move returns it and keeps nothing for later: `allocate` the
 copy-on-write copies, `allocate_prompt` a `PromptGrant` (with the remote tier's loads),
 `offload_coldest` the (device, host) pair, `compact` a `Compaction`; the caller sends them to the
 runner in a `BlockOps`.
+
+KV cache groups (cache/kv_groups.py) draw from the one free queue. A sliding group's table
+releases each block its window no longer sees (`NULL_BLOCK` takes its place), and a prompt's
+prefix hit is usable up to k blocks when every full group holds those k blocks and every sliding
+group holds the ones its window sees from position k x block_size (the blocks before may be long
+gone): the tokens from there on are computed, and read nothing else.
 """
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict
-from dataclasses import dataclass
-
 import torch
 
+from kvserve.cache.block_pool import BlockPool
+from kvserve.cache.blocks import (BlockUsage, HostBlock, PrefixStats, PromptGrant, block_hash, on_device,
+                                  salt_root)
 from kvserve.cache.compaction import Compaction
+from kvserve.cache.kv_groups import NULL_BLOCK, KVSpec
 from kvserve.cache.kv_remote import RemoteKVTier
-
-
-@dataclass(frozen=True)
-class BlockUsage:
-    total: int
-    used: int               # blocks with at least one owner
-    free: int               # unowned blocks holding nothing reusable
-    cached: int             # unowned full blocks kept for prefix reuse (evictable)
-    tokens: int             # slots holding a token, in used blocks
-    allocated_slots: int    # slots in used blocks
-    unshared_blocks: int    # blocks the block tables would need without sharing
-    offloaded: int = 0      # host blocks holding cold blocks of long sequences
-
-    @property
-    def waste(self) -> float:
-        """Fraction of allocated slots that hold no token."""
-        return 1 - self.tokens / self.allocated_slots if self.allocated_slots else 0.0
-
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: bytes | None = None        # set once the block is full and registered in the cache
-    token_ids: tuple[int, ...] = ()  # compared on every hit, so a hash collision cannot alias
-
-
-def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
-    """A full block is named by its tokens and everything before them (its parent's hash)."""
-    digest = hashlib.sha256(parent or b"")
-    digest.update(",".join(map(str, token_ids)).encode())
-    return digest.digest()
-
-
-def salt_root(salt: str | None) -> bytes | None:
-    """The parent hash of a salted sequence's first block: sequences with different salts never
-    share a cached block, so one tenant cannot learn from hits what another one sent."""
-    return None if salt is None else hashlib.sha256(b"cache_salt:" + salt.encode()).digest()
-
-
-@dataclass
-class PrefixStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # not computed: found in the pool, or in the remote tier
-    remote_tokens: int = 0  # of those, loaded from the remote tier
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-@dataclass(frozen=True)
-class PromptGrant:
-    """A prompt's blocks were given: how many of its tokens need no computing, and the blocks the
-    remote tier serves, to be loaded before the step runs."""
-    cached: int                                # tokens in the pool, or arriving with `loads`
-    loads: tuple[tuple[int, bytes], ...] = ()  # (device block, its pages from the remote tier)
-
-
-class HostBlock(int):
-    """A table entry that lives in host memory: an offloaded block. Its value is the id kernels
-    address it by (the device pool's size + `host_index`), so block tables stay plain integer
-    tensors; Python code asks `isinstance(b, HostBlock)` instead of comparing ids."""
-    host_index: int
-
-    def __new__(cls, host_index: int, num_device_blocks: int) -> "HostBlock":
-        block = super().__new__(cls, num_device_blocks + host_index)
-        block.host_index = host_index
-        return block
-
-
-def on_device(block_id: int) -> bool:
-    return not isinstance(block_id, HostBlock)
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0, remote: RemoteKVTier | None = None) -> None:
+                 num_host_blocks: int = 0, remote: RemoteKVTier | None = None,
+                 specs: tuple[KVSpec, ...] = (KVSpec(),), step_tokens: int | None = None) -> None:
         """`remote`: a shared tier asked for the full blocks after a prompt's local prefix hit
-        (cache/kv_remote.py); what it serves is loaded into new blocks before the step runs."""
+        (cache/kv_remote.py); what it serves is loaded into new blocks before the step runs.
+        `specs`: each KV cache group's spec (one full group: a plain paged cache). `step_tokens`:
+        the most tokens a step runs of one sequence (chunked prefill), so a sliding group holds
+        blocks only that far past the computed tokens; None: a prompt runs whole."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cache: dict[bytes, int] = {}
-        self.tables: dict[str, list[int]] = {}
+        self.specs, self.step_tokens = specs, step_tokens
+        self.pool = BlockPool(num_blocks, len(specs), any(spec.window is not None for spec in specs))
+        self.blocks = self.pool.blocks
+        self.group_tables: list[dict[str, list[int]]] = [{} for _ in specs]
+        self._dropped: list[dict[str, int]] = [{} for _ in specs]  # leading entries a window released
         self.num_tokens: dict[str, int] = {}
         self._hashes: dict[str, list[bytes]] = {}  # each sequence's registered full-block hashes
         self._roots: dict[str, bytes] = {}          # salted sequences' first parent hash
@@ -117,15 +52,39 @@ class BlockManager:
         self.peak_used = 0
 
     @property
+    def tables(self) -> dict[str, list[int]]:
+        """The first group's tables (the full-attention one, where a model has one): what swaps,
+        offloads and evictions move, which only single-group caches do (EngineConfig checks)."""
+        return self.group_tables[0]
+
+    @property
+    def cache(self) -> dict[bytes, int]:
+        """The first group's prefix cache: hash -> block."""
+        return self.pool.caches[0]
+
+    def tables_of(self, seq_id: str) -> tuple[list[int], ...]:
+        """The sequence's block table in each group."""
+        return tuple(tables[seq_id] for tables in self.group_tables)
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def reserved(self) -> int:
+        return self.pool.reserved
+
+    @property
     def free_blocks(self) -> list[int]:
         """Unowned blocks (cached ones included), in the order they would be reused."""
-        return list(self._free)
+        return list(self.pool.free)
 
     def sequence_state_left(self) -> list[str]:
         """The per-sequence state this block manager holds (none, once every sequence is freed)."""
-        left = [f"{name} of sequences {sorted(held)[:8]}" for name, held in (
-            ("block tables", self.tables), ("token counts", self.num_tokens), ("registered hashes", self._hashes),
-            ("salted roots", self._roots)) if held]
+        held = [("token counts", self.num_tokens), ("registered hashes", self._hashes), ("salted roots", self._roots)]
+        held += [(f"group {g} block tables", tables) for g, tables in enumerate(self.group_tables)]
+        held += [(f"group {g} window marks", dropped) for g, dropped in enumerate(self._dropped)]
+        left = [f"{name} of sequences {sorted(state)[:8]}" for name, state in held if state]
         if in_use := self.num_host_blocks - len(self._host_free):
             left.append(f"{in_use} host (offload) blocks in use")
         return left
@@ -133,40 +92,50 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # -- taking and returning blocks ------------------------------------------------------------
-    def _uncache(self, block: Block) -> None:
-        del self.cache[block.hash]
-        block.hash, block.token_ids = None, ()
+    def _width(self, spec: KVSpec, num_slots: int, num_computed: int) -> int:
+        """Table entries a group needs for `num_slots` slots, `num_computed` of them computed: a
+        sliding group's stop where the next step's tokens can end."""
+        if spec.window is not None and self.step_tokens is not None:
+            num_slots = min(num_slots, num_computed + self.step_tokens)
+        return self.blocks_for(num_slots)
 
-    def _forget(self, block_id: int) -> None:
-        """Drop an unowned block from the prefix cache; it is then reused before cached ones."""
-        self._uncache(self.blocks[block_id])
-        self._free.move_to_end(block_id, last=False)
+    def blocks_to_admit(self, num_tokens: int) -> int:
+        """Blocks a prompt of `num_tokens` tokens takes when admitted without a prefix hit: a
+        sequence that needs more than `capacity` could never be readmitted."""
+        return sum(self._width(spec, num_tokens, 0) for spec in self.specs)
 
-    def _take_free(self) -> int:
-        block_id = next(iter(self._free))
-        if self.blocks[block_id].hash is not None:  # evict: its contents are about to be overwritten
-            self._forget(block_id)
-        del self._free[block_id]
-        self.blocks[block_id].ref_count = 1
-        return block_id
-
-    def _share(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self._free[block_id]
-        block.ref_count += 1
-
-    def _release(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self._free[block_id] = None
-            if block.hash is None:
-                self._free.move_to_end(block_id, last=False)
+    def blocks_held(self, num_tokens: int) -> int:
+        """Blocks a sequence of `num_tokens` tokens holds while it decodes, every group together."""
+        if not num_tokens:
+            return 0
+        last = (num_tokens - 1) // self.block_size
+        return sum(last + 1 - spec.first_needed(num_tokens - 1) // self.block_size for spec in self.specs)
 
     def _note_peak(self) -> None:
-        self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
+        self.peak_used = max(self.peak_used, self.pool.used)
+
+    def _prefix_hits(self, token_ids: list[int], most: int,
+                     root: bytes | None) -> tuple[int, list[bytes], list[list[int | None]]]:
+        """The longest usable prefix hit, in blocks (see the module's rule), with the hashes of its
+        blocks and, per group, each of those blocks' cached copy (None where a window needs none)."""
+        hashes: list[bytes] = []
+        found: list[list[int | None]] = [[] for _ in self.specs]
+        parent = root
+        for i in range(most):
+            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = block_hash(parent, chunk)
+            hits = [self.pool.cached(g, parent, chunk) for g in range(len(self.specs))]
+            if any(hit is None and spec.window is None for hit, spec in zip(hits, self.specs)):
+                break
+            hashes.append(parent)
+            for held, hit in zip(found, hits):
+                held.append(hit)
+        k = len(hashes)
+        for spec, held in zip(self.specs, found):
+            while spec.window is not None and k and None in held[spec.first_needed(k * self.block_size)
+                                                                  // self.block_size:k]:
+                k -= 1
+        return k, hashes[:k], [held[:k] for held in found]
 
     def allocate_prompt(self, seq_id: str, token_ids: list[int], reserve_tokens: int = 0,
                         max_cached: int | None = None, salt: str | None = None,
@@ -177,34 +146,32 @@ class BlockManager:
         runs, and is evicted, chunk by chunk). Returns how many tokens are already in the pool (or
         come from the remote tier, with the loads that bring them), or None (changing nothing) if
         blocks are short."""
-        hits: list[int] = []
-        hashes: list[bytes] = []
         root = salt_root(salt)
         # The last prompt token is always computed: its logits give the first output token.
         most = (len(token_ids) - 1) // self.block_size
         if max_cached is not None:
             most = min(most, max_cached // self.block_size)
-        if self.enable_prefix_caching:
-            parent = root
-            for i in range(most):
-                chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-                parent = block_hash(parent, chunk)
-                block_id = self.cache.get(parent)
-                if block_id is None or self.blocks[block_id].token_ids != chunk:
-                    break
-                hits.append(block_id)
-                hashes.append(parent)
-        cached = len(hits) * self.block_size
+        k, hashes, found = self._prefix_hits(token_ids, most if self.enable_prefix_caching else 0, root)
+        cached = k * self.block_size
         room = len(token_ids) if prefill_chunk is None else \
             min(len(token_ids), (cached // prefill_chunk + 1) * prefill_chunk)
-        need = self.blocks_for(max(room, reserve_tokens)) - len(hits)
-        reusable = sum(self.blocks[b].ref_count == 0 for b in hits)
-        if need > len(self._free) - reusable:
+        widths = [self._width(spec, max(room, reserve_tokens), cached) for spec in self.specs]
+        # Per group: the cached blocks it reuses, NULL where its window needs none.
+        reused = [[NULL_BLOCK if hit is None or i < spec.first_needed(cached) // self.block_size else hit
+                   for i, hit in enumerate(held)] for spec, held in zip(self.specs, found)]
+        hits = [b for table in reused for b in table if self.pool.owned(b)]
+        need = sum(widths) - len(self.specs) * k
+        if need > len(self.pool.free) - len({b for b in hits if self.blocks[b].ref_count == 0}):
             return None
         for block_id in hits:
-            self._share(block_id)
-        fresh = [self._take_free() for _ in range(need)]
-        self.tables[seq_id] = hits + fresh
+            self.pool.share(block_id)
+        fresh: list[int] = []
+        for g, table in enumerate(reused):
+            new = [self.pool.take() for _ in range(widths[g] - k)]
+            fresh += new if g == 0 else []
+            self.group_tables[g][seq_id] = table + new
+            if self.specs[g].window is not None:
+                self._dropped[g][seq_id] = self.specs[g].first_needed(cached) // self.block_size
         loads: tuple[tuple[int, bytes], ...] = ()
         if self.remote is not None and self.enable_prefix_caching and prefill_chunk is None:
             loads = self._load_remote(token_ids, most, hashes, fresh, parent=hashes[-1] if hashes else root)
@@ -223,7 +190,8 @@ class BlockManager:
                      parent: bytes | None) -> tuple[tuple[int, bytes], ...]:
         """Asks the remote tier for the full blocks after the local hit (`hashes`, extended in
         place with the ones it serves) up to the `most`-th, which go into the first `fresh`
-        blocks, cached at once. Returns the (block, pages) loads that fill them."""
+        blocks, cached at once. Returns the (block, pages) loads that fill them. Only one group's
+        cache has a remote tier (EngineConfig checks)."""
         bs = self.block_size
         wanted: list[tuple[bytes, tuple[int, ...]]] = []
         for i in range(len(hashes), most):
@@ -255,48 +223,77 @@ class BlockManager:
             for block_id, _ in grant.loads:
                 block = self.blocks[block_id]
                 if block.ref_count == 0 and block.hash is not None:
-                    self._forget(block_id)
+                    self.pool.forget(block_id)
 
-    def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int = 0,
-                 salt: str | None = None) -> tuple[tuple[int, int], ...] | None:
-        """Grow `seq_id`'s table to hold `max(num_tokens, reserve_tokens)` slots, record that it
+    def allocate(self, seq_id: str, num_tokens: int, reserve_tokens: int = 0, salt: str | None = None,
+                 num_computed: int | None = None) -> tuple[tuple[int, int], ...] | None:
+        """Grow `seq_id`'s tables to hold `max(num_tokens, reserve_tokens)` slots, record that it
         holds `num_tokens` tokens, and make the block the newest token lands in its own (copy on
         write). Returns the copy-on-write copies (source, destination) the runner must make before
         the step writes, possibly none; allocates nothing and returns None if blocks are short.
         `salt`: for a new table (a sequence swapped back in), the cache salt its blocks are
-        registered under."""
-        table = self.tables.get(seq_id)
+        registered under. `num_computed`: tokens already computed (default: all but the last),
+        before whose window's start a sliding group's blocks are released."""
         bs = self.block_size
-        # Most calls (a decode into a block the sequence owns alone) change nothing but the count.
-        if table is not None and 0 < num_tokens and max(num_tokens, reserve_tokens) <= len(table) * bs:
-            block = table[(num_tokens - 1) // bs]
-            if on_device(block) and self.blocks[block].ref_count == 1:
-                self.num_tokens[seq_id] = num_tokens
-                return ()
-        new = table is None
-        table = [] if new else table
-        need = -(-max(num_tokens, reserve_tokens) // bs) - len(table)
         last = (num_tokens - 1) // bs
-        shared_last = (0 <= last < len(table) and on_device(table[last])
-                       and self.blocks[table[last]].ref_count > 1)
-        if need + shared_last > len(self._free):
+        first = num_tokens - 1 if num_computed is None else num_computed
+        plans = []
+        for g, spec in enumerate(self.specs):
+            table = self.group_tables[g].get(seq_id)
+            width = self._width(spec, max(num_tokens, reserve_tokens), first)
+            newest = min(last, width - 1)  # a sliding group's table may stop short of a prompt's end
+            drop = spec.first_needed(first) // bs
+            # Most calls (a decode into a block the sequence owns alone) change nothing but the count.
+            if table is not None and 0 < num_tokens and width <= len(table) and drop <= self._dropped[g].get(seq_id, 0):
+                block = table[newest]
+                if on_device(block) and self.blocks[block].ref_count == 1:
+                    continue
+            size = 0 if table is None else len(table)
+            shared = 0 <= newest < size and on_device(table[newest]) and self.blocks[table[newest]].ref_count > 1
+            plans.append((g, max(0, width - size), shared, drop, newest))
+        if not plans:
+            self.num_tokens[seq_id] = num_tokens
+            return ()
+        if sum(need + shared for _, need, shared, _, _ in plans) > len(self.pool.free):
             return None
-        if new:
-            self.tables[seq_id], self._hashes[seq_id] = table, []
+        copies: list[tuple[int, int]] = []
+        for g, need, shared, drop, newest in plans:
+            copies += self._grow(g, seq_id, need, shared, drop, newest, salt)
+        self.num_tokens[seq_id] = num_tokens
+        self._note_peak()
+        return tuple(copies)
+
+    def _grow(self, g: int, seq_id: str, need: int, shared_last: bool, drop: int, last: int,
+              salt: str | None) -> list[tuple[int, int]]:
+        """`allocate`'s moves in group `g`: drop the blocks its window left behind, append `need`
+        blocks, copy the shared last one. Returns that copy, if any."""
+        table = self.group_tables[g].get(seq_id)
+        if table is None:
+            table = self.group_tables[g][seq_id] = []
+            self._hashes.setdefault(seq_id, [])
             if salt is not None:
                 self._roots[seq_id] = salt_root(salt)
-        if need > 0:
-            table.extend(self._take_free() for _ in range(need))
-        copies: tuple[tuple[int, int], ...] = ()
-        if shared_last:
-            copy = self._take_free()
-            copies = ((table[last], copy),)
-            self._release(table[last])
-            table[last] = copy
-        self.num_tokens[seq_id] = num_tokens
-        if need > 0 or shared_last:
-            self._note_peak()
-        return copies
+            if self.specs[g].window is not None:
+                self._dropped[g][seq_id] = 0
+        if self.specs[g].window is not None:
+            self._drop_out_of_window(g, seq_id, drop)
+        size = len(table)
+        table.extend(NULL_BLOCK if size + i < drop else self.pool.take() for i in range(need))
+        if not shared_last:
+            return []
+        copy = self.pool.take()
+        self.pool.release(table[last])
+        source, table[last] = table[last], copy
+        return [(source, copy)]
+
+    def _drop_out_of_window(self, g: int, seq_id: str, drop: int) -> None:
+        """Releases the group's blocks before block `drop`, which its window no longer sees."""
+        table, dropped = self.group_tables[g][seq_id], self._dropped[g]
+        for i in range(dropped[seq_id], min(drop, len(table))):
+            if table[i] != NULL_BLOCK:
+                self.pool.release(table[i])
+                table[i] = NULL_BLOCK
+        dropped[seq_id] = max(dropped[seq_id], drop)
 
     def compact(self, seq_id: str, layer: torch.Tensor, head: torch.Tensor, src: torch.Tensor,
                 dst: torch.Tensor, kept: int) -> Compaction | None:
@@ -316,29 +313,29 @@ class BlockManager:
         if kept % bs:
             written.add(kept // bs)
         shared = [i for i in sorted(written) if self.blocks[table[i]].ref_count > 1]
-        if len(shared) > len(self._free):
+        if len(shared) > len(self.pool.free):
             return None
         # A cached block is copied too while blocks allow, so that the prefix stays servable.
         cached = [i for i in sorted(written) if self.blocks[table[i]].hash is not None and i not in shared]
-        copied = sorted(shared + cached) if len(shared) + len(cached) <= len(self._free) else shared
+        copied = sorted(shared + cached) if len(shared) + len(cached) <= len(self.pool.free) else shared
         copies = []
         # Fresh blocks are taken before the tail is released: a copy must not land on a source.
         for i in copied:
-            fresh = self._take_free()
+            fresh = self.pool.take()
             copies.append((table[i], fresh))
-            self._release(table[i])
+            self.pool.release(table[i])
             table[i] = fresh
         self._note_peak()
         for i in written - set(copied):
             if self.blocks[table[i]].hash is not None:
-                self._uncache(self.blocks[table[i]])
+                self.pool.uncache(self.blocks[table[i]])
         # Sources may sit in the tail: their pool slots are taken before it is released (the
         # caller applies the compaction before any other move can reuse those blocks).
         blocks = torch.tensor(table, dtype=torch.long)
         compaction = Compaction(tuple(copies), layer, head, blocks[src // bs] * bs + src % bs,
                                 blocks[dst // bs] * bs + dst % bs)
         for block_id in reversed(table[keep_blocks:]):
-            self._release(block_id)
+            self.pool.release(block_id)
         self.evicted_blocks += len(table) - keep_blocks
         del table[keep_blocks:]
         self.num_tokens[seq_id] = kept
@@ -354,16 +351,20 @@ class BlockManager:
             if on_device(block_id) and self.blocks[block_id].ref_count == 1 and self._host_free:
                 host = self._host_free.pop()
                 table[i] = host
-                self._release(block_id)
+                self.pool.release(block_id)
                 return block_id, host
         return None
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """The child shares every block of the parent; writes are copied on demand."""
+        """The child shares every block of the parent, in every group; writes are copied on demand."""
         assert all(map(on_device, self.tables[parent_id])), "offloaded sequences do not fork"
-        for block_id in self.tables[parent_id]:
-            self._share(block_id)
-        self.tables[child_id] = list(self.tables[parent_id])
+        for g, tables in enumerate(self.group_tables):
+            for block_id in tables[parent_id]:
+                if self.pool.owned(block_id):
+                    self.pool.share(block_id)
+            tables[child_id] = list(tables[parent_id])
+            if parent_id in self._dropped[g]:
+                self._dropped[g][child_id] = self._dropped[g][parent_id]
         self.num_tokens[child_id] = self.num_tokens[parent_id]
         self._hashes[child_id] = list(self._hashes[parent_id])
         if parent_id in self._roots:
@@ -375,69 +376,73 @@ class BlockManager:
         return self.enable_prefix_caching and len(self._hashes[seq_id]) < num_computed // self.block_size
 
     def register_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> list[tuple[int, bytes]]:
-        """Put the sequence's newly filled blocks (their K/V written) into the prefix cache.
-        Returns the (block, hash) pairs that joined it, for the remote tier."""
+        """Put the sequence's newly filled blocks (their K/V written) into each group's prefix
+        cache. Returns the (block, hash) pairs that joined the first group's, for the remote tier."""
         if not self.has_unregistered_blocks(seq_id, num_computed):
             return []
         joined: list[tuple[int, bytes]] = []
         hashes = self._hashes[seq_id]
-        table = self.tables[seq_id]
         for i in range(len(hashes), num_computed // self.block_size):
             chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = block_hash(hashes[-1] if hashes else self._roots.get(seq_id), chunk)
             hashes.append(h)
-            if not on_device(table[i]):  # offloaded: registered before it left the device
-                continue
-            block = self.blocks[table[i]]
-            if block.hash is not None:
-                continue
-            twin = self.cache.get(h)
-            if twin is not None and self.blocks[twin].ref_count == 0:
-                # Two sequences computed the same block; keep the live copy cached, so the entry
-                # survives the unowned twin's eviction. The twin becomes a plain free block.
-                self._forget(twin)
-                twin = None
-            if twin is None:
-                block.hash, block.token_ids = h, chunk
-                self.cache[h] = block.block_id
-                joined.append((block.block_id, h))
+            for g, tables in enumerate(self.group_tables):
+                block_id = tables[seq_id][i]
+                # Offloaded: registered before it left the device; NULL: out of its group's window.
+                if on_device(block_id) and self.pool.owned(block_id) and \
+                        self.pool.register(g, block_id, h, chunk) and g == 0:
+                    joined.append((block_id, h))
         return joined
 
     def free(self, seq_id: str) -> None:
         # Deepest block first: among blocks freed together, the deeper is evicted first.
-        for block_id in reversed(self.tables.pop(seq_id, [])):
-            if isinstance(block_id, HostBlock):
-                self._host_free.append(block_id)
-            else:
-                self._release(block_id)
+        for g, tables in enumerate(self.group_tables):
+            for block_id in reversed(tables.pop(seq_id, [])):
+                if isinstance(block_id, HostBlock):
+                    self._host_free.append(block_id)
+                elif self.pool.owned(block_id):
+                    self.pool.release(block_id)
+            self._dropped[g].pop(seq_id, None)
         self.num_tokens.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
         self._roots.pop(seq_id, None)
 
+    def group_blocks(self) -> list[int]:
+        """Blocks each group's tables hold (a block shared within a group counted once)."""
+        return [len({b for table in tables.values() for b in table if on_device(b) and self.pool.owned(b)})
+                for tables in self.group_tables]
+
+    def _held(self) -> list[tuple[str, int, list[int]]]:
+        """(sequence, group, table) of every block table."""
+        return [(seq_id, g, table) for g, tables in enumerate(self.group_tables) for seq_id, table in tables.items()]
+
     def block_states(self) -> tuple[str, list[str | None]]:
-        """Per device block, its state as one letter (F free, U in use, S shared, C cached) and
-        the sequence whose table holds it first (None when unowned): the dashboard's grid."""
+        """Per device block, its state as one letter (F free, U in use, S shared, C cached, N the
+        sliding groups' null block) and the sequence whose table holds it first (None when
+        unowned): the dashboard's grid."""
         owners: list[str | None] = [None] * self.num_blocks
-        for seq_id, table in self.tables.items():
+        for seq_id, _, table in self._held():
             for block_id in table:
-                if on_device(block_id) and owners[block_id] is None:
+                if on_device(block_id) and self.pool.owned(block_id) and owners[block_id] is None:
                     owners[block_id] = seq_id
         states = "".join(
             ("S" if b.ref_count > 1 else "U") if b.ref_count else ("C" if b.hash is not None else "F")
             for b in self.blocks)
+        if self.reserved:
+            states = "N" + states[1:]
         return states, owners
 
     def usage(self) -> BlockUsage:
         filled: dict[int, int] = {}
-        for seq_id, table in self.tables.items():
+        for seq_id, _, table in self._held():
             n = self.num_tokens[seq_id]
             for i, block_id in enumerate(table):
-                if not on_device(block_id):
+                if not on_device(block_id) or not self.pool.owned(block_id):
                     continue
                 filled[block_id] = max(filled.get(block_id, 0), min(self.block_size, max(0, n - i * self.block_size)))
-        cached = sum(self.blocks[b].hash is not None for b in self._free)
-        return BlockUsage(total=self.num_blocks, used=self.num_blocks - len(self._free),
-                          free=len(self._free) - cached, cached=cached, tokens=sum(filled.values()),
+        cached = sum(self.blocks[b].hash is not None for b in self.pool.free)
+        return BlockUsage(total=self.capacity, used=self.capacity - len(self.pool.free),
+                          free=len(self.pool.free) - cached, cached=cached, tokens=sum(filled.values()),
                           allocated_slots=len(filled) * self.block_size,
-                          unshared_blocks=sum(len(t) for t in self.tables.values()),
-                          offloaded=sum(not on_device(b) for t in self.tables.values() for b in t))
+                          unshared_blocks=sum(self.pool.owned(b) for _, _, t in self._held() for b in t),
+                          offloaded=sum(not on_device(b) for _, _, t in self._held() for b in t))

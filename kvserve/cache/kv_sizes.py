@@ -53,9 +53,10 @@ class KVSizes:
     staging_bytes: int
 
     @staticmethod
-    def of(config: PoolSettings, cfg: ModelShape) -> KVSizes:
-        dense = KVPool.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                       config.torch_dtype)
+    def of(config: PoolSettings, cfg: ModelShape, layers_per_block: int | None = None) -> KVSizes:
+        """`layers_per_block`: the layers a block holds (cache/kv_groups.py; None: every layer)."""
+        dense = KVPool.bytes_per_block(layers_per_block or cfg.num_layers, config.block_size, cfg.num_kv_heads,
+                                       cfg.head_dim, config.torch_dtype)
         formats = config.kv_layer_formats(cfg.num_layers)
         if formats is None:
             return KVSizes(dense, 0, 0)

@@ -155,6 +155,7 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"model": engine.model_name, "dtype": engine.config.dtype,
                               "kv_cache_dtype": engine.config.kv_cache_dtype,
                               "attention_backend": engine.attention_backend.name, "text": source,
+                              "kv_cache_groups": engine.kv_groups.describe(),
                               "checks": [asdict(c) for c in found]}
     if not args.skip_performance:
         report["performance"] = perf = {
@@ -170,13 +171,17 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
 def capacity(engine: Any) -> Check:
     """Whether max_num_seqs sequences of max_model_len fit the pool (the planner's question)."""
     bm = engine.block_manager
-    tokens = bm.num_blocks * bm.block_size
+    tokens = bm.capacity * bm.block_size
     want = engine.config.max_num_seqs * engine.max_model_len
+    # A hybrid model's sequence holds its full groups' blocks and its sliding groups' windows.
+    fits = bm.capacity // bm.blocks_held(engine.max_model_len)
     measured = {"pool_tokens": float(tokens), "max_num_seqs_x_max_model_len": float(want),
+                "sequences_of_max_model_len": float(fits), "kv_cache_groups": float(len(bm.specs)),
                 "host_offload_tokens": float(bm.num_host_blocks * bm.block_size)}
-    if want <= tokens:
+    if fits >= engine.config.max_num_seqs:
         return Check("KV pool capacity", "pass", measured, "max_num_seqs x max_model_len fit", correctness=False)
-    need = want * engine.kv_bytes_per_token / 2**20
+    need = engine.config.max_num_seqs * bm.blocks_held(engine.max_model_len) * bm.block_size * \
+        engine.kv_bytes_per_token / 2**20
     return Check("KV pool capacity", "warn", measured, "max_num_seqs x max_model_len fit",
                  f"long sequences will preempt others: the pool holds {tokens} tokens; {engine.config.max_num_seqs} "
                  f"sequences of {engine.max_model_len} need {want} (--kv-cache-memory {need:.0f}MiB), or lower "
@@ -203,7 +208,8 @@ def performance_advice(perf: dict[str, Any]) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"kvserve doctor: {report['model']} ({report['dtype']}, KV {report['kv_cache_dtype']}, "
-             f"attention {report['attention_backend']}; text: {report['text']})", ""]
+             f"attention {report['attention_backend']}; text: {report['text']})",
+             f"KV cache groups: {report['kv_cache_groups']}", ""]
     for c in report["checks"]:
         measured = ", ".join(f"{k} {v:.4g}" for k, v in c["measured"].items())
         lines.append(f"[{c['status'].upper():4}] {c['name']}: {measured or '-'} (want {c['threshold']})")

@@ -69,7 +69,7 @@ class DecodeGraphs:
         step = StepMetadata(query_start=torch.arange(batch + 1), context_lens=torch.zeros(batch, dtype=torch.long),
                             block_tables=self.tables[:batch], slot_mapping=self.slots[:batch],
                             positions=self.positions[:batch], max_query_len=1, offloaded=False, kv_plan=None)
-        attention = StepAttention(backend, step, backend.prepare_graph(step, self.context_lens[:batch], max_context),
+        attention = StepAttention(backend, step, (backend.prepare_graph(step, self.context_lens[:batch], max_context),),
                                   rotation=rotation)
         rows = torch.arange(batch, device=device)
         ids = self.input_ids[:batch]

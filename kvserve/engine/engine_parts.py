@@ -19,6 +19,7 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.rotation import kv_rotation
 from kvserve.cache.block_bytes import block_nbytes
 from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.kv_groups import KVGroups
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.kv_sizes import KVSizes
@@ -53,6 +54,7 @@ class EngineParts:
     max_model_len: int
     max_num_batched_tokens: int
     kv_bytes_per_token: float
+    kv_groups: KVGroups
     pool: KVPool | QuantizedKVPool
     remote: RemoteKVTier | None
     block_manager: BlockManager
@@ -86,17 +88,23 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if shard is not None and shard.replicated_kv:
         logger.warning("kvserve: %d KV heads over %d ranks: each KV head is replicated on %d ranks",
                        cfg.num_kv_heads, world, world // cfg.num_kv_heads)
-    sizes = KVSizes.of(config, pool_cfg)
+    groups = KVGroups.of(cfg.layer_windows, hybrid=not config.disable_hybrid_kv_cache)
+    if groups.hybrid:
+        logger.info("kvserve: hybrid KV cache, %d groups of %d layers (%s)", len(groups.groups),
+                    groups.layers_per_block, groups.describe())
+    sizes = KVSizes.of(config, pool_cfg, groups.layers_per_block)
     num_blocks = _num_blocks(config, sizes, max_model_len)
     num_host_blocks = parse_bytes(config.offload_memory) // sizes.block_bytes if config.cache_mode == "paged" else 0
-    pool = make_pool(config, pool_cfg, num_blocks, formats, sizes.staging_slots, num_host_blocks, device)
+    pool = make_pool(config, pool_cfg, num_blocks, formats, sizes.staging_slots, num_host_blocks, device,
+                     groups.layers_per_block)
     remote = None if config.kv_remote is None else RemoteKVTier(
         config.kv_remote, remote_namespace(model, config, formats), block_nbytes(pool.block_tensors),
         timeout_s=config.kv_remote_timeout, secret=config.kv_remote_secret)
     # The baselines stand for engines without sharing: no prefix cache for them.
     block_manager = BlockManager(num_blocks, config.block_size,
                                  config.enable_prefix_caching and config.cache_mode == "paged",
-                                 num_host_blocks, remote)
+                                 num_host_blocks, remote, tuple(g.spec for g in groups.groups),
+                                 max_num_batched_tokens if chunked_prefill else None)
     swap = None
     if config.preemption_mode != "recompute" and config.cache_mode == "paged":
         swap = _swap_space(config, pool, sizes.block_bytes)
@@ -114,8 +122,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         tp = TPGroup.start(config, num_blocks, tp_worker_main)
         model = shard_model(model, shard, tp.group)
     runner = ModelRunner(model, pool, device, backend, kernels, swap, rotation, tp,
-                         _graph_shape(config, device, tp, backend, max_model_len),
-                         cpu_stack=config.cpu_fused_step and device.type == "cpu" and tp is None)
+                         _graph_shape(config, device, tp, backend, max_model_len, groups),
+                         cpu_stack=config.cpu_fused_step and device.type == "cpu" and tp is None,
+                         layer_map=groups.layer_map(cfg.num_layers) if groups.hybrid else None)
     # Where the host's step is a large share of a short device step (CUDA); on a CPU the host and
     # the model share the cores, and a step's tokens are read a step late for nothing.
     async_scheduling = config.async_scheduling == "on" or (
@@ -126,7 +135,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     tokenizer = loaded.tokenizer
     return EngineParts(config, device, model, cfg, loaded.name, tokenizer,
                        tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id,
-                       max_model_len, max_num_batched_tokens, sizes.block_bytes / config.block_size, pool, remote,
+                       max_model_len, max_num_batched_tokens, sizes.block_bytes / config.block_size, groups, pool,
+                       remote,
                        block_manager, swap, scheduler, backend, tp, runner, async_scheduling)
 
 
@@ -170,11 +180,12 @@ def _swap_space(config: EngineConfig, pool: KVPool | QuantizedKVPool, block_byte
 
 
 def _graph_shape(config: EngineConfig, device: torch.device, tp: TPGroup | None, backend: AttentionBackend,
-                 max_model_len: int) -> tuple[int, int] | None:
+                 max_model_len: int, groups: KVGroups) -> tuple[int, int] | None:
     """(sequences, slots) of the decode steps to capture in CUDA graphs, or None (eager)."""
     if not config.cuda_graphs or device.type != "cuda":
         return None
-    reason = "tensor parallelism" if tp is not None else backend.graph_unsupported()
+    reason = "tensor parallelism" if tp is not None else "the hybrid KV cache's groups" if groups.hybrid else \
+        backend.graph_unsupported()
     if reason is not None:
         logger.info("kvserve: decode steps run eagerly, without CUDA graphs: %s", reason)
         return None

@@ -25,7 +25,7 @@ def idle_problems(engine: LLMEngine) -> list[str]:
     if usage.used or usage.free + usage.cached != usage.total:
         problems.append(f"{usage.used} device blocks still owned (free {usage.free} + cached {usage.cached} "
                         f"of {usage.total})")
-    owned = [b.block_id for b in bm.blocks if b.ref_count]
+    owned = [b.block_id for b in bm.blocks[bm.reserved:] if b.ref_count]  # not the null block
     if owned:
         problems.append(f"blocks with a reference count: {owned[:8]}{'...' if len(owned) > 8 else ''}")
     problems += [f"block manager: {left}" for left in bm.sequence_state_left()]

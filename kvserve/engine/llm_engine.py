@@ -38,7 +38,7 @@ class LLMEngine:
         self.model, self.model_config, self.model_name = parts.model, parts.model_config, parts.model_name
         self.tokenizer, self.eos_token_id = parts.tokenizer, parts.eos_token_id
         self.max_model_len = parts.max_model_len
-        self.kv_bytes_per_token = parts.kv_bytes_per_token
+        self.kv_bytes_per_token, self.kv_groups = parts.kv_bytes_per_token, parts.kv_groups
         self.pool, self.remote, self.swap = parts.pool, parts.remote, parts.swap
         self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
         self.attention_backend, self.runner, self.tp = parts.attention_backend, parts.runner, parts.tp

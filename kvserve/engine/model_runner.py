@@ -44,11 +44,12 @@ class StepInput:
     """One step as every tensor-parallel rank runs it (rank 0 builds it, the others receive it)."""
     ops: BlockOps
     input_ids: list[int]                # empty where `fill` takes every one from the device
-    metadata: StepMetadata
+    metadata: StepMetadata              # over the first KV cache group's block tables
     rows: torch.Tensor                  # the logits rows: each sequence's last token, then prompt_span's
     scoring: ScorePlan | None
     num_seqs: int
     fill: TokenFill | None = None
+    other_groups: tuple[StepMetadata, ...] = ()  # the same tokens over the other groups' tables
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,17 @@ class ModelRunner:
                  device: torch.device, backend: AttentionBackend, kernels: ModuleType | None,
                  swap: SwapSpace | None = None, rotation: KVRotation | None = None,
                  peers: StepPeers | None = None, cuda_graphs: tuple[int, int] | None = None,
-                 cpu_stack: bool = False) -> None:
+                 cpu_stack: bool = False, layer_map: tuple[tuple[int, int], ...] | None = None) -> None:
         """`rotation`: the rotation of q, k and v (or v alone) before the pages (attention/rotation.py);
         `peers`: the tensor-parallel ranks that run each step beside this one (rank 0's runner;
         the others only `execute`); `cuda_graphs`: (sequences,
         slots) up to which decode steps are replayed from CUDA graphs (engine/cuda_graphs.py);
         `cpu_stack`: run small steps through the decoder stack in one C++ call where the
-        configuration allows (engine/cpu_stack.py; never on a tensor-parallel rank)."""
+        configuration allows (engine/cpu_stack.py; never on a tensor-parallel rank); `layer_map`:
+        each layer's (KV cache group, pool tensor) with the hybrid KV cache (cache/kv_groups.py),
+        None when one group holds layer i in tensor i."""
         self.model, self.pool, self.device = model, pool, device
+        self.layer_map = layer_map
         self.peers = peers
         self.rotation = None if rotation is None else rotation.to(device)
         self.backend, self.ops, self.swap = backend, resolve_ops(kernels), swap
@@ -120,10 +124,12 @@ class ModelRunner:
         spans = plan.spans
         # Only a sequence that evicts holds fewer slots than tokens.
         has_evicted = any(span.evicted for span in spans)
-        step = StepMetadata.build(
-            [span.num_tokens for span in spans], [span.end - span.evicted for span in spans],
-            [span.table for span in spans], self.pool.block_size, self.device, offloaded=plan.offloaded,
-            kv_plan=plan.kv_plan, evicted=[span.evicted for span in spans] if has_evicted else None)
+        query_lens, context_lens = [span.num_tokens for span in spans], [span.end - span.evicted for span in spans]
+        step, *others = [StepMetadata.build(
+            query_lens, context_lens, [span.tables[g] for span in spans], self.pool.block_size, self.device,
+            offloaded=plan.offloaded, kv_plan=plan.kv_plan,
+            evicted=[span.evicted for span in spans] if has_evicted else None)
+            for g in range(len(spans[0].tables))]
         first_rows = {i: max(span.score_from - span.start, 0) for i, span in enumerate(spans)
                       if span.score_from is not None}
         rows = step.query_start[1:] - 1
@@ -134,7 +140,8 @@ class ModelRunner:
         if extra:
             rows = torch.cat([rows, *extra])
         return StepInput(plan.ops, plan.input_ids, step, rows,
-                         ScorePlan.build(step, first_rows) if first_rows else None, plan.num_seqs, plan.fill)
+                         ScorePlan.build(step, first_rows) if first_rows else None, plan.num_seqs, plan.fill,
+                         tuple(others))
 
     def move_blocks(self, ops: BlockOps) -> set[str]:
         """Block moves outside a forward pass: a step's swaps, ahead of the rest (LLMEngine._swap),
@@ -190,7 +197,8 @@ class ModelRunner:
         if self.stack is not None and step.scoring is None and self.stack.serves(step.metadata):
             logits = self.stack.run(step.metadata, input_ids, step.rows)
             return StepResult(logits[:n], logits[n:], None)
-        attention = StepAttention.of(self.backend, step.metadata, step.scoring, self.rotation)
+        attention = StepAttention.of(self.backend, step.metadata, step.scoring, self.rotation, step.other_groups,
+                                     self.layer_map)
         logits = self.model(input_ids, attention, to_device(step.rows, self.device), self.ops)
         scores = None if attention.scoring is None else dict(zip(attention.scoring.batch_index,
                                                                  attention.scores.cpu().unbind(1)))

@@ -39,9 +39,11 @@ def rank_formats(config: EngineConfig, model: torch.nn.Module, tokenizer: Any, k
 
 
 def make_pool(config: EngineConfig, cfg: ModelConfig, num_blocks: int, formats: list[LayerFormats] | None,
-              staging: int, num_host_blocks: int, device: torch.device) -> KVPool | QuantizedKVPool:
+              staging: int, num_host_blocks: int, device: torch.device,
+              layers_per_block: int | None = None) -> KVPool | QuantizedKVPool:
+    """`layers_per_block`: the layers a block holds (cache/kv_groups.py; None: every layer)."""
     if formats is None:
-        return KVPool(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+        return KVPool(layers_per_block or cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                       config.torch_dtype, device, num_host_blocks)
     return QuantizedKVPool(num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype,
                            device, formats, config.residual_tokens, staging)

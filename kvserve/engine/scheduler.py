@@ -215,7 +215,8 @@ class Scheduler:
             if seq.awaiting_length_finish:
                 i += 1
                 continue
-            copied = self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run, self.reserve_tokens)
+            copied = self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run, self.reserve_tokens,
+                                                 num_computed=seq.num_computed_tokens - seq.num_evicted)
             if copied is not None:
                 if copied:
                     copies += copied
@@ -226,7 +227,7 @@ class Scheduler:
             bm = self.block_manager
             # Not one awaiting its last token (async scheduling): its blocks are about to be freed.
             victim = next((s for s in reversed(self.running) if not s.awaiting_length_finish
-                           and bm.blocks_for(s.num_tokens) <= bm.num_blocks), seq)
+                           and bm.blocks_to_admit(s.num_tokens) <= bm.capacity), seq)
             offload = bm.offload_coldest(seq.seq_id) if victim is seq and seq.beam is None else None
             if offload is not None:
                 offloads.append(offload)

@@ -38,7 +38,7 @@ class SeqSpan:
     `evicted` lower (the tokens its eviction dropped before them hold no slot)."""
     start: int
     num_tokens: int
-    table: list[int]                     # its block table, whole: attention reads the context's blocks
+    tables: tuple[list[int], ...]        # its block table per KV cache group, whole: attention reads the context's
     evicted: int = 0
     prompt_rows: tuple[int, int] | None = None  # positions whose logits score prompt tokens (logprobs)
     score_from: int | None = None        # first position whose query its eviction policy scores
@@ -75,7 +75,7 @@ def plan_step(batch: SchedulerOutput, bm: BlockManager, pool: KVPool | Quantized
     input_ids = [] if fill is not None and fill.rows is None else \
         [t for s, start, end in zip(seqs, starts, ends) for t in s.tokens(start, end)]
     evicted = [s.num_evicted for s in seqs]
-    tables = [bm.tables[s.seq_id] for s in seqs]
+    tables = [bm.tables_of(s.seq_id) for s in seqs]
     scored = score_from or [None] * len(seqs)
     spans = [SeqSpan(start, n, table, e, prompt_span(s, start, start + n) if s.params.prompt_logprobs is not None
                      else None, f)
@@ -83,7 +83,7 @@ def plan_step(batch: SchedulerOutput, bm: BlockManager, pool: KVPool | Quantized
     # A generator: only a pool that plans its writes reads it.
     kv_plan = pool.plan_step(bm, ((s.seq_id, start - e, end - e) for s, start, end, e in zip(seqs, starts, ends, evicted)),
                              list(batch.block_ops.copies))
-    offloaded = bool(bm.num_host_blocks) and not all(on_device(b) for t in tables for b in t)
+    offloaded = bool(bm.num_host_blocks) and not all(on_device(b) for t in tables for b in t[0])
     return StepPlan(spans, input_ids, batch.block_ops, kv_plan, offloaded, fill)
 
 

@@ -27,6 +27,9 @@ def kv_state(engine: LLMEngine, expose_request_ids: bool = False) -> dict[str, A
         "model": engine.model_name,
         "block_size": engine.block_manager.block_size,
         "num_blocks": engine.block_manager.num_blocks,
+        # Hybrid models: every group's blocks share the grid (N marks the sliding groups' null block).
+        "kv_cache_groups": [{"kind": kind, "layers": list(group.layers), "blocks": held} for kind, group, held in
+                            zip(engine.kv_groups.kinds(), engine.kv_groups.groups, engine.block_manager.group_blocks())],
         "states": states,
         "owners": [index.get(o, -1) for o in owners],  # type: ignore[arg-type]
         "swap": [{"name": name, "owners": [index.get(o, -1) for o in tier]}  # type: ignore[arg-type]

@@ -22,6 +22,8 @@ class Metrics:
         self.kv_blocks_cached = Gauge("kvserve_kv_blocks_cached",
                                       "free KV blocks that keep a reusable prefix", registry=r)
         self.kv_usage = Gauge("kvserve_kv_usage_ratio", "fraction of KV blocks in use", registry=r)
+        self.kv_group_blocks = Gauge("kvserve_kv_group_blocks", "KV blocks held per KV cache group (hybrid models "
+                                     "have a full group and sliding-window groups)", ["group", "kind"], registry=r)
         self.prefix_hit_rate = Gauge("kvserve_prefix_cache_hit_rate",
                                      "fraction of prompt tokens found in the prefix cache", registry=r)
         self.requests = Gauge("kvserve_requests", "sequences by scheduler state", ["state"], registry=r)
@@ -86,6 +88,8 @@ class Metrics:
         self.kv_blocks_used.set(usage.used)
         self.kv_blocks_free.set(usage.free + usage.cached)
         self.kv_blocks_cached.set(usage.cached)
+        for group, (kind, held) in enumerate(zip(engine.kv_groups.kinds(), engine.block_manager.group_blocks())):
+            self.kv_group_blocks.labels(group=str(group), kind=kind).set(held)
         self.kv_usage.set(usage.used / usage.total)
         self.prefix_hit_rate.set(engine.block_manager.prefix_stats.hit_rate)
         self.engine_info.labels(attention_backend=engine.attention_backend.name,

@@ -162,6 +162,8 @@ def test_performance_section_splits_the_step(capfd: pytest.CaptureFixture[str]) 
     assert sum(split.values()) == pytest.approx(perf["decode"]["step_ms"], rel=0.05)
     assert 0 < perf["batching"]["mean_batch_fill"] <= 1 and perf["advice"]
     assert "decode step of" in doctor.format_report(report)
+    # One group of every layer: the tiny model has no sliding window.
+    assert "KV cache groups: full: layers 0,1" in doctor.format_report(report)
 
 
 @pytest.mark.model

@@ -39,7 +39,7 @@ def test_hand_written_plans_prefill_then_decode(tiny_llm: Callable[..., LLM], hf
     runner = tiny_llm(attention_backend=backend, block_size=4).engine.runner
     a, b = [5, 17, 3, 99, 42, 8, 61], [7, 7, 120, 1, 64]
     table_a, table_b = [6, 2], [9, 4]
-    prefill = StepPlan([SeqSpan(0, len(a), table_a, prompt_rows=(0, len(a) - 1)), SeqSpan(0, len(b), table_b)],
+    prefill = StepPlan([SeqSpan(0, len(a), (table_a,), prompt_rows=(0, len(a) - 1)), SeqSpan(0, len(b), (table_b,))],
                        a + b, BlockOps(), None)
     got = runner.forward(prefill)
     want_a, want_b = hf_logits(hf_tiny, a), hf_logits(hf_tiny, b)
@@ -47,7 +47,7 @@ def test_hand_written_plans_prefill_then_decode(tiny_llm: Callable[..., LLM], hf
     torch.testing.assert_close(got.prompt_logits, want_a[:-1], atol=1e-4, rtol=1e-4)
 
     next_a, next_b = 11, 33
-    decode = StepPlan([SeqSpan(len(a), 1, table_a), SeqSpan(len(b), 1, table_b + [1])],
+    decode = StepPlan([SeqSpan(len(a), 1, (table_a,)), SeqSpan(len(b), 1, (table_b + [1],))],
                       [next_a, next_b], BlockOps(), None)
     got = runner.forward(decode)
     want = torch.stack([hf_logits(hf_tiny, a + [next_a])[-1], hf_logits(hf_tiny, b + [next_b])[-1]])
@@ -60,7 +60,7 @@ def test_a_plans_block_copy_runs_before_its_forward(tiny_llm: Callable[..., LLM]
     last block, written by the same step's move."""
     runner = tiny_llm(block_size=4).engine.runner
     prompt = [5, 17, 3, 99, 42, 8]
-    runner.forward(StepPlan([SeqSpan(0, len(prompt), [0, 1])], prompt, BlockOps(), None))
-    forked = StepPlan([SeqSpan(len(prompt), 1, [0, 3])], [77], BlockOps(copies=((1, 3),)), None)
+    runner.forward(StepPlan([SeqSpan(0, len(prompt), ([0, 1],))], prompt, BlockOps(), None))
+    forked = StepPlan([SeqSpan(len(prompt), 1, ([0, 3],))], [77], BlockOps(copies=((1, 3),)), None)
     got = runner.forward(forked).logits[0]
     torch.testing.assert_close(got, hf_logits(hf_tiny, prompt + [77])[-1], atol=1e-4, rtol=1e-4)
