@@ -503,8 +503,15 @@ class EngineConfig:
         """What the hybrid KV cache (sliding layers freeing out-of-window blocks) is not built for."""
         if not model.sliding_layers or self.disable_hybrid_kv_cache:
             return
+        # A pool tensor holds one layer of every group, so its pages need one format for all of
+        # them, coded token by token (a staged block would be planned in one group's tables only).
+        formats = self.kv_formats()
+        shared = formats is None or (len(set(self.kv_format_names())) == 1 and not self.residual_tokens
+                                     and all(f.per_token for f in formats[0]) and self.kv_fp8_scales != "head")
         refused = [(field, why) for field, why in (
-            ("kv_cache_dtype", self.kv_formats() is not None and f"compressed pages ({self.kv_cache_dtype!r})"),
+            ("kv_cache_dtype", not shared and f"compressed pages staged, calibrated per head or planned per layer "
+                                              f"({self.kv_cache_dtype!r}, kv_residual={self.residual_tokens}, "
+                                              f"kv_fp8_scales={self.kv_fp8_scales!r})"),
             ("preemption_mode", self.preemption_mode != "recompute" and "preemption by swap"),
             ("offload_memory", parse_bytes(self.offload_memory) > 0 and "offload to host blocks"),
             ("kv_remote", self.kv_remote is not None and "the remote tier"),

@@ -99,10 +99,15 @@ class BlockManager:
             num_slots = min(num_slots, num_computed + self.step_tokens)
         return self.blocks_for(num_slots)
 
-    def blocks_to_admit(self, num_tokens: int) -> int:
-        """Blocks a prompt of `num_tokens` tokens takes when admitted without a prefix hit: a
-        sequence that needs more than `capacity` could never be readmitted."""
-        return sum(self._width(spec, num_tokens, 0) for spec in self.specs)
+    def blocks_peak(self, num_tokens: int) -> int:
+        """The most blocks a sequence holds at once on its way to `num_tokens` tokens (its prompt
+        admitted, prefilled and decoded, or recomputed after a preemption): a sliding group holds
+        its window and the step's tokens at most. One that needs more than `capacity` could never
+        run alone."""
+        span = num_tokens if self.step_tokens is None else self.step_tokens
+        return sum(self.blocks_for(num_tokens) if spec.window is None else
+                   min(self.blocks_for(num_tokens), -(-(spec.window - 1 + span) // self.block_size) + 1)
+                   for spec in self.specs)
 
     def blocks_held(self, num_tokens: int) -> int:
         """Blocks a sequence of `num_tokens` tokens holds while it decodes, every group together."""

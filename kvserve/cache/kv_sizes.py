@@ -58,6 +58,8 @@ class KVSizes:
         dense = KVPool.bytes_per_block(layers_per_block or cfg.num_layers, config.block_size, cfg.num_kv_heads,
                                        cfg.head_dim, config.torch_dtype)
         formats = config.kv_layer_formats(cfg.num_layers)
+        if formats is not None and layers_per_block:  # a block holds that many layers (one format for all)
+            formats = formats[:layers_per_block]
         if formats is None:
             return KVSizes(dense, 0, 0)
         step_tokens = config.tokens_per_step(config.max_model_len or cfg.max_position)

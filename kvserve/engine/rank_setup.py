@@ -45,5 +45,6 @@ def make_pool(config: EngineConfig, cfg: ModelConfig, num_blocks: int, formats: 
     if formats is None:
         return KVPool(layers_per_block or cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                       config.torch_dtype, device, num_host_blocks)
+    # Hybrid: a block holds `layers_per_block` layers, all in one format (EngineConfig checks).
     return QuantizedKVPool(num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype,
-                           device, formats, config.residual_tokens, staging)
+                           device, formats[:layers_per_block or len(formats)], config.residual_tokens, staging)

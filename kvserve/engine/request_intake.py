@@ -29,8 +29,7 @@ class RequestIntake:
         self.windowed = bool(model_config.sliding_layers)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
-        self._device_capacity = block_manager.num_blocks * block_manager.block_size
-        self._capacity = self._device_capacity + block_manager.num_host_blocks * block_manager.block_size
+        self.block_manager = block_manager
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
 
@@ -110,20 +109,22 @@ class RequestIntake:
             raise FieldError("max_tokens",
                              f"max_tokens: {num_prompt} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"the context length max_model_len={limit}")
-        if num_prompt > self._device_capacity:
+        # In blocks: a hybrid model's sliding groups hold their window, not the whole sequence.
+        bm = self.block_manager
+        pool = f"{bm.capacity} blocks of {bm.block_size} tokens"
+        if bm.blocks_peak(num_prompt) > bm.capacity:
             raise FieldError("prompt",
-                             f"prompt: {num_prompt} tokens exceed the device KV pool ({self._device_capacity} "
-                             f"tokens); raise kv_cache_memory")
-        if total > self._capacity:
+                             f"prompt: {num_prompt} tokens exceed the device KV pool ({pool}); raise kv_cache_memory")
+        if bm.blocks_peak(total) > bm.capacity + bm.num_host_blocks:
             raise FieldError("prompt",
                              f"prompt: {num_prompt} prompt tokens + max_tokens {params.max_tokens} exceed "
-                             f"the whole KV cache ({self._capacity} tokens); raise kv_cache_memory")
+                             f"the whole KV cache ({pool}, {bm.num_host_blocks} host blocks); raise kv_cache_memory")
         max_num_seqs = self.config.max_num_seqs
         if params.n > max_num_seqs:
             raise FieldError("n", f"n: {params.n} samples exceed max_num_seqs={max_num_seqs}")
-        if params.beam_width > 1 and params.beam_width * total > self._device_capacity:
+        if params.beam_width > 1 and params.beam_width * bm.blocks_peak(total) > bm.capacity:
             raise FieldError("beam_width",
                              f"beam_width: {params.beam_width} beams of up to {total} tokens must fit the "
-                             f"device KV pool together ({self._device_capacity} tokens)")
+                             f"device KV pool together ({pool})")
         if params.beam_width > max_num_seqs:
             raise FieldError("beam_width", f"beam_width: {params.beam_width} beams exceed max_num_seqs={max_num_seqs}")

@@ -227,7 +227,7 @@ class Scheduler:
             bm = self.block_manager
             # Not one awaiting its last token (async scheduling): its blocks are about to be freed.
             victim = next((s for s in reversed(self.running) if not s.awaiting_length_finish
-                           and bm.blocks_to_admit(s.num_tokens) <= bm.capacity), seq)
+                           and bm.blocks_peak(s.num_tokens) <= bm.capacity), seq)
             offload = bm.offload_coldest(seq.seq_id) if victim is seq and seq.beam is None else None
             if offload is not None:
                 offloads.append(offload)

@@ -117,8 +117,23 @@ def test_the_same_budget_holds_more_sequences(models: dict[str, Path]) -> None:
     assert on.block_manager.capacity // on_need > 2 * (off.block_manager.capacity // -(-n // BLOCK))
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_pages_coded_token_by_token_share_the_groups_blocks(models: dict[str, Path], kv: str) -> None:
+    """int8 and fp8 pages (one format for every layer, no staging) on the hybrid cache: the same
+    tokens and logprobs as with every layer keeping every block; staging is refused."""
+    want = _run(models["gemma3"], PROMPTS, kv_cache_dtype=kv, disable_hybrid_kv_cache=True)
+    llm = LLM(model=str(models["gemma3"]), **BASE, kv_cache_dtype=kv)
+    assert len(llm.engine.pool.kv) == 2  # a block holds one layer of each of the three groups' two
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    _assert_same([(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs], want)
+    with pytest.raises(FieldError) as caught:
+        LLM(model=str(models["gemma3"]), **BASE, kv_cache_dtype=kv, kv_residual=16)
+    assert caught.value.field == "kv_cache_dtype"
+
+
 @pytest.mark.parametrize("field, value", [("preemption_mode", "swap"), ("offload_memory", "1MiB"),
-                                          ("kv_cache_dtype", "int8"), ("cache_mode", "contiguous")])
+                                          ("kv_cache_dtype", "kivi4"), ("cache_mode", "contiguous")])
 def test_what_the_hybrid_cache_is_not_built_for_is_refused(models: dict[str, Path], field: str,
                                                            value: str) -> None:
     with pytest.raises(FieldError) as caught:
