@@ -284,6 +284,8 @@ def test_dashboard_renders_the_block_grid(server: ServerProcess, tmp_path: Path)
     grid = dom.split('id="pool"', 1)[1].split('id="swap"', 1)[0]
     assert grid.count('class="block ') == state["num_blocks"]
     assert grid.count('class="block U"') + grid.count('class="block S"') >= 1
+    # One group of every layer: the bundled model has no sliding window.
+    assert f'id="groups">full ({len(state["kv_cache_groups"][0]["layers"])} layers): ' in dom
     assert shot.exists() and shot.stat().st_size > 5000
     wait_until_idle(server)
 
