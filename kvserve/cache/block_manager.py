@@ -81,9 +81,9 @@ class BlockManager:
 
     def sequence_state_left(self) -> list[str]:
         """The per-sequence state this block manager holds (none, once every sequence is freed)."""
-        held = [("token counts", self.num_tokens), ("registered hashes", self._hashes), ("salted roots", self._roots)]
-        held += [(f"group {g} block tables", tables) for g, tables in enumerate(self.group_tables)]
-        held += [(f"group {g} window marks", dropped) for g, dropped in enumerate(self._dropped)]
+        held = [("token counts", self.num_tokens), ("registered hashes", self._hashes), ("salted roots", self._roots),
+                *((f"group {g} block tables", t) for g, t in enumerate(self.group_tables)),
+                *((f"group {g} window marks", d) for g, d in enumerate(self._dropped))]
         left = [f"{name} of sequences {sorted(state)[:8]}" for name, state in held if state]
         if in_use := self.num_host_blocks - len(self._host_free):
             left.append(f"{in_use} host (offload) blocks in use")
@@ -100,10 +100,8 @@ class BlockManager:
         return self.blocks_for(num_slots)
 
     def blocks_peak(self, num_tokens: int) -> int:
-        """The most blocks a sequence holds at once on its way to `num_tokens` tokens (its prompt
-        admitted, prefilled and decoded, or recomputed after a preemption): a sliding group holds
-        its window and the step's tokens at most. One that needs more than `capacity` could never
-        run alone."""
+        """The most blocks a sequence holds at once on its way to `num_tokens` tokens (a sliding
+        group: its window and a step's tokens); one needing over `capacity` could never run alone."""
         span = num_tokens if self.step_tokens is None else self.step_tokens
         return sum(self.blocks_for(num_tokens) if spec.window is None else
                    min(self.blocks_for(num_tokens), -(-(spec.window - 1 + span) // self.block_size) + 1)

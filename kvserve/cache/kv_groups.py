@@ -86,13 +86,6 @@ class KVGroups:
         """(group, slot) of each layer, for the attention's per-layer lookup."""
         return tuple((self.group_of(layer), self.slot(layer)) for layer in range(num_layers))
 
-    def blocks_held(self, num_tokens: int, block_size: int) -> int:
-        """Blocks a sequence of `num_tokens` tokens holds between steps, every group together."""
-        total = -(-num_tokens // block_size)
-        last = (num_tokens - 1) // block_size
-        return sum(total if g.spec.window is None else last - g.spec.first_needed(num_tokens) // block_size + 1
-                   for g in self.groups) if num_tokens else 0
-
     def kinds(self) -> list[str]:
         """Each group's kind, as metrics label it: "full" or "window N"."""
         return ["full" if g.spec.window is None else f"window {g.spec.window}" for g in self.groups]
