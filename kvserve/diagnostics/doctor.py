@@ -180,8 +180,9 @@ def capacity(engine: Any) -> Check:
                 "host_offload_tokens": float(bm.num_host_blocks * bm.block_size)}
     if fits >= engine.config.max_num_seqs:
         return Check("KV pool capacity", "pass", measured, "max_num_seqs x max_model_len fit", correctness=False)
-    need = engine.config.max_num_seqs * bm.blocks_held(engine.max_model_len) * bm.block_size * \
-        engine.kv_bytes_per_token / 2**20
+    block_bytes = engine.kv_bytes_per_token * bm.block_size * engine.kv_groups.layers_per_block / \
+        engine.model_config.num_layers
+    need = engine.config.max_num_seqs * bm.blocks_held(engine.max_model_len) * block_bytes / 2**20
     return Check("KV pool capacity", "warn", measured, "max_num_seqs x max_model_len fit",
                  f"long sequences will preempt others: the pool holds {tokens} tokens; {engine.config.max_num_seqs} "
                  f"sequences of {engine.max_model_len} need {want} (--kv-cache-memory {need:.0f}MiB), or lower "

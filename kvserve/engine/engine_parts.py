@@ -53,7 +53,7 @@ class EngineParts:
     eos_token_id: int | None
     max_model_len: int
     max_num_batched_tokens: int
-    kv_bytes_per_token: float
+    kv_bytes_per_token: float  # K/V of one token in every layer (a hybrid block holds a group's layers)
     kv_groups: KVGroups
     pool: KVPool | QuantizedKVPool
     remote: RemoteKVTier | None
@@ -135,7 +135,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     tokenizer = loaded.tokenizer
     return EngineParts(config, device, model, cfg, loaded.name, tokenizer,
                        tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id,
-                       max_model_len, max_num_batched_tokens, sizes.block_bytes / config.block_size, groups, pool,
+                       max_model_len, max_num_batched_tokens, sizes.block_bytes * cfg.num_layers / (groups.layers_per_block * config.block_size), groups, pool,
                        remote,
                        block_manager, swap, scheduler, backend, tp, runner, async_scheduling)
 

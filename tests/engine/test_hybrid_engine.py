@@ -111,6 +111,8 @@ def test_the_same_budget_holds_more_sequences(models: dict[str, Path]) -> None:
     layer_bytes = 2 * BLOCK * 1 * 32 * 4  # K and V of one layer's block: 1 KV head of 32, fp32
     assert on.block_manager.num_blocks == 2 * 2**20 // (2 * layer_bytes)
     assert off.block_manager.num_blocks == 2 * 2**20 // (6 * layer_bytes)
+    # Bytes per token are every layer's, hybrid or not (eval and the doctor compare them).
+    assert on.kv_bytes_per_token == off.kv_bytes_per_token == 6 * layer_bytes / BLOCK
     n = 200
     on_need = on.block_manager.blocks_held(n)
     assert on_need == -(-n // BLOCK) + 2 * ((n - 1) // BLOCK - (n - WINDOW) // BLOCK + 1)
