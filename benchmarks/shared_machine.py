@@ -16,6 +16,8 @@ Neighbours (each its own process, started before the measured decode and killed 
 - engine: a second kvserve engine decoding a long stream in a loop;
 - heavy: build2 + omp1 + busy2 (what the collapse was first seen beside).
 `--env K=V` sets a variable in the measured process only (e.g. OMP_WAIT_POLICY=ACTIVE).
+`--prompt-tokens N` makes the prompt N token ids, prefilled cold every time (prefix caching off):
+with `--tokens 1` the time is a prefill's (e.g. `--prompt-tokens 512 --tokens 1`).
 """
 from __future__ import annotations
 
@@ -35,11 +37,11 @@ CORES = len(os.sched_getaffinity(0))
 MEASURE = r"""
 import json, sys, time
 from kvserve import LLM, SamplingParams
-tokens = int(sys.argv[1])
-llm = LLM(kv_cache_memory="256MiB", max_model_len=2048)
+tokens, prompt_tokens = int(sys.argv[1]), int(sys.argv[2])
+llm = LLM(kv_cache_memory="256MiB", max_model_len=2048, enable_prefix_caching=prompt_tokens == 0)
 params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 warm = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-prompt = "Tell me a story about a lighthouse keeper."
+prompt = list(range(100, 100 + prompt_tokens)) if prompt_tokens else "Tell me a story about a lighthouse keeper."
 llm.generate(prompt, warm, use_tqdm=False)
 print("ready", flush=True)
 sys.stdin.readline()
@@ -129,9 +131,10 @@ def runnable_threads(pids: list[int]) -> int:
     return count
 
 
-def measure(tokens: int, env: dict[str, str], neighbour_cmds: list[list[str]]) -> dict[str, float]:
+def measure(tokens: int, prompt_tokens: int, env: dict[str, str],
+            neighbour_cmds: list[list[str]]) -> dict[str, float]:
     child_env = {**os.environ, **env}
-    proc = subprocess.Popen([sys.executable, "-c", MEASURE, str(tokens)], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", MEASURE, str(tokens), str(prompt_tokens)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=child_env)
     assert proc.stdout is not None and proc.stdin is not None
     while proc.stdout.readline().strip() != "ready":
@@ -164,6 +167,8 @@ def main() -> None:
     p.add_argument("--sets", default="busy2,busy6,omp2,build2,engine,heavy",
                    help="neighbour sets besides quiet, comma-separated")
     p.add_argument("--tokens", type=int, default=48, help="tokens the measured process streams")
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="a prompt of this many token ids, prefilled cold (0: a short text prompt)")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds, each measuring quiet and then every set (medians reported)")
     p.add_argument("--env", action="append", default=[], help="K=V for the measured process (repeatable)")
@@ -175,7 +180,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for name in names:
-                r = measure(args.tokens, env, neighbours(name, Path(tmp)))
+                r = measure(args.tokens, args.prompt_tokens, env, neighbours(name, Path(tmp)))
                 runs[name].append(r)
                 print(f"round {round_ + 1} {name}: {r['seconds']:.2f} s, neighbours' runnable threads "
                       f"{r['neighbour_runnable']:.1f}, pool {r['pool']}", flush=True)
@@ -190,7 +195,8 @@ def main() -> None:
         chunks = sum(q["caller_chunks"] + q["worker_chunks"] for q in pool)
         share = f"{100 * sum(q['worker_chunks'] for q in pool) / chunks:.0f}%" if chunks else "-"
         rows.append(f"| {name} | {runnable:.1f} | {seconds:.2f} | {fair:.2f} | {seconds / fair:.2f} | {share} |")
-    head = [f"{args.tokens} tokens, {CORES} cores, torch threads {threads}, medians of {args.rounds} rounds, "
+    prompt = f"{args.prompt_tokens}-token prompt, " if args.prompt_tokens else ""
+    head = [f"{prompt}{args.tokens} tokens, {CORES} cores, torch threads {threads}, medians of {args.rounds} rounds, "
             f"measured process env {env or '{}'}", "",
             "| neighbours | runnable neighbour threads | time (s) | fair-share time (s) | time / fair share "
             "| kernel chunks run by workers |", "|---|---|---|---|---|---|"]

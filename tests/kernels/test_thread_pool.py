@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvserve.kernels import cpu_extension
-from kvserve.model.cpu_linear import interleave_f32
+from kvserve.model.cpu_linear import SMALL_BATCH, interleave_f32
 from kvserve.threads import GOMP_SPINCOUNT, cgroup_quota, usable_cores
 from tests.torch_threads import torch_threads
 
@@ -41,6 +41,26 @@ def test_a_region_runs_every_chunk_once_on_the_pool() -> None:
     # 32 tiles of 2 groups (AVX-512) or 64 of 1 over 2 threads x 2 chunks each: 4 chunks.
     ran = sum(after[k] - before[k] for k in ("caller_chunks", "worker_chunks"))
     assert ran == 4
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.bfloat16, SMALL_BATCH + 1), (torch.bfloat16, SMALL_BATCH),
+                                        (torch.float32, 64), (torch.float16, 64)])
+def test_a_prefill_sized_region_runs_on_torchs_threads(dtype: torch.dtype, rows: int) -> None:
+    """A step whose linears oneDNN runs on torch's threads (bf16 / fp16 over SMALL_BATCH rows, except
+    bf16 on the AVX2 kernel, which takes every batch) runs its other regions there too (one team per
+    step); decode-sized and fp32 steps (our linears) on the pool. Either way one thread's result."""
+    x, w = rand(rows, 256, seed=11).to(dtype), rand(256, seed=12).to(dtype)
+    with torch_threads(1):
+        want = kernels.rms_norm(x, w, 1e-6, None)
+    onednn = dtype == torch.float16 or (dtype == torch.bfloat16 and not kernels.interleaves_bf16_weights())
+    on_torch = onednn and rows > SMALL_BATCH
+    before = kernels.thread_pool_stats()
+    with torch_threads(2):
+        got = kernels.rms_norm(x, w, 1e-6, None)
+    after = kernels.thread_pool_stats()
+    assert torch.equal(got, want)
+    assert after["torch_regions"] - before["torch_regions"] == int(on_torch)
+    assert after["parallel_regions"] - before["parallel_regions"] == int(not on_torch)
 
 
 def test_an_idle_worker_sleeps_and_is_counted() -> None:

@@ -574,6 +574,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
+  const kvserve::Team team = kvserve::team_for(q.size(0), q.scalar_type());
   kvserve::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), kscale(block_size),
         vscale(block_size), sbuf, m, l, corrections;
@@ -715,7 +716,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
         }
     }
-  });
+  }, team);
   // A split context's pieces, in order: each rescaled to the overall max, as the online softmax
   // rescales a block.
   kvserve::parallel_for(0, static_cast<int64_t>(splits.size()), 4, [&](int64_t begin, int64_t end) {
@@ -738,7 +739,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(sum[d] * inv);
       }
     }
-  });
+  }, team);
 }
 
 }  // namespace
@@ -942,7 +943,7 @@ void encode_write(const at::Tensor& x, const at::Tensor& slot_mapping, int64_t k
           default: TORCH_CHECK(false, "encode_write: unsupported code dtype ", codes.scalar_type());
         }
       }
-    });
+    }, kvserve::team_for(T, x.scalar_type()));
   });
 }
 
@@ -975,7 +976,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
         for (int64_t c = 0; c < C; ++c)
           od[t * C + c] = static_cast<scalar_t>(to_f(w[c]) * through<scalar_t>(row[c] * inv));
       }
-    });
+    }, kvserve::team_for(T, x.scalar_type()));
   });
   return out;
 }
@@ -1007,7 +1008,7 @@ std::vector<at::Tensor> rope_split(const at::Tensor& qkv, const at::Tensor& posi
           }
         }
       }
-    });
+    }, kvserve::team_for(T, qkv.scalar_type()));
   });
   const int64_t T2 = qkv.size(0), rs = qkv.stride(0);
   auto view = [&](int64_t first_head, int64_t n) {
@@ -1043,7 +1044,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
         for (; i < I; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
         for (i = 0; i < I; ++i) o[t * I + i] = static_cast<scalar_t>(gate[i]);
       }
-    });
+    }, kvserve::team_for(T, gate_up.scalar_type()));
   });
   return out;
 }
@@ -1220,7 +1221,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                           {"caller_chunks", s.caller_chunks},
                                           {"worker_chunks", s.worker_chunks},
                                           {"caller_sleeps", s.caller_sleeps},
-                                          {"worker_sleeps", s.worker_sleeps}};
+                                          {"worker_sleeps", s.worker_sleeps},
+                                          {"torch_regions", s.torch_regions}};
   }, "what the kernels' thread pool did since the process started (thread_pool.h, PoolStats)");
   bind_decoder_stack(m);
 }

@@ -36,6 +36,9 @@ constexpr auto kCallerSpin = std::chrono::microseconds(200);
 // leaves half its share to the others. Four cost a quiet decode 6%: a memory-bound linear's
 // weights then stream in shorter runs.
 constexpr int64_t kChunksPerThread = 2;
+// Rows up to which model/cpu_linear.py runs a bf16 linear on our kernel (SMALL_BATCH); above, oneDNN
+// on torch's threads (team_for).
+constexpr int64_t kSmallBatch = 32;
 
 // The claim word: generation (24 bits) | next chunk (20 bits) | chunk count (20 bits). One word,
 // so a claim checks the region and the count it claims against in one compare-and-swap: a thread
@@ -83,14 +86,17 @@ class Pool {
     std::lock_guard<std::mutex> region(busy_);
     PoolStats stats = stats_;
     stats.worker_sleeps = worker_sleeps_.load();
+    stats.torch_regions = torch_regions_.load();
     return stats;
   }
+
+  void count_torch_region() { torch_regions_.fetch_add(1, std::memory_order_relaxed); }
 
   void run(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const void* ctx) {
     const int64_t threads = at::get_num_threads();
     const int64_t range = end - begin;
     std::unique_lock<std::mutex> region(busy_, std::try_to_lock);
-    if (threads <= 1 || range <= grain || in_region || !region.owns_lock()) {
+    if (threads <= 1 || range <= grain || in_region || at::in_parallel_region() || !region.owns_lock()) {
       fn(ctx, begin, end);
       return;
     }
@@ -215,6 +221,7 @@ class Pool {
   std::condition_variable wake_, finished_;
   std::atomic<int> sleepers_{0};
   std::atomic<int64_t> worker_sleeps_{0};
+  std::atomic<int64_t> torch_regions_{0};
   std::atomic<bool> caller_sleeping_{false};
   std::vector<std::thread> workers_;
   bool refused_ = false;
@@ -241,7 +248,19 @@ void run(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const void* ctx)
   pool().run(begin, end, grain, fn, ctx);
 }
 
+void count_torch_region() { pool().count_torch_region(); }
+
 }  // namespace detail
+
+Team team_for(int64_t rows, c10::ScalarType dtype) {
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+  constexpr bool onednn_bf16 = false;  // linear_avx2 (interleaves_bf16_weights) takes every bf16 batch
+#else
+  constexpr bool onednn_bf16 = true;
+#endif
+  const bool onednn = dtype == at::kHalf || (dtype == at::kBFloat16 && onednn_bf16);
+  return onednn && rows > detail::kSmallBatch ? Team::torch : Team::pool;
+}
 
 PoolStats pool_stats() { return detail::pool().stats(); }
 

@@ -15,34 +15,59 @@
 // threadpool does the same).
 #pragma once
 
+#include <ATen/Parallel.h>
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 
 namespace kvserve {
+
+// Which threads run a region: the pool's, or torch's own (at::parallel_for, OpenMP).
+enum class Team { pool, torch };
+
+// The team for a region of a step of `rows` token rows in `dtype`: torch's where oneDNN runs that
+// step's linears on torch's threads (model/cpu_linear.py: bf16 and fp16 batches over SMALL_BATCH =
+// 32 rows, except bf16 on the AVX2 kernel, which takes every batch), so a prefill's regions and its
+// matmuls share one team; the pool's otherwise (decode steps and fp32, whose linears are the
+// pool's). Two teams on two cores took turns: the pool's worker spun through the matmul after each
+// of its regions on the core torch's worker needed, and a 2-thread prefill lost a third of its
+// speed (BENCHMARKS.md, issue 38). fp16 decode steps, whose linears oneDNN runs at every size,
+// still use both.
+Team team_for(int64_t rows, c10::ScalarType dtype);
 
 // f(chunk_begin, chunk_end) over [begin, end) in contiguous chunks of at least `grain` items,
 // on the calling thread and up to at::get_num_threads() - 1 workers. Runs inline when the range
 // fits one chunk, inside another region, or while another thread's region holds the pool. The
 // first exception a chunk throws is rethrown here, after every claimed chunk has ended.
+// Team::torch runs it as at::parallel_for instead (one chunk per thread, a barrier at the end).
 template <typename F>
-void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f);
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, Team team = Team::pool);
 
 // What the pool did since the process started: regions run on several threads, the callers' time
 // waiting for chunks a worker still ran (on a busy machine, mostly for a worker off its core), and
 // the chunks callers and workers ran, and how often a caller or a worker gave up spinning and slept.
+// torch_regions: regions handed to torch's threads (Team::torch), counted whether or not torch ran
+// them on several threads.
 struct PoolStats {
   int64_t parallel_regions = 0, waiting_ns = 0, caller_chunks = 0, worker_chunks = 0;
-  int64_t caller_sleeps = 0, worker_sleeps = 0;
+  int64_t caller_sleeps = 0, worker_sleeps = 0, torch_regions = 0;
 };
 PoolStats pool_stats();
 
 namespace detail {
 using ChunkFn = void (*)(const void* ctx, int64_t begin, int64_t end);
 void run(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const void* ctx);
+void count_torch_region();
 }  // namespace detail
 
 template <typename F>
-void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, Team team) {
   if (begin >= end) return;
+  if (team == Team::torch) {
+    detail::count_torch_region();
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
   detail::run(begin, end, grain,
               [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &f);
 }
