@@ -240,7 +240,7 @@ class BlockManager:
         bs = self.block_size
         last = (num_tokens - 1) // bs
         first = num_tokens - 1 if num_computed is None else num_computed
-        plans = []
+        plans, credit = [], 0
         for g, spec in enumerate(self.specs):
             table = self.group_tables[g].get(seq_id)
             width = self._width(spec, max(num_tokens, reserve_tokens), first)
@@ -252,15 +252,24 @@ class BlockManager:
                 if on_device(block) and self.blocks[block].ref_count == 1:
                     continue
             size = 0 if table is None else len(table)
+            if table is not None and spec.window is not None:
+                # Blocks this call's window releases come back before any is taken.
+                credit += sum(self.blocks[b].ref_count == 1 for b in table[self._dropped[g].get(seq_id, 0):drop]
+                              if b != NULL_BLOCK)
             shared = 0 <= newest < size and on_device(table[newest]) and self.blocks[table[newest]].ref_count > 1
-            plans.append((g, max(0, width - size), shared, drop, newest))
+            plans.append((g, size, max(0, width - size), shared, drop, newest))
         if not plans:
             self.num_tokens[seq_id] = num_tokens
             return ()
-        if sum(need + shared for _, need, shared, _, _ in plans) > len(self.pool.free):
+        # Entries before the window's start are the null block, not taken from the pool.
+        taken = sum(max(0, size + need - max(size, drop)) + shared for _, size, need, shared, drop, _ in plans)
+        if taken > len(self.pool.free) + credit:
             return None
+        for g, _, _, _, drop, _ in plans:
+            if seq_id in self._dropped[g]:  # a sliding group's table, made before this call
+                self._drop_out_of_window(g, seq_id, drop)
         copies: list[tuple[int, int]] = []
-        for g, need, shared, drop, newest in plans:
+        for g, _, need, shared, drop, newest in plans:
             copies += self._grow(g, seq_id, need, shared, drop, newest, salt)
         self.num_tokens[seq_id] = num_tokens
         self._note_peak()
@@ -268,8 +277,9 @@ class BlockManager:
 
     def _grow(self, g: int, seq_id: str, need: int, shared_last: bool, drop: int, last: int,
               salt: str | None) -> list[tuple[int, int]]:
-        """`allocate`'s moves in group `g`: drop the blocks its window left behind, append `need`
-        blocks, copy the shared last one. Returns that copy, if any."""
+        """`allocate`'s moves in group `g`, after its window dropped what it left behind: append
+        `need` entries (the null block before the window's start `drop`), copy the shared last one.
+        Returns that copy, if any."""
         table = self.group_tables[g].get(seq_id)
         if table is None:
             table = self.group_tables[g][seq_id] = []
@@ -277,9 +287,7 @@ class BlockManager:
             if salt is not None:
                 self._roots[seq_id] = salt_root(salt)
             if self.specs[g].window is not None:
-                self._dropped[g][seq_id] = 0
-        if self.specs[g].window is not None:
-            self._drop_out_of_window(g, seq_id, drop)
+                self._dropped[g][seq_id] = drop
         size = len(table)
         table.extend(NULL_BLOCK if size + i < drop else self.pool.take() for i in range(need))
         if not shared_last:

@@ -81,6 +81,29 @@ def test_chunked_prefill_holds_the_window_and_the_chunk() -> None:
     assert bm.usage().used == 0
 
 
+def test_a_chunk_counts_the_blocks_its_window_releases() -> None:
+    """A chunk that takes as many sliding blocks as its window lets go fits a pool with none free
+    (worked by hand: block 4, window 8, 8-token chunks, a 24-token prompt: the full group holds 6
+    blocks, the sliding one 4 from the second chunk on), and the null entries before a window's
+    start take no block."""
+    bm = BlockManager(11, BS, specs=(KVSpec(), KVSpec(8)), step_tokens=8)  # 10 blocks and the null one
+    assert bm.allocate_prompt("s", list(range(1, 25))) is not None
+    assert bm.allocate("s", 24, num_computed=8) == () and not bm.free_blocks
+    # Queries 16..23 see keys from 9 on: blocks 0 and 1 go, blocks 4 and 5 come.
+    assert bm.allocate("s", 24, num_computed=16) == ()
+    assert bm.group_tables[1]["s"][:2] == [NULL_BLOCK] * 2 and NULL_BLOCK not in bm.group_tables[1]["s"][2:]
+    assert not bm.free_blocks and len(bm.group_tables[1]["s"]) == 6
+    bm.free("s")
+    assert bm.usage().used == 0
+    # A table made at 32 computed tokens (a sequence coming back): 10 full blocks and the window's
+    # 4 (blocks 6-9), exactly the 14 a pool of 15 gives.
+    bm = BlockManager(15, BS, specs=(KVSpec(), KVSpec(8)), step_tokens=8)
+    assert bm.allocate("t", 40, num_computed=32) == ()
+    assert bm.group_tables[1]["t"][:6] == [NULL_BLOCK] * 6 and not bm.free_blocks
+    bm.free("t")
+    assert bm.usage().used == 0 and not bm.sequence_state_left()
+
+
 def test_a_prefix_hit_needs_the_full_prefix_and_the_windows_last_blocks() -> None:
     bm = BlockManager(200, BS, specs=(KVSpec(), KVSpec(W)))
     prompt = list(range(1, 42))

@@ -196,13 +196,7 @@ def test_a_pass_key_halfway_into_16k_tokens_is_found(pages: str, hybrid: bool) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hybrid", [
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "BlockManager.allocate checks a step's new blocks against the free queue before the blocks "
-        "its window drops in the same call are released: the fourth sequence's third chunk (32 new "
-        "blocks per sliding group, 32 dropped) is refused with ~40 free, so it is preempted and "
-        "readmitted 11 times"))),
-    False])
+@pytest.mark.parametrize("hybrid", [True, False])
 def test_as_many_sequences_as_the_pool_holds_decode_at_once(hybrid: bool) -> None:
     """64 MiB of pages and 2,048-token sequences (2,016 prompt tokens in 512-token chunks, then 32
     decoded, long enough for every admitted sequence to decode beside the others): capacity //
