@@ -19,6 +19,7 @@ from kvserve.cache.kv_pool import KVPool
 from kvserve.eviction.policy import POLICY_NAMES, EvictionPolicy
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_linear import SMALL_BATCH
+from kvserve.texts import TEXT_NAMES
 from kvserve.validate import FieldError, is_int
 
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -51,7 +52,7 @@ CONFIG_PARTS: dict[str, tuple[str, ...]] = {
     "KV format": ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v", "kv_rotation", "kv_rotate_keys",
                   "kv_group_size", "kv_group_size_k", "kv_group_size_v", "kv_residual", "kv_outliers",
                   "kv_sparse_threshold", "kv_sparse_capacity", "kv_fp8_scales", "kv_calibration_tokens",
-                  "kv_exact_sink", "kv_key_wide_channels", "kv_symmetric_values"),
+                  "kv_calibration_data", "kv_exact_sink", "kv_key_wide_channels", "kv_symmetric_values"),
     "eviction": ("kv_eviction", "kv_budget", "kv_sink_tokens", "kv_window", "kv_stride", "kv_observation_window",
                  "kv_pooling_kernel", "kv_evict_during_decode", "kv_evict_interval", "kv_prefill_chunk",
                  "kv_mean_heads"),
@@ -144,10 +145,13 @@ class EngineConfig:
     kv_sparse_capacity: float = _opt(0.5, "'sparse' stores at most this fraction of head_dim per token-head")
     kv_fp8_scales: str = _opt("token", "fp8 pages: token stores a dynamic scale per token and KV head; head uses "
                                        "one fixed scale per layer and KV head (vLLM's per-head scales), "
-                                       "calibrated at start-up on kv_calibration_tokens tokens of the bundled "
-                                       "Python docs, and stores codes alone", choices=FP8_SCALES)
+                                       "calibrated at start-up on kv_calibration_tokens tokens of "
+                                       "kv_calibration_data, and stores codes alone", choices=FP8_SCALES)
     kv_calibration_tokens: int = _opt(512, "tokens the start-up calibration reads (kv_fp8_scales=head, "
                                            "kv_key_wide_channels)")
+    kv_calibration_data: str = _opt("calibration", "text the start-up calibration reads: calibration (bundled "
+                                                   "with kvserve, read by no evaluation), python-docs, wikitext2 "
+                                                   "or a file path; kvserve eval refuses --data that overlaps it")
     kv_exact_sink: bool = _opt(False, "kivi keys: each block keeps its first key in fp16, outside the block's "
                                       "channel ranges, so a sequence's first token (the attention sink every "
                                       "query reads) is exact and cannot stretch its block's ranges; costs "
@@ -375,6 +379,10 @@ class EngineConfig:
             raise FieldError("kv_calibration_tokens",
                              f"EngineConfig.kv_calibration_tokens must be an integer >= 1, got "
                              f"{self.kv_calibration_tokens!r}")
+        if self.kv_calibration_data not in TEXT_NAMES and not Path(self.kv_calibration_data).is_file():
+            raise FieldError("kv_calibration_data",
+                             f"EngineConfig.kv_calibration_data must be one of {', '.join(TEXT_NAMES)} or a file, "
+                             f"got {self.kv_calibration_data!r}")
         if self.kv_residual is not None and (not is_int(self.kv_residual) or self.kv_residual < 0):
             raise FieldError("kv_residual",
                              f"EngineConfig.kv_residual must be an integer >= 0, got {self.kv_residual!r}")

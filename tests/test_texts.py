@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 import kvserve
-from kvserve.texts import load_text, wikitext_path
+import random
+
+from kvserve.texts import load_text, shared_passage, wikitext_path
 
 
 def test_python_docs_is_english_prose_inside_cpython() -> None:
@@ -53,6 +55,30 @@ def test_a_binary_or_empty_file_is_refused_naming_the_option(tmp_path: Path) -> 
         load_text(str(empty))
 
 
+def test_the_calibration_text_ships_with_the_package_and_no_evaluation_text_shares_it() -> None:
+    text = load_text("calibration")
+    assert (Path(kvserve.__file__).parent / "calibration.txt").is_file()
+    assert "Heap queues" in text.text and "def bisect_right" in text.text and len(text.text) > 40_000
+    evaluated = [load_text("python-docs")] + ([load_text("wikitext2")] if wikitext_path() else [])
+    assert all(shared_passage(t.text, text.text) is None for t in evaluated)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_shared_passage_of_96_characters_is_found_wherever_it_lies(seed: int) -> None:
+    """Two random texts share nothing (a chance 64-character match is ~impossible); a 96-character
+    passage of one put anywhere in the other is found, a 60-character one is not looked for."""
+    rng = random.Random(seed)
+    a, b = ("".join(rng.choice("abcdefgh ") for _ in range(n)) for n in (20_000, 5_000))
+    assert shared_passage(a, b) is None
+    for length, found in ((96, True), (60, False)):
+        start, at = rng.randrange(len(b) - length), rng.randrange(len(a))
+        passage = b[start:start + length]
+        planted = a[:at] + passage + a[at:]
+        got = shared_passage(planted, b)
+        assert (got is not None) == found and (got is None or got in passage)
+        assert (shared_passage(b, planted) is not None) == found  # either order
+
+
 @pytest.mark.model
 def test_eval_bench_and_doctor_run_from_a_bare_copy_of_the_package(tmp_path: Path) -> None:
     """A copy of kvserve/ alone on the path, run from an empty folder; a stand-in `optimum`
@@ -77,10 +103,11 @@ def test_eval_bench_and_doctor_run_from_a_bare_copy_of_the_package(tmp_path: Pat
     assert probe.stdout.strip().startswith(str(site))  # the copy, not the checkout
     # What depends on the package's own files (the bundled text, the kernels' sources, the
     # dashboard) is reached by one small run of each command; eval's rows are tested in tests/eval.
-    run("eval", "--formats", "int8", "--windows", "1", "--window-len", "32", "--stride", "32",
-              "--greedy-prompts", "0", "--passkey-lengths", "", "--out", "ev")
+    run("eval", "--formats", "int8,fp8_e4m3", "--kv-fp8-scales", "head", "--windows", "1", "--window-len", "32",
+        "--stride", "32", "--greedy-prompts", "0", "--passkey-lengths", "", "--out", "ev")
     report = (work / "ev" / "eval.md").read_text()
-    assert report.startswith("Python reference docs (pydoc_data), 1 windows") and "kvserve int8 |" in report
+    assert "### Python reference docs (pydoc_data)" in report and "kvserve int8 |" in report
+    assert "512 tokens of calibration." in report and "kvserve fp8_e4m3 |" in report
     assert "HF QuantizedCache rows skipped: optimum.quanto is not installed" in report
     run("bench", "throughput", "--num-requests", "2", "--skip-hf", "--skip-llama-cpp", "--skip-contiguous",
         "--out", "bt")

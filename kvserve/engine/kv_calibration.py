@@ -2,13 +2,13 @@
 each layer's KV heads store) and the KIVI key channels that get a bit more
 (`kv_key_wide_channels`: those with the largest E[q_d^2] * E[range_d^2], a channel's share of
 the q.k error when its quantization step is proportional to its range), measured once by
-running the model over a calibration text.
+running the model over the first `kv_calibration_tokens` tokens of `kv_calibration_data`.
 
 The model runs as it will serve (same attention path, RoPE and rotation) into a small dense pool
 of its own, and the maxima are read from those pages, so the scales cover exactly what the
-compressed pages will be asked to hold. The text is the Python reference prose that ships with
-CPython, read from its middle, so that evaluations on its opening windows do not calibrate on
-the text they measure; a model without a tokenizer (random test models) reads seeded random ids.
+compressed pages will be asked to hold. The default text ships with kvserve and is read by no
+evaluation (texts.py), so calibrated layouts are judged on text they were not fitted to; a model
+without a tokenizer (random test models) reads seeded random ids.
 """
 from __future__ import annotations
 
@@ -32,13 +32,14 @@ from kvserve.texts import load_text
 _CHARS_PER_TOKEN = 8  # generous: a slice this many characters per token always holds enough tokens
 
 
-def calibration_tokens(tokenizer: Any, vocab_size: int, num_tokens: int, seed: int) -> list[int]:
+def calibration_tokens(tokenizer: Any, vocab_size: int, num_tokens: int, seed: int, data: str) -> list[int]:
     if tokenizer is None:
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, vocab_size, (num_tokens,), generator=g).tolist()
-    text = load_text("python-docs").text
-    middle = len(text) // 2
-    ids = tokenizer.encode(text[middle:middle + num_tokens * _CHARS_PER_TOKEN])
+    ids = tokenizer.encode(load_text(data, num_tokens * _CHARS_PER_TOKEN, "kv_calibration_data").text)
+    if len(ids) < num_tokens:
+        raise ValueError(f"kv_calibration_tokens: {num_tokens} tokens asked, kv_calibration_data {data!r} "
+                         f"holds {len(ids)}")
     return ids[:num_tokens]
 
 

@@ -29,7 +29,8 @@ def rank_formats(config: EngineConfig, model: torch.nn.Module, tokenizer: Any, k
     if not needs_calibration(formats):
         return formats
     start = time.perf_counter()
-    ids = calibration_tokens(tokenizer, model.config.vocab_size, config.kv_calibration_tokens, config.seed)
+    ids = calibration_tokens(tokenizer, model.config.vocab_size, config.kv_calibration_tokens, config.seed,
+                             config.kv_calibration_data)
     stats = measure_kv_stats(model, resolve_ops(kernels), ids, rotation, config.torch_dtype, config.torch_device,
                              config.block_size, config.kv_exact_sink)
     if shard is not None:

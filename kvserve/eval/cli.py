@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import shutil
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,8 @@ from kvserve.cache.kv_plan import plan_path
 from kvserve.config import DTYPES, EngineConfig
 from kvserve.eviction.policy import POLICY_NAMES, SCORED
 from kvserve.engine_args import add_engine_args, engine_kwargs, kv_format_overrides
-from kvserve.texts import DATA_HELP, load_text
+from kvserve.eval.report import format_row, write_report
+from kvserve.texts import DATA_HELP, Text, load_text, shared_passage
 
 EVICTION_ROWS = tuple(p for p in POLICY_NAMES if p != "none")  # "none" would repeat the format's own row
 # The module HF's QuantizedCache needs per backend, and the bits each quantizes to (transformers'
@@ -85,7 +86,9 @@ def add_parser(sub: Any) -> None:
                    help="HF QuantizedCache bits to run: 2 or 4 with quanto, 1, 2, 3, 4 or 8 with hqq "
                         "(default 4,2; '' skips)")
     p.add_argument("--hf-backend", choices=sorted(HF_BACKENDS), default="quanto", help="quanto (default) or hqq")
-    p.add_argument("--data", default=None, help=DATA_HELP)
+    p.add_argument("--data", type=comma_list(str), default=None,
+                   help="comma-separated texts, each measured on the same rows, with a table per text and the "
+                        "worst case over them; each is " + DATA_HELP)
     p.add_argument("--out", type=folder, default="bench_out", help="folder for eval.md, eval.json and eval.png")
     p.add_argument("--seed", type=int, default=0, help="seed of the passkeys and of where each is hidden (default 0)")
     add_engine_args(p)
@@ -158,6 +161,47 @@ def _check_together(args: argparse.Namespace) -> None:
                          f"{', '.join(map(str, bits))} bits")
 
 
+def _check_apart(args: argparse.Namespace, sources: list[Text]) -> None:
+    """Calibrated layouts (per-head fp8 scales, wide key channels) must not be judged on the text
+    they were calibrated on: any passage an evaluated text shares with it is a usage error."""
+    if args.kv_fp8_scales != "head" and not args.kv_key_wide_channels:
+        return
+    calibration = load_text(args.kv_calibration_data, option="--kv-calibration-data")
+    for source in sources:
+        if (passage := shared_passage(source.text, calibration.text)) is not None:
+            raise ValueError(f"--data: {source.name} shares text with the calibration text ({calibration.name}, "
+                             f"--kv-calibration-data), e.g. {passage!r}; calibrated layouts would be judged on "
+                             f"what they were fitted to: evaluate on another text or calibrate on another")
+
+
+@dataclass(frozen=True)
+class TextWindows:
+    """What every row runs on one text: the windows (teacher-forced from `prefill`) and the
+    greedy prompts."""
+    name: str
+    windows: list[list[int]]
+    prefill: int
+    greedy_prompts: list[list[int]]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return torch.tensor([w[self.prefill:] for w in self.windows])
+
+
+def _text_windows(args: argparse.Namespace, tok: Any, source: Text) -> TextWindows:
+    # Enough text for the windows from the front and the greedy prompts from the back (at least
+    # GREEDY_PROMPT_GAP tokens apart each, at no more than 8 characters a token).
+    starts = [(args.first_window + i) * args.stride for i in range(args.windows)]
+    chars = max(40 * (starts[-1] + args.window_len), 8 * GREEDY_PROMPT_GAP * (args.greedy_prompts + 1))
+    ids = tok.encode(source.text[:chars], add_special_tokens=False)
+    windows = [ids[start:start + args.window_len] for start in starts]
+    if len(windows[-1]) < args.window_len:
+        raise ValueError(f"--windows/--stride: {source.name} is too short for these windows")
+    greedy_prompts = [ids[-(i + 1) * GREEDY_PROMPT_GAP - GREEDY_PROMPT_LEN:-(i + 1) * GREEDY_PROMPT_GAP]
+                      for i in range(args.greedy_prompts)]
+    return TextWindows(source.name, windows, args.window_len // 2, greedy_prompts)
+
+
 def cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from kvserve import LLM
     from kvserve.eval import quality
@@ -165,7 +209,10 @@ def cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:  # options valid alone but not together are usage errors too, refused before any model loads
         _check_together(args)
         (reference_label, reference_options), *others = _rows(args)
-        source = load_text(args.data)
+        sources = [load_text(spec) for spec in args.data or [None]]
+        if len({s.name for s in sources}) < len(sources):
+            raise ValueError("--data: a text is named twice")
+        _check_apart(args, sources)
     except ValueError as err:
         parser.error(str(err))
     out = Path(args.out)
@@ -174,56 +221,57 @@ def cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     tok = reference.tokenizer
     if tok is None:  # random:<preset> weights come without one
         raise ValueError("--model: this model has no tokenizer, and eval reads text")
-    text = source.text
-    # Enough text for the windows from the front and the greedy prompts from the back (at least
-    # GREEDY_PROMPT_GAP tokens apart each, at no more than 8 characters a token).
-    starts = [(args.first_window + i) * args.stride for i in range(args.windows)]
-    chars = max(40 * (starts[-1] + args.window_len), 8 * GREEDY_PROMPT_GAP * (args.greedy_prompts + 1))
-    ids = tok.encode(text[:chars], add_special_tokens=False)
-    windows = [ids[start:start + args.window_len] for start in starts]
-    if len(windows[-1]) < args.window_len:
-        raise ValueError("--windows/--stride: the text is too short for these windows")
-    prefill = args.window_len // 2
-    targets = torch.tensor([w[prefill:] for w in windows])
-    greedy_prompts = [ids[-(i + 1) * GREEDY_PROMPT_GAP - GREEDY_PROMPT_LEN:-(i + 1) * GREEDY_PROMPT_GAP]
-                      for i in range(args.greedy_prompts)]
+    texts = [_text_windows(args, tok, source) for source in sources]
     greedy = quality.SamplingParams(max_tokens=args.greedy_tokens, temperature=0, ignore_eos=True)
     passkeys = {n: quality.passkey_prompts(tok, n, args.passkey_trials, args.seed) for n in args.passkey_lengths}
-
-    ref_logprobs = quality.forced_logprobs(reference, windows, prefill)
-    ref_greedy = [o.token_ids for o in reference.generate(greedy_prompts, greedy, use_tqdm=False)]
+    ref_logprobs = [quality.forced_logprobs(reference, t.windows, t.prefill) for t in texts]
+    ref_greedy = [[o.token_ids for o in reference.generate(t.greedy_prompts, greedy, use_tqdm=False)] for t in texts]
     model_cfg = reference.engine.model_config
 
-    def measure(llm: LLM, name: str) -> dict[str, Any]:
-        q = quality.compare(quality.forced_logprobs(llm, windows, prefill), ref_logprobs, targets)
-        outs = [o.token_ids for o in llm.generate(greedy_prompts, greedy, use_tqdm=False)]
+    def measure(llm: LLM, name: str) -> list[dict[str, Any]]:
+        """One row per text; the passkeys (text-independent) measured once and shown in each."""
         engine = llm.engine
-        row = {"cache": f"kvserve {name}", "bytes_per_token": engine.kv_bytes_per_token,
-               "capacity_tokens": engine.block_manager.num_blocks * engine.block_manager.block_size,
-               "perplexity": q.perplexity, "kl": q.kl, "top1": q.top1,
-               "greedy_agree": quality.greedy_agreement(outs, ref_greedy),
-               **{f"passkey@{n}": quality.passkey_accuracy(llm, p) for n, p in passkeys.items()}}
-        if hasattr(engine.pool, "kept_fraction") and (kept := engine.pool.kept_fraction()):
-            row["kept_fraction"] = kept
-        print(_format_row(row), flush=True)
-        return row
+        common = {"cache": f"kvserve {name}", "bytes_per_token": engine.kv_bytes_per_token,
+                  "capacity_tokens": engine.block_manager.num_blocks * engine.block_manager.block_size}
+        passkey = {f"passkey@{n}": quality.passkey_accuracy(llm, p) for n, p in passkeys.items()}
+        rows = []
+        for t, ref, ref_out in zip(texts, ref_logprobs, ref_greedy):
+            q = quality.compare(quality.forced_logprobs(llm, t.windows, t.prefill), ref, t.targets)
+            outs = [o.token_ids for o in llm.generate(t.greedy_prompts, greedy, use_tqdm=False)]
+            row = {**common, "perplexity": q.perplexity, "kl": q.kl, "top1": q.top1,
+                   "greedy_agree": quality.greedy_agreement(outs, ref_out), **passkey,
+                   "window_perplexity": q.nll.mean(1).exp().tolist()}
+            if hasattr(engine.pool, "kept_fraction") and (kept := engine.pool.kept_fraction()):
+                row["kept_fraction"] = kept
+            print(f"[{t.name}] {format_row(row)}", flush=True)
+            rows.append(row)
+        return rows
 
-    rows = [measure(reference, reference_label)]
+    measured = [measure(reference, reference_label)]
     del reference
-    for label, options in others:
-        rows.append(measure(LLM(**options), label))
+    measured += [measure(LLM(**options), label) for label, options in others]
+    by_text = {t.name: [rows[i] for rows in measured] for i, t in enumerate(texts)}
 
     notes = []
-    if args.evictions and args.kvpress:
-        rows += kvpress_rows(args, windows, prefill, args.evictions)
-    if args.hf_bits:
-        missing = _hf_backend_missing(args.hf_backend)
-        if missing is None:
-            rows += _hf_rows(args, windows, prefill, args.hf_bits, model_cfg)
-        else:
-            notes.append(f"HF QuantizedCache rows skipped: {missing}")
-            print(notes[-1], flush=True)
-    _report(args, rows, out, prefill, source.name, notes)
+    missing = _hf_backend_missing(args.hf_backend) if args.hf_bits else None
+    if missing is not None:
+        notes.append(f"HF QuantizedCache rows skipped: {missing}")
+        print(notes[-1], flush=True)
+    for t in texts:
+        if args.evictions and args.kvpress:
+            by_text[t.name] += kvpress_rows(args, t.windows, t.prefill, args.evictions)
+        if args.hf_bits and missing is None:
+            by_text[t.name] += _hf_rows(args, t.windows, t.prefill, args.hf_bits, model_cfg)
+    first = texts[0]
+    skipped = f", from window {args.first_window}" if args.first_window else ""
+    protocol = (f"{args.windows} windows of {args.window_len} tokens per text (stride {args.stride}{skipped}): "
+                f"{first.prefill} prefilled, {args.window_len - first.prefill} decoded token by token into the "
+                f"cache; perplexity over the decoded targets. Reference cache: the model dtype ({args.dtype}); "
+                f"KL(reference || format) and top-1 agreement per decoded position. Greedy: {args.greedy_prompts} "
+                f"prompts x {args.greedy_tokens} tokens, mean tokens before the first divergence. Passkey: "
+                f"{args.passkey_trials} keys per context length. Calibrated layouts read "
+                f"{args.kv_calibration_tokens} tokens of {args.kv_calibration_data}.")
+    print(write_report(by_text, protocol, out, notes))
 
 
 def kvpress_rows(args: argparse.Namespace, windows: list[list[int]], prefill: int,
@@ -258,7 +306,7 @@ def kvpress_rows(args: argparse.Namespace, windows: list[list[int]], prefill: in
         rows.append({"cache": f"kvpress {results['version']} {cache}",
                      "perplexity": nll.mean().exp().item(),
                      "top1_vs_kvpress_full": (torch.tensor(results[name]["argmax"]) == full).double().mean().item()})
-        print(_format_row(rows[-1]), flush=True)
+        print(format_row(rows[-1]), flush=True)
     return rows
 
 
@@ -293,68 +341,5 @@ def _hf_rows(args: argparse.Namespace, windows: list[list[int]], prefill: int, b
                      "bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * per_head,
                      "perplexity": perplexity(nll), "hf_full_perplexity": perplexity(full),
                      "top1_vs_hf_full": (argmax == full_argmax).double().mean().item()})
-        print(_format_row(rows[-1]), flush=True)
+        print(format_row(rows[-1]), flush=True)
     return rows
-
-
-def _cell(value: Any) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):  # not measured (e.g. --greedy-prompts 0)
-        return "-"
-    if isinstance(value, float) and value >= 100:
-        return f"{value:,.0f}"
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def _format_row(row: dict[str, Any]) -> str:
-    return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
-
-
-def _report(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path, prefill: int, text_name: str,
-            notes: list[str]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    base = rows[0]  # the reference cache
-    cols = ["bytes_per_token", "perplexity", "kl", "top1", "greedy_agree",
-            *[k for k in rows[0] if k.startswith("passkey@")]]
-    skipped = f", from window {args.first_window}" if args.first_window else ""
-    lines = [f"{text_name}, {args.windows} windows of {args.window_len} tokens (stride {args.stride}{skipped}): "
-             f"{prefill} prefilled, {args.window_len - prefill} decoded token by token into the cache; "
-             f"perplexity over the decoded targets. Reference cache: the model dtype ({args.dtype}); "
-             f"KL(reference || format) and top-1 agreement per decoded position. Greedy: {args.greedy_prompts} "
-             f"prompts x {args.greedy_tokens} tokens, mean tokens before the first divergence. Passkey: "
-             f"{args.passkey_trials} keys per context length.", "",
-             "| cache | " + " | ".join(cols) + " | ppl vs reference |", "|---" * (len(cols) + 2) + "|"]
-    for r in rows:
-        cells = [_cell(r.get(c)) for c in cols]
-        change = 100 * (r['perplexity'] / base['perplexity'] - 1)
-        lines.append(f"| {r['cache']} | " + " | ".join(cells) + f" | {change:+.2f}% |")
-    for r in rows:
-        if "top1_vs_kvpress_full" in r:
-            lines.append(f"\n{r['cache']}: top-1 agreement with kvpress' full cache {r['top1_vs_kvpress_full']:.3f}")
-        if "hf_full_perplexity" in r:
-            lines.append(f"\n{r['cache']}: HF full-precision cache perplexity {r['hf_full_perplexity']:.3f} "
-                         f"in the same run; top-1 agreement with it {r['top1_vs_hf_full']:.3f}")
-        if "kept_fraction" in r:
-            lines.append(f"\n{r['cache']}: kept fraction {r['kept_fraction']}")
-    lines += [f"\n{note}" for note in notes]
-    text = "\n".join(lines)
-    print(text)
-    (out / "eval.md").write_text(text + "\n")
-    (out / "eval.json").write_text(json.dumps(rows, indent=2))
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        if "bytes_per_token" not in r:  # kvpress rows: same bytes as the reference, fewer tokens
-            continue
-        ax.scatter(r["bytes_per_token"], r["perplexity"], marker="s" if r["cache"].startswith("HF") else "o")
-        ax.annotate(r["cache"].replace("kvserve ", "").replace("HF QuantizedCache", "HF"),
-                    (r["bytes_per_token"], r["perplexity"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("KV bytes per token (all layers, K+V)")
-    ax.set_ylabel(f"perplexity (decoded half), {text_name}")
-    ax.set_title("KV-cache format: quality vs memory")
-    fig.tight_layout()
-    fig.savefig(out / "eval.png", dpi=120)

@@ -171,7 +171,7 @@ def test_per_head_fp8_scales_are_the_calibration_texts_maxima(tiny_llm: Callable
     from kvserve.engine.kv_calibration import calibration_tokens
 
     llm = tiny_llm(kv_cache_dtype="fp8_e4m3", kv_fp8_scales="head", kv_calibration_tokens=100)
-    ids = calibration_tokens(None, TINY.vocab_size, 100, seed=0)
+    ids = calibration_tokens(None, TINY.vocab_size, 100, seed=0, data="calibration")
     dense = tiny_llm()
     dense.generate([ids], SamplingParams(max_tokens=1), use_tqdm=False)
     # The finished prompt's blocks stay cached, in allocation order: blocks 0.. hold tokens 0..
@@ -204,6 +204,8 @@ def test_per_head_fp8_generates_with_prefix_caching_and_preemption(tiny_llm: Cal
 @pytest.mark.parametrize("kwargs, field", [
     ({"kv_fp8_scales": "tensor"}, "kv_fp8_scales"),
     ({"kv_cache_dtype": "fp8_e4m3", "kv_fp8_scales": "head", "kv_calibration_tokens": 0}, "kv_calibration_tokens"),
+    ({"kv_cache_dtype": "fp8_e4m3", "kv_fp8_scales": "head", "kv_calibration_data": "/no/such.txt"},
+     "kv_calibration_data"),
 ])
 def test_bad_fp8_scale_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -66,6 +66,8 @@ def test_a_bad_option_is_a_usage_error_before_any_model_loads(tmp_path: Path, ca
     (["--passkey-lengths", "256,4096"], "--passkey-lengths"),
     (["--hf-bits", "3"], "--hf-bits"),  # quanto quantizes to 2 or 4 bits
     (["--data", "/no/such/text.txt"], "--data"),
+    (["--data", "python-docs,python-docs"], "--data: a text is named twice"),
+    (["--data", "python-docs,calibration", "--kv-fp8-scales", "head"], "--data: calibration text"),
 ])
 def test_options_that_do_not_go_together_are_a_usage_error_before_any_model_loads(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], option: str) -> None:
@@ -87,3 +89,23 @@ def test_a_model_without_a_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
         main(["eval", "--model", "random:tiny", "--max-model-len", "512", "--passkey-lengths", "64",
               "--hf-bits", "", "--out", str(tmp_path)])
     assert "--model: this model has no tokenizer" in str(exit_.value.code)
+
+
+def test_a_text_that_shares_a_passage_with_the_calibration_text_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only where a row is calibrated (wide key channels, per-head fp8 scales): a file quoting 200
+    characters of the calibration text is refused, naming both options; calibrating on that file
+    on another text makes the bundled one a fair evaluation text."""
+    from kvserve.texts import load_text
+
+    quoted = tmp_path / "notes.txt"
+    quoted.write_text("My notes.\n" + load_text("calibration").text[5000:5200] + "\nThe end.\n", encoding="utf-8")
+    code, err = run_eval(tmp_path, capsys, "--data", f"python-docs,{quoted}", "--formats", "kivi2",
+                         "--kv-key-wide-channels", "8")
+    assert code == 2 and "--data: notes.txt shares text with the calibration text" in err
+    assert "--kv-calibration-data" in err
+    code, err = run_eval(tmp_path, capsys, "--data", f"python-docs,{quoted}", "--formats", "kivi2")
+    assert "shares text" not in err  # not calibrated: the run goes on (to the missing model)
+    code, err = run_eval(tmp_path, capsys, "--data", "calibration", "--formats", "kivi2",
+                         "--kv-key-wide-channels", "8", "--kv-calibration-data", "python-docs")
+    assert "shares text" not in err
