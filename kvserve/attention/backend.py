@@ -31,10 +31,14 @@ Pool = KVPool | QuantizedKVPool
 class AttentionBackend(ABC):
     name: ClassVar[str]
     masks_window: ClassVar[bool] = False  # whether `with_window` is implemented
+    caps_logits: ClassVar[bool] = False   # whether `softcap` is implemented
 
-    def __init__(self, pool: Pool, num_heads: int) -> None:
+    def __init__(self, pool: Pool, num_heads: int, softcap: float | None = None) -> None:
+        """`softcap`: each attention logit (after the scale) becomes softcap * tanh(logit /
+        softcap) before the softmax (Gemma 2's `attn_logit_softcapping`); None: uncapped."""
         self.pool = pool
         self.num_heads = num_heads
+        self.softcap = softcap
 
     @classmethod
     @abstractmethod
@@ -75,7 +79,7 @@ class AttentionBackend(ABC):
         (see attention/scores.py). Here recomputed in torch from the pages; a kernel that has
         the weights at hand overrides this."""
         out = self.forward(layer, q, k, v, meta, scale)
-        return out, slot_scores(self.pool.kv[layer], q, plan, scale)
+        return out, slot_scores(self.pool.kv[layer], q, plan, scale, self.softcap)
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ class CPUPagedBackend(AttentionBackend):
     name = "cpu"
     masks_window = True
 
-    def __init__(self, pool: Pool, num_heads: int) -> None:
-        super().__init__(pool, num_heads)
+    def __init__(self, pool: Pool, num_heads: int, softcap: float | None = None) -> None:
+        super().__init__(pool, num_heads, softcap)
         ext = cpu_extension.load()
         assert ext is not None, "CPUPagedBackend needs the compiled kernels (see unsupported())"
         self.ext: ModuleType = ext

@@ -58,7 +58,7 @@ class ScorePlan:
                    int(ctx.max()), first_row)
 
 
-def slot_scores(kv: Any, q: torch.Tensor, plan: ScorePlan, scale: float) -> torch.Tensor:
+def slot_scores(kv: Any, q: torch.Tensor, plan: ScorePlan, scale: float, softcap: float | None = None) -> torch.Tensor:
     """Attention probability each scored sequence's slots receive from its counted queries,
     summed over those queries and averaged over the query heads of each KV head:
     [n, kv_heads, max_slots] fp32 (0 past a sequence's context)."""
@@ -70,5 +70,7 @@ def slot_scores(kv: Any, q: torch.Tensor, plan: ScorePlan, scale: float) -> torc
     group = queries.shape[2] // kv_heads
     queries = queries.view(n, -1, kv_heads, group, dim)
     logits = torch.einsum("nrkgd,nskd->nkgrs", queries, keys) * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     probs = logits.masked_fill(~plan.visible[:, None, None], float("-inf")).softmax(-1)
     return (probs * plan.weight[:, None, None, :, None]).sum(3).mean(2)

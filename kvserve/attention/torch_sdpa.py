@@ -3,7 +3,9 @@
 Queries are padded into a [batch, max_query_len] grid, each sequence's pages are gathered
 through its block table (decoded if compressed) and padded to the longest context of the step,
 and a causal + length mask does the rest (and a sliding layer's window: `with_window`). Simple,
-any device, every KV format: the backend the tests hold the fast ones to.
+any device, every KV format: the backend the tests hold the fast ones to. The one backend that
+caps attention logits (Gemma 2): then the softmax is spelled out, as transformers' eager
+attention does, since SDPA has no cap.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class SDPAMetadata:
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
     masks_window = True
+    caps_logits = True
 
     @classmethod
     def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
@@ -87,7 +90,12 @@ class TorchSDPABackend(AttentionBackend):
         # [B, max_blocks, block_size, kvh, D] -> [B, kvh, keys, D]
         k_all = k_pages.flatten(1, 2).transpose(1, 2).to(q.dtype)
         v_all = v_pages.flatten(1, 2).transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(grid, k_all, v_all, attn_mask=meta.mask, scale=scale)
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(grid, k_all, v_all, attn_mask=meta.mask, scale=scale)
+        else:
+            logits = self.softcap * torch.tanh(grid @ k_all.transpose(-1, -2) * scale / self.softcap)
+            weights = logits.masked_fill(~meta.mask, float("-inf")).float().softmax(-1).to(q.dtype)
+            out = weights @ v_all
         kv.seal(meta.step)
 
         out = out.view(batch, kv_heads, max_q, group, dim).permute(0, 2, 1, 3, 4)

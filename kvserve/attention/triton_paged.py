@@ -46,8 +46,8 @@ class TritonPagedBackend(AttentionBackend):
     name = "triton"
     masks_window = True
 
-    def __init__(self, pool: Pool, num_heads: int) -> None:
-        super().__init__(pool, num_heads)
+    def __init__(self, pool: Pool, num_heads: int, softcap: float | None = None) -> None:
+        super().__init__(pool, num_heads, softcap)
         kernels = _kernels()
         assert kernels is not None, "TritonPagedBackend needs triton (see unsupported())"
         self.kernels = kernels

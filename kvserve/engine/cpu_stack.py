@@ -50,7 +50,7 @@ class CPUDecodeStack:
         nothing here: the kernel reads the model's own cos/sin tables."""
         cfg = model.config
         if cfg.norm_offset or cfg.sandwich_norms or cfg.hidden_act != "silu":
-            return ("Gemma 3's layer (offset and sandwich norms, GeGLU, scaled embeddings): the stack's kernel "
+            return ("Gemma's layer (offset and sandwich norms, GeGLU, scaled embeddings): the stack's kernel "
                     "runs Llama's")
         if cfg.qk_norm:
             return "q/k norms per head (Qwen3): the stack's kernel runs none"

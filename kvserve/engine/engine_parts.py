@@ -116,7 +116,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                           recompute_all=config.cache_mode == "no-cache",
                           swap=swap, prefer_swap=cost.prefer_swap, chunked_prefill=chunked_prefill)
     backend = make_backend(config.attention_backend, pool, pool_cfg.num_heads, device,
-                           windowed=bool(cfg.sliding_layers))
+                           windowed=bool(cfg.sliding_layers), softcap=cfg.attn_logit_softcapping)
     tp = None
     if shard is not None:
         tp = TPGroup.start(config, num_blocks, tp_worker_main)

@@ -40,7 +40,7 @@ def tp_worker_main(config: EngineConfig, rank: int, port: int, num_blocks: int, 
     model = shard_model(loaded.model, shard, group)
     del loaded
     backend = make_backend(config.attention_backend, pool, rank_cfg.num_heads, device,
-                           windowed=bool(rank_cfg.sliding_layers))
+                           windowed=bool(rank_cfg.sliding_layers), softcap=rank_cfg.attn_logit_softcapping)
     runner = ModelRunner(model, pool, device, backend, kernels, None, rotation)
     try:
         while (step := broadcast_object(group, None, rank)) is not None:

@@ -32,6 +32,8 @@ class Family:
     window: Literal["ignored", "always", "switched", "layer_types"]
     # The config key naming the MLP's activation, and the one value the family's MLP computes.
     activation: tuple[str, str] = ("hidden_act", "silu")
+    # window "layer_types", in files without them: every `global_every`-th layer is global.
+    global_every: int = 6
 
 
 LLAMA = Family("LlamaForCausalLM", "llama", qkv_bias=False, qk_norm=False, window="ignored")
@@ -41,10 +43,15 @@ QWEN3 = Family("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True, window
 # Gemma 3's further deltas (offset norms, four per layer, scaled embeddings, GeGLU, its own
 # attention scale and RoPE per layer kind, final logit soft-capping) are read by
 # `ModelConfig.from_hf_dict`. Its `attn_logit_softcapping` is read by nobody: transformers'
-# Gemma3Attention keeps it but never passes it to the attention (Gemma 2's does: refused, unknown).
+# Gemma3Attention keeps it but never passes it to the attention. Gemma 2's does: Gemma 2 is Gemma 3
+# without q/k norms or a local RoPE base, with attention logits soft-capped, every other layer
+# sliding.
 GEMMA3 = Family("Gemma3ForCausalLM", "gemma3_text", qkv_bias=False, qk_norm=True, window="layer_types",
                 activation=("hidden_activation", "gelu_pytorch_tanh"))
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3)
+GEMMA2 = Family("Gemma2ForCausalLM", "gemma2", qkv_bias=False, qk_norm=False, window="layer_types",
+                activation=("hidden_activation", "gelu_pytorch_tanh"), global_every=2)
+GEMMAS = (GEMMA2, GEMMA3)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3)
 # llama.cpp writes Mistral's dense models as `llama`; the names are its `general.architecture`.
 GGUF_FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -90,7 +97,7 @@ def refuse_unimplemented(d: dict, family: Family) -> None:
     if d.get("attention_bias") and not family.qkv_bias:
         raise UnsupportedModel(f"attention_bias: true is not implemented for {family.hf_architecture} "
                                f"(its o_proj bias); Qwen2's q/k/v bias is")
-    if family is GEMMA3 and d.get("use_bidirectional_attention"):
+    if family in GEMMAS and d.get("use_bidirectional_attention"):
         raise UnsupportedModel("use_bidirectional_attention: true (EmbeddingGemma) is not implemented; "
                                "kvserve's attention is causal")
 
@@ -116,7 +123,7 @@ def layer_windows(d: dict, family: Family, max_position: int) -> tuple[int | Non
         sliding = [t == "sliding_attention" for t in types]
     elif family.window == "switched":  # transformers' default: layers from max_window_layers up
         sliding = [i >= d.get("max_window_layers", 28) for i in range(layers)]
-    else:  # Gemma 3 files from before layer_types: every pattern-th layer is global
-        pattern = d.get("sliding_window_pattern", 6)
+    else:  # Gemma files from before layer_types: every pattern-th layer is global
+        pattern = d.get("sliding_window_pattern", family.global_every)
         sliding = [bool((i + 1) % pattern) for i in range(layers)]
     return tuple(window if s and window < max_position else None for s in sliding)

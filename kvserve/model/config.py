@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvserve.model.architectures import (GEMMA3, LLAMA, MISTRAL, QWEN2, QWEN3, Family, hf_family, layer_windows,
+from kvserve.model.architectures import (GEMMA2, GEMMA3, GEMMAS, LLAMA, MISTRAL, QWEN2, QWEN3, Family, hf_family, layer_windows,
                                          refuse_unimplemented)
 from kvserve.model.rope import LinearRopeScaling, RopeScaling, layered_rope_from_hf, rope_from_hf
 
@@ -43,6 +43,7 @@ class ModelConfig:
     scale_embeddings: bool = False        # embeddings times sqrt(hidden_size), rounded to the model dtype
     query_pre_attn_scalar: int | None = None  # attention scale query_pre_attn_scalar ** -0.5; None: head_dim
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None   # Gemma 2: each attention logit capped the same way
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -110,19 +111,27 @@ class ModelConfig:
             out["layer_types"] = ["full_attention" if w is None else "sliding_attention" for w in self.layer_windows]
         if family.window == "switched":
             out["use_sliding_window"] = self.sliding_window is not None
-        if family is GEMMA3:
-            # Gemma3TextModel builds a sliding mask even with no sliding layer: it needs a window.
+        if family in GEMMAS:
+            # Gemma's text models build a sliding mask even with no sliding layer: they need a window.
             out.update(sliding_window=self.sliding_window or self.max_position,
-                       rope_local_base_freq=self.rope_local_theta or self.rope_theta,
                        query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
                        final_logit_softcapping=self.final_logit_softcapping)
+        if family is GEMMA3:
+            out["rope_local_base_freq"] = self.rope_local_theta or self.rope_theta
+        if family is GEMMA2:
+            out["attn_logit_softcapping"] = self.attn_logit_softcapping
         return out
 
     def _hf_family(self) -> Family:
         gemma = (self.norm_offset, self.sandwich_norms, self.scale_embeddings, self.qk_norm,
                  self.hidden_act == "gelu_pytorch_tanh", not self.qkv_bias)
-        if all(gemma):
+        if all(gemma) and self.attn_logit_softcapping is None:
             return GEMMA3
+        if all(gemma[:3] + gemma[4:]) and not self.qk_norm and self.rope_local_theta is None:
+            return GEMMA2
+        if self.attn_logit_softcapping is not None:
+            raise ValueError("ModelConfig: only Gemma 2's class caps attention logits, and it has Gemma's "
+                             "norms, embeddings and GeGLU, no q/k norms and no local RoPE base")
         if any(gemma[:3]) or self.hidden_act != "silu" or self.rope_local_theta is not None \
                 or self.query_pre_attn_scalar is not None or self.final_logit_softcapping is not None:
             raise ValueError("ModelConfig: only Gemma 3's class has offset or sandwich norms, scaled embeddings, "
@@ -144,8 +153,8 @@ class ModelConfig:
         """A config.json of a supported architecture; `UnsupportedModel` names what is not."""
         family = hf_family(d)
         refuse_unimplemented(d, family)
-        gemma = family is GEMMA3
-        if gemma:
+        gemma = family in GEMMAS
+        if family is GEMMA3:
             rope_theta, rope_scaling, local_theta = layered_rope_from_hf(d)
         else:
             (rope_theta, rope_scaling), local_theta = rope_from_hf(d), None
@@ -181,6 +190,7 @@ class ModelConfig:
             scale_embeddings=gemma,
             query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256) if gemma else None,
             final_logit_softcapping=d.get("final_logit_softcapping") if gemma else None,
+            attn_logit_softcapping=d.get("attn_logit_softcapping") if family is GEMMA2 else None,
         )
 
     @classmethod

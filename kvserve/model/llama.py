@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3) whose attention reads the
+"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 2 and 3) whose attention reads the
 paged pool; each family's deltas are options of its `ModelConfig` (model/architectures.py)."""
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ import gguf
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          MistralConfig, PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                          Phi3ForCausalLM, PreTrainedConfig, PreTrainedModel, Qwen2Config, Qwen3Config)
 
 from kvserve import LLM, RequestOutput, SamplingParams
 from kvserve.kernels import cpu_extension
@@ -176,11 +176,10 @@ def test_options_gemma3_has_and_kvserve_does_not_compute_are_refused(tmp_path: P
 
 
 def test_an_unsupported_architecture_is_refused_naming_it(tmp_path: Path) -> None:
-    # Gemma 2 soft-caps attention logits, which kvserve's attention does not.
-    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=1, head_dim=16)
-    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
-    assert "architectures: 'Gemma2ForCausalLM' is not supported" in refused(tmp_path)
+    config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    assert "architectures: 'Phi3ForCausalLM' is not supported" in refused(tmp_path)
 
 
 def test_a_gemma3_model_config_writes_a_directory_transformers_reads(tmp_path: Path) -> None:

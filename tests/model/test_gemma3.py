@@ -1,4 +1,4 @@
-"""Gemma 3 text and the sliding-window layers of Mistral and Qwen2, written by HF transformers' own
+"""Gemma 3 text, Gemma 2 and the sliding-window layers of Mistral and Qwen2, written by HF transformers' own
 config classes and `save_pretrained`, give transformers' logits in kvserve (fp32, within 1e-4) over
 a prompt five times the window and 32 greedy tokens, through chunked prefill and prefix-cache hits.
 The window masks attention only ("hybrid off"): every layer keeps its whole KV."""
@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, MistralConfig, PreTrainedConfig, PreTrainedModel, Qwen2Config
+from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, PreTrainedConfig, PreTrainedModel, Qwen2Config
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention.torch_sdpa import TorchSDPABackend
 from kvserve.cache.kv_pool import KVPool
 from kvserve.engine.cpu_stack import CPUDecodeStack
 from kvserve.kernels import cpu_extension
+from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
 from tests.model.test_architectures import CPU, assert_logprobs_equal_hf, edit_config, hf_logprobs, save_tiny
 from tests.model.test_loader import logits
@@ -32,8 +33,13 @@ GEMMA = {**SHAPE, "num_hidden_layers": 4, "num_key_value_heads": 1, "head_dim": 
          "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
          "query_pre_attn_scalar": 24, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
          "final_logit_softcapping": 30.0}
+# Gemma 2: no q/k norms, one RoPE base, attention logits capped (at 5, well inside these logits'
+# range, so the cap is exercised), every other layer sliding (its default layer_types).
+GEMMA2 = {**SHAPE, "num_hidden_layers": 4, "num_key_value_heads": 1, "head_dim": 32, "sliding_window": WINDOW,
+          "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 30.0}
 FAMILIES: dict[str, Callable[[], PreTrainedConfig]] = {
     "gemma3": lambda: Gemma3TextConfig(**GEMMA),
+    "gemma2": lambda: Gemma2Config(**GEMMA2),
     "mistral": lambda: MistralConfig(**SHAPE, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW),
     # The window from max_window_layers up: layer 0 full, layer 1 sliding.
     "qwen2": lambda: Qwen2Config(**SHAPE, num_hidden_layers=2, num_key_value_heads=2, use_sliding_window=True,
@@ -57,6 +63,10 @@ def test_the_configs_read_as_transformers_reads_them(tiny_models: dict) -> None:
     assert gemma.norm_offset and gemma.sandwich_norms and gemma.scale_embeddings and gemma.qk_norm
     assert (gemma.num_kv_heads, gemma.head_dim, gemma.query_pre_attn_scalar) == (1, 32, 24)
     assert gemma.tie_word_embeddings and gemma.final_logit_softcapping == 30.0
+    gemma2 = load_model(tiny_models["gemma2"][0], torch.float32, CPU).config
+    assert gemma2.layer_windows == (WINDOW, None, WINDOW, None) and gemma2.attn_logit_softcapping == 5.0
+    assert gemma2.norm_offset and gemma2.sandwich_norms and not gemma2.qk_norm and gemma2.rope_local_theta is None
+    assert ModelConfig.from_hf_dict(gemma2.to_hf_dict()) == gemma2
     assert load_model(tiny_models["mistral"][0], torch.float32, CPU).config.layer_windows == (WINDOW, WINDOW)
     assert load_model(tiny_models["qwen2"][0], torch.float32, CPU).config.layer_windows == (None, WINDOW)
 
@@ -117,8 +127,30 @@ def test_each_gemma_delta_changes_the_logits(tiny_models: dict, tmp_path: Path) 
         assert (got - want).abs().max().item() > 1e-2, name
 
 
+def test_gemma2s_attention_cap_changes_the_logits(tiny_models: dict, tmp_path: Path) -> None:
+    path, hf = tiny_models["gemma2"]
+    shutil.copytree(path, tmp_path / "uncapped")
+    edit_config(tmp_path / "uncapped", attn_logit_softcapping=None)
+    uncapped = load_model(tmp_path / "uncapped", torch.float32, CPU)
+    assert uncapped.config.attn_logit_softcapping is None
+    got = torch.log_softmax(logits(uncapped.model, uncapped.config, PROMPT), dim=-1)
+    assert (got - hf_logprobs(hf, PROMPT)).abs().max().item() > 1e-2
+
+
+def test_only_the_torch_backend_caps_attention_logits(tiny_models: dict) -> None:
+    """auto picks torch for Gemma 2 (saying why), and a backend without the cap is refused naming
+    the option."""
+    path, _ = tiny_models["gemma2"]
+    llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_memory="4MiB", max_model_len=256)
+    assert llm.engine.runner.backend.name == "torch" and llm.engine.runner.backend.softcap == 5.0
+    if kernels is not None:
+        with pytest.raises(ValueError, match="attention_backend: 'cpu' cannot serve .* caps its attention logits"):
+            LLM(model=str(path), dtype="float32", device="cpu", attention_backend="cpu", kv_cache_memory="4MiB",
+                max_model_len=256)
+
+
 def test_the_fused_cpu_stack_declines_gemma3_and_windows(tiny_models: dict) -> None:
-    for family, reason in (("gemma3", "Gemma 3's layer"), ("mistral", "sliding-window layers (window 8)")):
+    for family, reason in (("gemma3", "Gemma's layer"), ("mistral", "sliding-window layers (window 8)")):
         loaded = load_model(tiny_models[family][0], torch.float32, CPU)
         cfg = loaded.config
         backend = TorchSDPABackend(KVPool(cfg.num_layers, 1, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32,

@@ -19,7 +19,7 @@ from tests.model.test_architectures import CPU, assert_logprobs_equal_hf, save_t
 from tests.model.test_gemma3 import FAMILIES, OTHER, PROMPT
 
 # Why the fused decoder stack runs neither (engine/cpu_stack.py), as the runner logs it.
-STACK_DECLINES = {"gemma3": "Gemma 3's layer", "mistral": "sliding-window layers (window 8)"}
+STACK_DECLINES = {"gemma3": "Gemma's layer", "mistral": "sliding-window layers (window 8)"}
 
 
 @pytest.fixture(scope="module")
