@@ -12,6 +12,7 @@ import torch
 from kvserve.arg_types import at_least, folder
 from kvserve.bench.format_lists import attention_formats, kv_formats_defaults
 from kvserve.bench.metrics import format_table, ratio, same_budget_table
+from kvserve.bench.serving import add_load_args
 from kvserve.config import DTYPES
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
 from kvserve.texts import DATA_HELP
@@ -58,8 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(mem)
     mem.set_defaults(func=run, max_model_len=2048, max_num_seqs=8)
 
-    sv = kinds.add_parser("serve", help="concurrent streaming load on `kvserve serve` vs offline generate")
+    sv = kinds.add_parser("serve", help="streaming load on `kvserve serve` (TTFT, TPOT, ITL, goodput) vs offline "
+                                        "generate")
     _workload_args(sv, num_requests=200, prompt_median=128, output_median=64)
+    add_load_args(sv)
     add_engine_args(sv)
     sv.set_defaults(func=run, max_model_len=2048)
 
@@ -391,7 +394,8 @@ def run_serve(args: argparse.Namespace, out: Path) -> None:
     machine they would share the cores. The load client is this process; the server is another."""
     import time
 
-    from kvserve.bench.serve_load import ServerProcess, run_concurrent_streams
+    from kvserve.bench.serve_load import ServerProcess
+    from kvserve.bench.serving import format_summary, run_load, summarize
 
     llm = llm_from_args(args, "paged")
     requests, prompts, params, text_name = _workload(args, llm.tokenizer, max_prompt_len=512, max_output_len=256)
@@ -408,25 +412,23 @@ def run_serve(args: argparse.Namespace, out: Path) -> None:
                    *(["--model", args.model] if args.model else [])]
     server = ServerProcess(*engine_args)
     try:
-        run_concurrent_streams(server.url, requests[:4])  # warm-up
-        results, wall = run_concurrent_streams(server.url, requests)
+        run_load(server.url, requests[:4])  # warm-up, excluded
+        records, wall = run_load(server.url, requests, args.request_rate, args.burstiness, args.max_concurrency,
+                                 args.seed)
         state = server.kv_state()
     finally:
         server.stop()
-    errors = [r["error"] for r in results if r["error"]]
-    tokens = sum(r.get("tokens", 0) for r in results if not r["error"])
+    summary = summarize(records, wall, args.goodput)
+    errors = [r.error for r in records if r.error]
     leaked = sum(c in "US" for c in state["states"])
-    ttft = sorted(r["ttft"] for r in results if not r["error"])
-    lines = [f"{len(requests)} concurrent streaming completions ({text_name} prompts, median "
-             f"{args.prompt_len_median} tokens; lognormal outputs, median {args.output_len_median}, "
-             f"ignore_eos), dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, torch threads "
-             f"{torch.get_num_threads()}", "",
-             "| run | wall s | output tok/s | errors |", "|---|---|---|---|",
-             f"| kvserve serve, {len(requests)} streams over HTTP | {wall:.1f} | {tokens / wall:.1f} | {len(errors)} |",
-             f"| offline LLM.generate | {offline_wall:.1f} | {offline_tokens / offline_wall:.1f} | - |", "",
-             f"server / offline throughput: {(tokens / wall) / (offline_tokens / offline_wall):.3f}x; "
-             f"TTFT p50 {ttft[len(ttft) // 2]:.2f} s over HTTP; KV blocks in use afterwards: {leaked}; "
-             f"running/waiting afterwards: {state['running']}/{state['waiting']}"]
+    lines = [f"{len(requests)} streaming completions ({text_name} prompts, median {args.prompt_len_median} tokens; "
+             f"lognormal outputs, median {args.output_len_median}, ignore_eos) at request rate {args.request_rate} "
+             f"(burstiness {args.burstiness}), max concurrency {args.max_concurrency}, seed {args.seed}; dtype "
+             f"{args.dtype}, max_num_seqs {args.max_num_seqs}, torch threads {torch.get_num_threads()}", "",
+             *format_summary("kvserve serve", summary), "",
+             f"offline LLM.generate, all at once: {offline_wall:.1f} s, {offline_tokens / offline_wall:.1f} output "
+             f"tok/s; server / offline: {summary.output_tok_s / (offline_tokens / offline_wall):.3f}x. KV blocks in "
+             f"use afterwards: {leaked}; running/waiting afterwards: {state['running']}/{state['waiting']}"]
     if errors:
         lines.append(f"first errors: {errors[:3]}")
     text = "\n".join(lines)

@@ -1,0 +1,91 @@
+"""Serving metrics with vLLM's definitions, against streams timed by hand; the send schedule's
+shape; and the client against a real `kvserve serve`."""
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvserve.bench.serve_load import ServerProcess
+from kvserve.bench.serving import StreamRecord, parse_goodput, run_load, send_times, summarize
+from kvserve.bench.workload import WorkloadRequest
+
+# A: sent at 0, tokens at 0.1, 0.3, 0.6 s: TTFT 100 ms, E2EL 600, TPOT (600 - 100) / 2 = 250, ITL 200, 300.
+# B: sent at 1.0, one token at 1.05: TTFT 50, E2EL 50, no TPOT, no ITL. C: failed.
+RECORDS = [StreamRecord(0.0, (0.1, 0.3, 0.6), prompt_tokens=10, output_tokens=3),
+           StreamRecord(1.0, (1.05,), prompt_tokens=20, output_tokens=1),
+           StreamRecord(1.5, (), prompt_tokens=30, output_tokens=0, error="HTTP 500")]
+
+
+def test_the_metrics_follow_vllms_definitions() -> None:
+    s = summarize(RECORDS, duration_s=2.0)
+    assert (s.completed, s.failed) == (2, 1)
+    assert s.request_throughput == 1.0 and s.output_tok_s == 2.0 and s.total_tok_s == (4 + 30) / 2
+    assert s.ms["ttft"]["mean"] == pytest.approx(75) and s.ms["ttft"]["p50"] == pytest.approx(75)
+    assert s.ms["ttft"]["p99"] == pytest.approx(50 + 0.99 * 50)  # linear interpolation between 50 and 100
+    assert s.ms["tpot"]["p50"] == pytest.approx(250) and s.ms["e2el"]["p90"] == pytest.approx(50 + 0.9 * 550)
+    assert s.ms["itl"]["mean"] == pytest.approx(250) and s.ms["itl"]["p50"] == pytest.approx(250)
+    assert s.goodput is None
+
+
+@pytest.mark.parametrize(("slos", "goodput"), [
+    ({"ttft": 80}, 0.5),                  # B alone is first within 80 ms
+    ({"ttft": 200, "tpot": 260}, 1.0),    # both; B has no TPOT to miss
+    ({"ttft": 200, "tpot": 240}, 0.5),    # A's 250 ms per token misses
+    ({"e2el": 600}, 1.0), ({"e2el": 599}, 0.5),
+])
+def test_goodput_counts_completed_requests_meeting_every_slo(slos: dict, goodput: float) -> None:
+    assert summarize(RECORDS, duration_s=2.0, slos=slos).goodput == pytest.approx(goodput)
+
+
+def test_goodput_slos_are_read_as_vllm_writes_them() -> None:
+    assert parse_goodput("ttft:500 tpot:50.5") == {"ttft": 500.0, "tpot": 50.5}
+    for bad in ("itl:5", "ttft", "ttft:fast", "tpot:0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_goodput(bad)
+
+
+@pytest.mark.parametrize(("burstiness", "cv"), [(1.0, 1.0), (4.0, 0.5), (0.25, 2.0)])
+def test_send_times_have_the_rate_and_the_burstiness_asked(burstiness: float, cv: float) -> None:
+    """Gamma gaps of shape k: mean 1 / rate, coefficient of variation 1 / sqrt(k); seeded."""
+    sends = send_times(20_000, request_rate=8.0, burstiness=burstiness, seed=3)
+    gaps = np.diff(sends)
+    assert sends[0] == 0.0 and sends == send_times(20_000, 8.0, burstiness, seed=3)
+    assert gaps.mean() == pytest.approx(1 / 8, rel=0.05) and gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.05)
+    assert send_times(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    srv = ServerProcess("--kv-cache-memory", "64MiB", "--max-model-len", "256")
+    yield srv
+    srv.stop()
+
+
+def test_the_client_times_every_token_of_a_real_server(server: ServerProcess) -> None:
+    """Six requests, at most two in flight: every one completes with one chunk per token (kvserve
+    streams each token), and the third waits for a free slot, so it is sent later."""
+    requests = [WorkloadRequest(list(range(5 + i, 25 + i)), 8) for i in range(6)]
+    records, duration = run_load(server.url, requests, max_concurrency=2)
+    assert all(r.error is None and r.output_tokens == 8 and len(r.chunk_times) == 8 for r in records)
+    assert all(0 < r.ttft <= r.e2el <= duration for r in records)
+    assert min(r.sent for r in records[2:]) > max(r.sent for r in records[:2])
+    s = summarize(records, duration, {"ttft": 60_000})
+    assert s.completed == 6 and s.goodput == pytest.approx(6 / duration)
+
+
+
+def test_the_load_options_are_read_as_vllm_names_them() -> None:
+    from kvserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--request-rate", "inf", "--burstiness", "0.5",
+                                      "--max-concurrency", "4", "--goodput", "ttft:500 tpot:50"])
+    assert (args.request_rate, args.burstiness, args.max_concurrency) == (math.inf, 0.5, 4)
+    assert args.goodput == {"ttft": 500.0, "tpot": 50.0}
+    assert build_parser().parse_args(["bench", "serve", "--request-rate", "2.5"]).request_rate == 2.5
+    for flags in (["--request-rate", "0"], ["--burstiness", "-1"], ["--max-concurrency", "0"], ["--goodput", "x:1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "serve", *flags])
