@@ -13,6 +13,7 @@ from kvserve.arg_types import at_least, folder
 from kvserve.bench.format_lists import attention_formats, kv_formats_defaults
 from kvserve.bench.metrics import format_table, ratio, same_budget_table
 from kvserve.bench.serving import add_load_args
+from kvserve.bench.serving_workloads import WORKLOADS
 from kvserve.config import DTYPES
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
 from kvserve.texts import DATA_HELP
@@ -63,6 +64,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                         "generate")
     _workload_args(sv, num_requests=200, prompt_median=128, output_median=64)
     add_load_args(sv)
+    sv.add_argument("--workload", choices=WORKLOADS, default="random",
+                    help="random (lognormal lengths, --num-requests and the medians), shared-prefix, multi-turn or "
+                         "long-context (their shapes: bench/serving_workloads.py; the report prints them)")
     add_engine_args(sv)
     sv.set_defaults(func=run, max_model_len=2048)
 
@@ -390,50 +394,8 @@ def run_memory(args: argparse.Namespace, out: Path) -> None:
 
 
 def run_serve(args: argparse.Namespace, out: Path) -> None:
-    """The server and the offline engine run one after the other, never side by side: on a small
-    machine they would share the cores. The load client is this process; the server is another."""
-    import time
-
-    from kvserve.bench.serve_load import ServerProcess
-    from kvserve.bench.serving import format_summary, run_load, summarize
-
-    llm = llm_from_args(args, "paged")
-    requests, prompts, params, text_name = _workload(args, llm.tokenizer, max_prompt_len=512, max_output_len=256)
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up, as the server's first requests
-    t0 = time.perf_counter()
-    offline = llm.generate(prompts, params)
-    offline_wall = time.perf_counter() - t0
-    offline_tokens = sum(len(o.token_ids) for o in offline)
-    del llm, offline
-
-    engine_args = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(args.kv_cache_memory),
-                   "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
-                   "--max-model-len", str(args.max_model_len), "--max-waiting", str(len(requests) + 1),
-                   *(["--model", args.model] if args.model else [])]
-    server = ServerProcess(*engine_args)
-    try:
-        run_load(server.url, requests[:4])  # warm-up, excluded
-        records, wall = run_load(server.url, requests, args.request_rate, args.burstiness, args.max_concurrency,
-                                 args.seed)
-        state = server.kv_state()
-    finally:
-        server.stop()
-    summary = summarize(records, wall, args.goodput)
-    errors = [r.error for r in records if r.error]
-    leaked = sum(c in "US" for c in state["states"])
-    lines = [f"{len(requests)} streaming completions ({text_name} prompts, median {args.prompt_len_median} tokens; "
-             f"lognormal outputs, median {args.output_len_median}, ignore_eos) at request rate {args.request_rate} "
-             f"(burstiness {args.burstiness}), max concurrency {args.max_concurrency}, seed {args.seed}; dtype "
-             f"{args.dtype}, max_num_seqs {args.max_num_seqs}, torch threads {torch.get_num_threads()}", "",
-             *format_summary("kvserve serve", summary), "",
-             f"offline LLM.generate, all at once: {offline_wall:.1f} s, {offline_tokens / offline_wall:.1f} output "
-             f"tok/s; server / offline: {summary.output_tok_s / (offline_tokens / offline_wall):.3f}x. KV blocks in "
-             f"use afterwards: {leaked}; running/waiting afterwards: {state['running']}/{state['waiting']}"]
-    if errors:
-        lines.append(f"first errors: {errors[:3]}")
-    text = "\n".join(lines)
-    print(text)
-    (out / "serve_load.md").write_text(text + "\n")
+    from kvserve.bench.serve_load import run_serve_bench
+    run_serve_bench(args, llm_from_args(args, "paged"), out)
 
 
 def run_soak_bench(args: argparse.Namespace, out: Path) -> None:

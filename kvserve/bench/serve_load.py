@@ -1,15 +1,27 @@
-"""`kvserve serve` in another process, for load benchmarks (bench/serving.py) and tests."""
+"""`kvserve serve` in another process, for tests and `kvserve bench serve`: a workload's sessions
+(bench/serving_workloads.py) sent by the client of bench/serving.py, and the same requests through
+offline `LLM.generate` for the server's overhead. The server and the offline engine run one after
+the other, never side by side: on a small machine they would share the cores."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
+from kvserve.bench.serving import format_summary, run_load, summarize
+from kvserve.bench.serving_workloads import Shape, make_sessions
+from kvserve.bench.workload import load_text_ids
+from kvserve.engine.llm import LLM
 from kvserve.net import free_loopback_port
+from kvserve.sampling_params import SamplingParams
 
 
 class ServerProcess:
@@ -44,3 +56,52 @@ class ServerProcess:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def run_serve_bench(args: argparse.Namespace, llm: LLM, out: Path) -> None:
+    text_name, ids = load_text_ids(llm.tokenizer, args.data)
+    shape = Shape()
+    sessions = make_sessions(args.workload, ids, args.seed, shape, args.num_requests, args.prompt_len_median,
+                             args.output_len_median)
+    requests = [r for session in sessions for r in session]
+    prompts = [r.prompt_token_ids for r in requests]
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up, as the server's first requests
+    t0 = time.perf_counter()
+    offline_tokens = sum(len(o.token_ids) for o in llm.generate(prompts, params))
+    offline_tok_s = offline_tokens / (time.perf_counter() - t0)
+    del llm
+
+    engine_args = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(args.kv_cache_memory),
+                   "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+                   "--max-model-len", str(args.max_model_len), "--max-waiting", str(len(requests) + 1),
+                   *(["--model", args.model] if args.model else []),
+                   *([] if args.enable_prefix_caching else ["--no-enable-prefix-caching"])]
+    server = ServerProcess(*engine_args)
+    try:
+        # Warm-up on other slices of the text, excluded: a cold prefix cache for the measured run.
+        run_load(server.url, make_sessions("random", ids, args.seed + 1, shape, 4, 32, 8))
+        records, wall = run_load(server.url, sessions, args.request_rate, args.burstiness, args.max_concurrency,
+                                 args.seed)
+        state = server.kv_state()
+    finally:
+        server.stop()
+    summary = summarize(records, wall, args.goodput)
+    errors = [r.error for r in records if r.error]
+    leaked = sum(c in "US" for c in state["states"])
+    what = (f"lognormal prompts (median {args.prompt_len_median}) and outputs (median {args.output_len_median})"
+            if args.workload == "random" else f"shape {dataclasses.asdict(shape)}")
+    lines = [f"workload {args.workload}: {len(sessions)} sessions, {len(requests)} streaming completions of "
+             f"{text_name} slices, {what}, ignore_eos; request rate {args.request_rate} (burstiness "
+             f"{args.burstiness}), max concurrency {args.max_concurrency}, seed {args.seed}; dtype {args.dtype}, "
+             f"max_num_seqs {args.max_num_seqs}, prefix caching {args.enable_prefix_caching}, torch threads "
+             f"{torch.get_num_threads()}", "",
+             *format_summary("kvserve serve", summary), "",
+             f"offline LLM.generate, all at once: {offline_tok_s:.1f} output tok/s; server / offline: "
+             f"{summary.output_tok_s / offline_tok_s:.3f}x. KV blocks in use afterwards: {leaked}; "
+             f"running/waiting afterwards: {state['running']}/{state['waiting']}"]
+    if errors:
+        lines.append(f"first errors: {errors[:3]}")
+    text = "\n".join(lines)
+    print(text)
+    (out / "serve_load.md").write_text(text + "\n")

@@ -158,28 +158,32 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str | None, reques
     return StreamRecord(sent, tuple(times), len(request.prompt_token_ids), tokens, error)
 
 
-async def _load(url: str, model: str | None, requests: list[WorkloadRequest], sends: list[float],
+async def _load(url: str, model: str | None, sessions: list[list[WorkloadRequest]], sends: list[float],
                 max_concurrency: int | None) -> tuple[list[StreamRecord], float]:
-    gate = asyncio.Semaphore(max_concurrency or len(requests))
-    limits = httpx.Limits(max_connections=(max_concurrency or len(requests)) + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+    most = max_concurrency or sum(map(len, sessions))
+    gate = asyncio.Semaphore(most)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=httpx.Limits(max_connections=most + 8)) as client:
         start = time.perf_counter()
 
-        async def one(request: WorkloadRequest, at: float) -> StreamRecord:
+        async def one(session: list[WorkloadRequest], at: float) -> list[StreamRecord]:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            async with gate:
-                return await _stream(client, url, model, request)
-        records = await asyncio.gather(*(one(r, at) for r, at in zip(requests, sends)))
-        return list(records), time.perf_counter() - start
+            records = []
+            for request in session:  # a chat's next turn waits for the answer to the last
+                async with gate:
+                    records.append(await _stream(client, url, model, request))
+            return records
+        done = await asyncio.gather(*(one(s, at) for s, at in zip(sessions, sends)))
+        return [r for records in done for r in records], time.perf_counter() - start
 
 
-def run_load(url: str, requests: list[WorkloadRequest], request_rate: float = math.inf, burstiness: float = 1.0,
-             max_concurrency: int | None = None, seed: int = 0, model: str | None = None
-             ) -> tuple[list[StreamRecord], float]:
-    """Sends `requests` in order at `send_times`, at most `max_concurrency` in flight; returns each
-    request's record and the run's duration."""
-    sends = send_times(len(requests), request_rate, burstiness, seed)
-    return asyncio.run(_load(url, model, requests, sends, max_concurrency))
+def run_load(url: str, sessions: list[list[WorkloadRequest]], request_rate: float = math.inf,
+             burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
+             model: str | None = None) -> tuple[list[StreamRecord], float]:
+    """Starts each session at `send_times` (the rate counts sessions: a single-request session
+    per request, or a chat), its requests one after another, at most `max_concurrency` requests in
+    flight; returns every request's record, session by session, and the run's duration."""
+    sends = send_times(len(sessions), request_rate, burstiness, seed)
+    return asyncio.run(_load(url, model, sessions, sends, max_concurrency))
 
 
 def _rate(text: str) -> float:

@@ -69,7 +69,7 @@ def test_the_client_times_every_token_of_a_real_server(server: ServerProcess) ->
     """Six requests, at most two in flight: every one completes with one chunk per token (kvserve
     streams each token), and the third waits for a free slot, so it is sent later."""
     requests = [WorkloadRequest(list(range(5 + i, 25 + i)), 8) for i in range(6)]
-    records, duration = run_load(server.url, requests, max_concurrency=2)
+    records, duration = run_load(server.url, [[r] for r in requests], max_concurrency=2)
     assert all(r.error is None and r.output_tokens == 8 and len(r.chunk_times) == 8 for r in records)
     assert all(0 < r.ttft <= r.e2el <= duration for r in records)
     assert min(r.sent for r in records[2:]) > max(r.sent for r in records[:2])
