@@ -1,4 +1,4 @@
-"""Gemma 3 270M through the hybrid KV cache (issue 41): `python benchmarks/gemma3_hybrid.py [memory|speed|all]`.
+"""Gemma 3 270M through the hybrid KV cache (issue 41): `python benchmarks/gemma3_hybrid.py [memory|speed|llama|all]`.
 
 memory (nothing timed): with bf16 pages, for each `--lengths` context (default 8k and 32k),
 - KV bytes per token, hybrid (15 sliding layers give back what their 512-token window has passed)
@@ -17,8 +17,11 @@ speed (timed, peers in the same run taking turns, `--rounds`): one stream's mean
 kvserve (bf16 weights dequantized from the Q4_K_M GGUF, hybrid on and off) against HF transformers
 on the same dequantized weights (kvserve's conversion of the GGUF; `DynamicCache`, which keeps
 only the window in sliding layers too), fp32 and bf16, each in a process of its own with OpenMP's
-default spin (bench/hf_process.py). The ratio is against HF's faster dtype here. llama.cpp is
-reported absent when `llama_cpp` is not installed (it is not installed by this script).
+default spin (bench/hf_process.py), and llama.cpp (llama-cpp-python) on the same weights as a bf16
+GGUF (`bench/llama_cpp.py bf16_gguf`: the Q4_K_M GGUF requantized to bf16) and on the Q4_K_M GGUF
+itself (a reference row: it reads ~3x fewer weight bytes). The ratios are against HF's faster dtype
+and llama.cpp bf16. llama.cpp is reported absent when `llama_cpp` is not installed (this script
+does not install it). `llama`: the same with HF left out (`--skip-hf`).
 
 Results go to stdout and `--out` (markdown).
 """
@@ -79,6 +82,28 @@ def source_state() -> str:
             digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return (f"commit {head.strip()}{', with uncommitted changes under kvserve/' if dirty else ''}; "
             f"sources sha256 {digest.hexdigest()[:12]}")
+
+
+def llama_cpp_model(path: Path, n_ctx: int, threads: int) -> object:
+    """llama-cpp-python on `path` with llama.cpp's window-sized SWA cache (`swa_full=False`; the
+    library's default keeps a full-size one). A quantized GGUF loads without the extra buffer types
+    (`use_extra_bufts=False`): with them, llama-cpp-python 0.3.36 built here repacks the Q4_K_M
+    file's q8_0/q4_K/q6_K tensors for AMX and segfaults in its first `llama_decode`."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as low  # the module Llama() reads its default model parameters from
+
+    default = low.llama_model_default_params
+    if "bf16" not in path.name:
+        def no_extra_bufts() -> object:
+            params = default()
+            params.use_extra_bufts = False
+            return params
+        low.llama_model_default_params = no_extra_bufts
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                               n_batch=512, swa_full=False, verbose=False)
+    finally:
+        low.llama_model_default_params = default
 
 
 def engine(hybrid: bool, budget: int, **kwargs: object) -> LLM:
@@ -215,7 +240,9 @@ def memory(args: argparse.Namespace) -> list[str]:
 
 def speed(args: argparse.Namespace) -> list[str]:
     from kvserve.bench.hf_process import HFProcess
+    from kvserve.bench.llama_cpp import llama_cpp_step_times
     from kvserve.bench.scaling import mean_decode_s, time_per_token
+    from kvserve.measure.roofline import decode_step_bytes, measure_machine
 
     source = str(named_model_path(MODEL))
     threads = torch.get_num_threads()
@@ -224,30 +251,53 @@ def speed(args: argparse.Namespace) -> list[str]:
         name = f"kvserve bf16, hybrid {'on' if hybrid else 'off'}"
         llms[name] = LLM(model=MODEL, dtype="bfloat16", device="cpu", kv_cache_memory="256MiB",
                          max_model_len=max(args.prompt_lens) + args.num_tokens + 16, disable_hybrid_kv_cache=not hybrid)
-    hfs = {f"HF transformers {dtype} (own process)": HFProcess(source, getattr(torch, dtype), threads)
-           for dtype in ("float32", "bfloat16")}
+    hfs = {} if args.skip_hf else {f"HF transformers {dtype} (own process)": HFProcess(source, getattr(torch, dtype),
+                                                                                     threads)
+                                    for dtype in ("float32", "bfloat16")}
     kernels = cpu_extension.load()
     lines = [f"## speed: one stream, {args.num_tokens} greedy tokens, {args.rounds} rounds taking turns, "
              f"{threads} torch threads; kvserve CPU kernels {'loaded' if kernels is not None else 'NOT loaded'}; "
              f"attention backend {next(iter(llms.values())).engine.attention_backend.name}", ""]
-    lines.append("llama.cpp: " + ("installed" if importlib.util.find_spec("llama_cpp") else
-                                  "not installed (no `llama_cpp` module): no llama.cpp row"))
+    lcs, n_ctx = {}, max(args.prompt_lens) + args.num_tokens + 16
+    if args.skip_llama_cpp:
+        lines.append("llama.cpp: left out (--skip-llama-cpp)")
+    elif importlib.util.find_spec("llama_cpp") is None:
+        lines.append("llama.cpp: not installed (no `llama_cpp` module): no llama.cpp row")
+    else:
+        from importlib.metadata import version
+
+        from kvserve.bench.llama_cpp import bf16_gguf
+
+        for label, path in (("bf16 GGUF", bf16_gguf(Path(source))), ("Q4_K_M GGUF, reference", Path(source))):
+            lcs[f"llama.cpp {label}"] = llama_cpp_model(path, n_ctx, threads)
+            lines.append(f"llama.cpp {label}: llama-cpp-python {version('llama_cpp_python')}, {path.name} "
+                         f"({path.stat().st_size / MiB:,.0f} MiB), n_threads {threads}, n_batch 512, swa_full False"
+                         + ("" if "bf16" in path.name else ", use_extra_bufts False (see llama_cpp_model)"))
     lines.append("")
     for prompt_len in args.prompt_lens:
         prompt = filler_prompt(next(iter(llms.values())), prompt_len)
         timers = {name: (lambda llm=llm: time_per_token(llm, prompt, args.num_tokens, name))
                   for name, llm in llms.items()}
         timers |= {name: (lambda hf=hf: hf.step_times(prompt, args.num_tokens)) for name, hf in hfs.items()}
+        timers |= {name: (lambda lc=lc: llama_cpp_step_times(lc, prompt, args.num_tokens, progress=False))
+                   for name, lc in lcs.items()}
         for name in llms:  # warm-up: kernels, caches, the first prefill
             time_per_token(llms[name], prompt, 4, "warm-up")
         for hf in hfs.values():
             hf.step_times(prompt, 4)
+        for lc in lcs.values():
+            llama_cpp_step_times(lc, prompt, 4, progress=False)
         rounds = []
         for r in range(args.rounds):
             rounds.append({name: mean_decode_s(timer()) for name, timer in timers.items()})
             print(f"prompt {prompt_len}, round {r + 1}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in
                                                                        rounds[-1].items()), flush=True)
         ours = "kvserve bf16, hybrid on"
+        bandwidth = measure_machine(torch.bfloat16).read_gb_s
+        cfg = llms[ours].engine.model_config
+        context = prompt_len + args.num_tokens // 2  # the mean context of a timed step; sliding layers read their window
+        kv_read = sum(min(context, w or context) for w in cfg.layer_windows) * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+        step_bytes = decode_step_bytes(cfg, torch.bfloat16, 0, 0) + kv_read
         lines += [f"Prompt {prompt_len:,} tokens, then {args.num_tokens} decode steps (the first token, with the "
                   f"prefill, left out):", "", "| series | decode ms/token (median of rounds) | tok/s | each round, ms "
                   "| kvserve hybrid on / this, tok/s (median of rounds' ratios) |", "|---|---|---|---|---|"]
@@ -256,9 +306,19 @@ def speed(args: argparse.Namespace) -> list[str]:
             ratio = statistics.median(r[name] / r[ours] for r in rounds)
             lines.append(f"| {name} | {med * 1e3:.2f} | {1 / med:.1f} | "
                          f"{', '.join(f'{r[name] * 1e3:.1f}' for r in rounds)} | {ratio:.2f}x |")
-        best = min(hfs, key=lambda n: statistics.median(r[n] for r in rounds))
-        ratio = statistics.median(r[best] / r[ours] for r in rounds)
-        lines += ["", f"HF's faster dtype here: {best}; kvserve (bf16, hybrid on) / it: **{ratio:.2f}x** tokens/s", ""]
+        lines.append("")
+        if hfs:
+            best = min(hfs, key=lambda n: statistics.median(r[n] for r in rounds))
+            ratio = statistics.median(r[best] / r[ours] for r in rounds)
+            lines.append(f"HF's faster dtype here: {best}; kvserve (bf16, hybrid on) / it: **{ratio:.2f}x** tokens/s")
+        for name in lcs:
+            ratio = statistics.median(r[name] / r[ours] for r in rounds)
+            lines.append(f"kvserve (bf16, hybrid on) / {name}: **{ratio:.2f}x** tokens/s"
+                         + (" (target >= 1.0x: " + ("met" if ratio >= 1 else "NOT met") + ")" if "bf16" in name else ""))
+        lines += [f"A decode step at {prompt_len:,} tokens reads >= {step_bytes / 1e6:.0f} MB in bf16 (weights + KV); "
+                  f"read bandwidth measured after the rounds: {bandwidth:.1f} GB/s, so >= {step_bytes / bandwidth / 1e6:.1f} "
+                  f"ms/token; kvserve hybrid on at {step_bytes / statistics.median(r[ours] for r in rounds) / 1e9 / bandwidth:.0%} "
+                  f"of it", ""]
     for hf in hfs.values():
         hf.close()
     return lines
@@ -266,7 +326,7 @@ def speed(args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("part", nargs="?", choices=["memory", "speed", "all"], default="all")
+    p.add_argument("part", nargs="?", choices=["memory", "speed", "llama", "all"], default="all")
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     p.add_argument("--lengths", type=ints, default="8192,32768", help="contexts priced (default 8192,32768)")
     p.add_argument("--budget", default="1GiB", help="KV budget the fits are counted in (default 1GiB)")
@@ -278,8 +338,12 @@ def main() -> None:
     p.add_argument("--prompt-lens", type=ints, default="32,2048", help="speed: prompt lengths (default 32,2048)")
     p.add_argument("--num-tokens", type=int, default=64, help="speed: decode tokens timed per run (default 64)")
     p.add_argument("--rounds", type=int, default=3, help="speed: rounds taking turns (default 3)")
+    p.add_argument("--skip-hf", action="store_true", help="speed: leave out HF transformers (`llama` sets it)")
+    p.add_argument("--skip-llama-cpp", action="store_true", help="speed: leave out llama.cpp")
     p.add_argument("--out", type=Path, default=None, help="markdown file for the results (default: stdout only)")
     args = p.parse_args()
+    if args.part == "llama":
+        args.part, args.skip_hf = "speed", True
     lines = [f"# Gemma 3 270M, hybrid KV cache: `python {' '.join(sys.argv)}`", "",
              f"Machine: {machine()}", f"Tree: {source_state()}",
              f"Model: {named_model_path(MODEL).name} (dequantized; kvserve runs it in bf16)", ""]
