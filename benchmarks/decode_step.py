@@ -1,8 +1,9 @@
-"""Quiet single-stream decode step time of the bundled model: `python benchmarks/decode_step.py ROOT CTX`.
+"""Quiet single-stream decode step time of the bundled model: `python benchmarks/decode_step.py ROOT CTX [MODEL]`.
 
 ROOT is a kvserve source tree (this one, or a worktree of an older commit) so that two builds can be
 alternated in one session on a host whose speed drifts; CTX is the prompt length. Prints the median
-and the 10th percentile of 300 greedy `engine.step()` calls after 20 warm-up steps.
+and the 10th percentile of 300 greedy `engine.step()` calls after 20 warm-up steps. MODEL: a
+`--model` value (default: the bundled one), e.g. gemma3-270m.
 """
 
 import statistics
@@ -13,11 +14,11 @@ STEPS = 300
 WARMUP = 20
 
 
-def main(root: str, context: int) -> None:
+def main(root: str, context: int, model: str | None) -> None:
     sys.path.insert(0, root)
     from kvserve import LLM, SamplingParams
 
-    engine = LLM().engine
+    engine = LLM(model=model).engine
     params = SamplingParams(max_tokens=STEPS + WARMUP + 20, temperature=0.0, ignore_eos=True)
     engine.add_sequence(engine.make_sequence(list(range(100, 100 + context)), params))
     for _ in range(WARMUP):
@@ -32,4 +33,4 @@ def main(root: str, context: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)

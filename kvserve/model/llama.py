@@ -10,7 +10,7 @@ from torch import nn
 
 from kvserve.attention.backend import StepAttention
 from kvserve.model.config import ModelConfig
-from kvserve.model.ops import Ops, gelu_tanh_mul, offset_rms_norm
+from kvserve.model.ops import Ops, gelu_tanh_mul
 from kvserve.model.rope import RopeScaling, inverse_frequencies
 
 
@@ -27,15 +27,14 @@ class RMSNorm(nn.Module):
 
 class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scaled by 1 + weight (stored as the offset from 1, so 0 is the identity),
-    the product in fp32 before the cast, as transformers' Gemma3RMSNorm; in eager torch, since the
-    compiled kernels scale by the weight in the model dtype."""
+    the product in fp32 before the cast, as transformers' Gemma3RMSNorm."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps)
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor, ops: Ops, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return offset_rms_norm(x if residual is None else residual.add_(x), self.weight, self.eps)
+        return ops.offset_rms_norm(x, self.weight, self.eps, residual)
 
 
 @functools.cache
@@ -107,8 +106,8 @@ class Attention(nn.Module):
         heads = qkv.unflatten(1, (-1, self.head_dim))
         q, k = heads[:, :self.num_heads], heads[:, self.num_heads:self.num_heads + self.num_kv_heads]
         for norm, part in ((q_norm, q), (k_norm, k)):
-            # reshape copies the strided heads into the contiguous rows the compiled norm needs
-            part.copy_(norm(part.reshape(-1, self.head_dim), ops).view_as(part))
+            # The compiled norm reads contiguous rows; one KV head's rows are a strided view.
+            part.copy_(norm(part.reshape(-1, self.head_dim).contiguous(), ops).view_as(part))
 
 
 class MLP(nn.Module):

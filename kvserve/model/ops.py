@@ -22,6 +22,9 @@ class Ops(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def offset_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor | None) -> torch.Tensor: ...
+
 
 class EagerOps:
     @staticmethod
@@ -51,12 +54,16 @@ class EagerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-
-def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm, as transformers' Gemma3RMSNorm: x scaled by 1 + weight, all in fp32, then cast."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * (1.0 + weight.float())).to(x.dtype)
+    @staticmethod
+    def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor | None) -> torch.Tensor:
+        """Gemma's RMSNorm, as transformers' Gemma3RMSNorm: x scaled by 1 + weight, all in fp32,
+        then cast; with `residual`: residual += x first (in place) and the sum is normalised."""
+        if residual is not None:
+            x = residual.add_(x)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:

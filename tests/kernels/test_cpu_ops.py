@@ -22,21 +22,27 @@ def rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+NORMS = ["rms_norm", "offset_rms_norm"]  # Llama's; Gemma's (times 1 + weight, rounded once)
+
+
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_rms_norm(dtype: torch.dtype, rows: int) -> None:
+def test_rms_norm(norm: str, dtype: torch.dtype, rows: int) -> None:
     x, w = rand(rows, 96, dtype=dtype, seed=1) * 3, rand(96, dtype=dtype, seed=2)
-    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5, None), EagerOps.rms_norm(x, w, 1e-5, None), **TOL[dtype])
+    torch.testing.assert_close(getattr(kernels, norm)(x, w, 1e-5, None), getattr(EagerOps, norm)(x, w, 1e-5, None),
+                               **TOL[dtype])
 
 
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_adds_into_the_residual_first(dtype: torch.dtype) -> None:
+def test_rms_norm_adds_into_the_residual_first(norm: str, dtype: torch.dtype) -> None:
     x, w = rand(5, 64, dtype=dtype, seed=3), rand(64, dtype=dtype, seed=4)
     res_k = rand(5, 64, dtype=dtype, seed=5)
     res_e = res_k.clone()
     before = res_k.clone()
-    out_k = kernels.rms_norm(x, w, 1e-6, res_k)
-    out_e = EagerOps.rms_norm(x, w, 1e-6, res_e)
+    out_k = getattr(kernels, norm)(x, w, 1e-6, res_k)
+    out_e = getattr(EagerOps, norm)(x, w, 1e-6, res_e)
     # The residual stream is updated in place with exactly the dtype's sum.
     assert torch.equal(res_k, before + x) and torch.equal(res_k, res_e)
     torch.testing.assert_close(out_k, out_e, **TOL[dtype])

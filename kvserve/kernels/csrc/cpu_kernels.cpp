@@ -948,8 +948,11 @@ void encode_write(const at::Tensor& x, const at::Tensor& slot_mapping, int64_t k
 }
 
 // RMSNorm of x [T, C] (fp32 statistics), times weight; with `residual`, first residual += x (in
-// place, rounded to the dtype) and normalises the sum. Returns the normalised rows.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::Tensor> residual) {
+// place, rounded to the dtype) and normalises the sum. Returns the normalised rows. `offset`:
+// Gemma's norm, scaled by 1 + weight in fp32 and rounded once (Gemma3RMSNorm); else Llama's, the
+// normalised row rounded to the dtype before the weight's product (LlamaRMSNorm).
+at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::Tensor> residual,
+                     bool offset) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: x must be contiguous [T, C]");
   const int64_t T = x.size(0), C = x.size(1);
   at::Tensor out = at::empty_like(x);
@@ -973,12 +976,25 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
           ss += v * v;
         }
         const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
-        for (int64_t c = 0; c < C; ++c)
-          od[t * C + c] = static_cast<scalar_t>(to_f(w[c]) * through<scalar_t>(row[c] * inv));
+        if (offset) {
+          for (int64_t c = 0; c < C; ++c) od[t * C + c] = static_cast<scalar_t>(row[c] * inv * (1.f + to_f(w[c])));
+        } else {
+          for (int64_t c = 0; c < C; ++c)
+            od[t * C + c] = static_cast<scalar_t>(to_f(w[c]) * through<scalar_t>(row[c] * inv));
+        }
       }
     }, kvserve::team_for(T, x.scalar_type()));
   });
   return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::Tensor> residual) {
+  return norm_rows(x, weight, eps, residual, false);
+}
+
+at::Tensor offset_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                           c10::optional<at::Tensor> residual) {
+  return norm_rows(x, weight, eps, residual, true);
 }
 
 // qkv [T, (heads + 2 * kv_heads) * head_dim], the fused projection: rotate-half RoPE in place on
@@ -1212,6 +1228,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over paged KV, pages read in place");
   m.def("encode_write", &encode_write, "encode K or V rows into int8 / fp8 / int4 page fields");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into a residual");
+  m.def("offset_rms_norm", &offset_rms_norm, "Gemma's RMSNorm (times 1 + weight), optionally after a residual add");
   m.def("rope_split", &rope_split, "RoPE in place on the q and k heads of qkv, then q, k, v views");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("thread_pool_stats", [] {
