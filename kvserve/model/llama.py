@@ -10,7 +10,7 @@ from torch import nn
 
 from kvserve.attention.backend import StepAttention
 from kvserve.model.config import ModelConfig
-from kvserve.model.ops import Ops, gelu_tanh_mul
+from kvserve.model.ops import Ops
 from kvserve.model.rope import RopeScaling, inverse_frequencies
 
 
@@ -119,7 +119,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(gelu_tanh_mul(gate_up) if self.geglu else ops.silu_mul(gate_up))
+        return self.down_proj(ops.gelu_tanh_mul(gate_up) if self.geglu else ops.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

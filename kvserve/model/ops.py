@@ -25,6 +25,8 @@ class Ops(Protocol):
     def offset_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                         residual: torch.Tensor | None) -> torch.Tensor: ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
 
 class EagerOps:
     @staticmethod
@@ -65,11 +67,11 @@ class EagerOps:
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         return (x32 * (1.0 + weight.float())).to(x.dtype)
 
-
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU with the tanh GELU (`gelu_pytorch_tanh`, Gemma), in the model dtype as transformers."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    @staticmethod
+    def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU with the tanh GELU (`gelu_pytorch_tanh`, Gemma), in the model dtype as transformers."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 def resolve_ops(kernels: Any | None) -> Ops:

@@ -103,11 +103,12 @@ def test_linear_bf16_against_fp32_matmul(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)
 
 
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])  # SwiGLU; GeGLU (Gemma)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("spread", [4.0, 60.0])  # 60: exp(-a) far beyond exp's polynomial range
-def test_silu_mul(dtype: torch.dtype, spread: float) -> None:
+@pytest.mark.parametrize("spread", [0.01, 4.0, 60.0])  # 60: exp(-a) far beyond exp's polynomial range
+def test_gated_activations(op: str, dtype: torch.dtype, spread: float) -> None:
     gate_up = rand(11, 2 * 80, dtype=dtype, seed=8) * spread
-    torch.testing.assert_close(kernels.silu_mul(gate_up), EagerOps.silu_mul(gate_up), **TOL[dtype])
+    torch.testing.assert_close(getattr(kernels, op)(gate_up), getattr(EagerOps, op)(gate_up), **TOL[dtype])
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2", "int4"])
