@@ -66,10 +66,11 @@ def run_serve_bench(args: argparse.Namespace, llm: LLM, out: Path) -> None:
     requests = [r for session in sessions for r in session]
     prompts = [r.prompt_token_ids for r in requests]
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in requests]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up, as the server's first requests
-    t0 = time.perf_counter()
-    offline_tokens = sum(len(o.token_ids) for o in llm.generate(prompts, params))
-    offline_tok_s = offline_tokens / (time.perf_counter() - t0)
+    offline_tok_s = None
+    if args.url is None:  # the server may be another machine's: no offline peer then
+        llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up, as the server's first requests
+        t0 = time.perf_counter()
+        offline_tok_s = sum(len(o.token_ids) for o in llm.generate(prompts, params)) / (time.perf_counter() - t0)
     del llm
 
     engine_args = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(args.kv_cache_memory),
@@ -77,29 +78,33 @@ def run_serve_bench(args: argparse.Namespace, llm: LLM, out: Path) -> None:
                    "--max-model-len", str(args.max_model_len), "--max-waiting", str(len(requests) + 1),
                    *(["--model", args.model] if args.model else []),
                    *([] if args.enable_prefix_caching else ["--no-enable-prefix-caching"])]
-    server = ServerProcess(*engine_args)
+    server = None if args.url else ServerProcess(*engine_args)
+    url = args.url if server is None else server.url
     try:
         # Warm-up on other slices of the text, excluded: a cold prefix cache for the measured run.
-        run_load(server.url, make_sessions("random", ids, args.seed + 1, shape, 4, 32, 8))
-        records, wall = run_load(server.url, sessions, args.request_rate, args.burstiness, args.max_concurrency,
-                                 args.seed)
-        state = server.kv_state()
+        run_load(url, make_sessions("random", ids, args.seed + 1, shape, 4, 32, 8), model=args.served_model_name)
+        records, wall = run_load(url, sessions, args.request_rate, args.burstiness, args.max_concurrency,
+                                 args.seed, args.served_model_name)
+        state = None if server is None else server.kv_state()
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     summary = summarize(records, wall, args.goodput)
     errors = [r.error for r in records if r.error]
-    leaked = sum(c in "US" for c in state["states"])
     what = (f"lognormal prompts (median {args.prompt_len_median}) and outputs (median {args.output_len_median})"
             if args.workload == "random" else f"shape {dataclasses.asdict(shape)}")
+    served = (f"the server at {args.url}" if server is None else
+              f"kvserve serve: dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, prefix caching "
+              f"{args.enable_prefix_caching}, torch threads {torch.get_num_threads()}")
     lines = [f"workload {args.workload}: {len(sessions)} sessions, {len(requests)} streaming completions of "
              f"{text_name} slices, {what}, ignore_eos; request rate {args.request_rate} (burstiness "
-             f"{args.burstiness}), max concurrency {args.max_concurrency}, seed {args.seed}; dtype {args.dtype}, "
-             f"max_num_seqs {args.max_num_seqs}, prefix caching {args.enable_prefix_caching}, torch threads "
-             f"{torch.get_num_threads()}", "",
-             *format_summary("kvserve serve", summary), "",
-             f"offline LLM.generate, all at once: {offline_tok_s:.1f} output tok/s; server / offline: "
-             f"{summary.output_tok_s / offline_tok_s:.3f}x. KV blocks in use afterwards: {leaked}; "
-             f"running/waiting afterwards: {state['running']}/{state['waiting']}"]
+             f"{args.burstiness}), max concurrency {args.max_concurrency}, seed {args.seed}; {served}", "",
+             *format_summary(args.url or "kvserve serve", summary)]
+    if offline_tok_s is not None and state is not None:
+        lines += ["", f"offline LLM.generate, all at once: {offline_tok_s:.1f} output tok/s; server / offline: "
+                      f"{summary.output_tok_s / offline_tok_s:.3f}x. KV blocks in use afterwards: "
+                      f"{sum(c in 'US' for c in state['states'])}; running/waiting afterwards: "
+                      f"{state['running']}/{state['waiting']}"]
     if errors:
         lines.append(f"first errors: {errors[:3]}")
     text = "\n".join(lines)

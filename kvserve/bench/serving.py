@@ -200,6 +200,10 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="shape of the gaps' gamma distribution: 1 a Poisson process, below 1 burstier (default 1)")
     g.add_argument("--max-concurrency", type=at_least(1), default=None,
                    help="requests in flight at most; the others wait to be sent (default: no limit)")
+    g.add_argument("--url", default=None,
+                   help="an OpenAI-compatible server already running (e.g. http://host:8000): measure it instead of "
+                        "starting kvserve serve; prompts are token ids of --model's tokenizer, which it must share")
+    g.add_argument("--served-model-name", default=None, help="with --url: the request body's model field")
     g.add_argument("--goodput", type=parse_goodput, default=None, metavar="'ttft:MS tpot:MS e2el:MS'",
                    help="SLOs in milliseconds; goodput counts the requests per second that meet them all")
 

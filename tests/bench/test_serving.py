@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,3 +90,19 @@ def test_the_load_options_are_read_as_vllm_names_them() -> None:
     for flags in (["--request-rate", "0"], ["--burstiness", "-1"], ["--max-concurrency", "0"], ["--goodput", "x:1"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["bench", "serve", *flags])
+
+
+def test_bench_serve_measures_a_server_already_running(server: ServerProcess, tmp_path: Path) -> None:
+    """--url: no server started, no offline peer; the workload goes to the given server, naming the
+    model it serves."""
+    import httpx
+
+    from kvserve.cli import main
+
+    name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    main(["bench", "serve", "--url", server.url, "--served-model-name", name, "--num-requests", "3",
+          "--prompt-len-median", "12", "--output-len-median", "4", "--kv-cache-memory", "32MiB",
+          "--max-model-len", "256", "--out", str(tmp_path)])
+    report = (tmp_path / "serve_load.md").read_text()
+    assert f"the server at {server.url}" in report and "3 completed, 0 failed" in report
+    assert "offline" not in report
