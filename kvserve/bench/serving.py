@@ -153,6 +153,8 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str | None, reques
         error = f"{type(err).__name__}: {err}"
     if error is None and not times:
         error = "no token streamed"
+    if tokens == 0 and error is None:  # a server that sends no usage chunk: one token per chunk
+        tokens = len(times)
     if error is None and tokens != request.max_tokens:
         error = f"{tokens} of {request.max_tokens} tokens"
     return StreamRecord(sent, tuple(times), len(request.prompt_token_ids), tokens, error)
