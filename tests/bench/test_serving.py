@@ -106,3 +106,37 @@ def test_bench_serve_measures_a_server_already_running(server: ServerProcess, tm
     report = (tmp_path / "serve_load.md").read_text()
     assert f"the server at {server.url}" in report and "3 completed, 0 failed" in report
     assert "offline" not in report
+
+
+def test_a_server_that_sends_no_usage_is_counted_one_token_per_chunk() -> None:
+    """A stand-in OpenAI stream of five text chunks, 20 ms apart, and no usage chunk (as some
+    servers send): five tokens, four gaps of about 20 ms, no error."""
+    import http.server
+    import json
+    import threading
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for word in ["a", "b", "c", "d", "e"]:
+                chunk = {"choices": [{"text": word, "index": 0, "finish_reason": None}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(0.02)
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        [record], _ = run_load(f"http://127.0.0.1:{httpd.server_port}", [[WorkloadRequest([1, 2, 3], 5)]])
+    finally:
+        httpd.shutdown()
+    assert record.error is None and record.output_tokens == 5 and len(record.itls) == 4
+    assert all(0.015 < gap < 0.5 for gap in record.itls)
