@@ -23,6 +23,7 @@ from kvserve.cache.blocks import (BlockUsage, HostBlock, PrefixStats, PromptGran
 from kvserve.cache.compaction import Compaction
 from kvserve.cache.kv_groups import NULL_BLOCK, KVSpec
 from kvserve.cache.kv_remote import RemoteKVTier
+from kvserve.cache.table_widths import TableWidths
 
 
 class BlockManager:
@@ -36,7 +37,7 @@ class BlockManager:
         blocks only that far past the computed tokens; None: a prompt runs whole."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.specs, self.step_tokens = specs, step_tokens
+        self.specs, self.widths = specs, TableWidths(specs, block_size, step_tokens)
         self.pool = BlockPool(num_blocks, len(specs), any(spec.window is not None for spec in specs))
         self.blocks = self.pool.blocks
         self.group_tables: list[dict[str, list[int]]] = [{} for _ in specs]
@@ -90,29 +91,14 @@ class BlockManager:
         return left
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def _width(self, spec: KVSpec, num_slots: int, num_computed: int) -> int:
-        """Table entries a group needs for `num_slots` slots, `num_computed` of them computed: a
-        sliding group's stop where the next step's tokens can end."""
-        if spec.window is not None and self.step_tokens is not None:
-            num_slots = min(num_slots, num_computed + self.step_tokens)
-        return self.blocks_for(num_slots)
+        return self.widths.blocks_for(num_tokens)
 
     def blocks_peak(self, num_tokens: int) -> int:
-        """The most blocks a sequence holds at once on its way to `num_tokens` tokens (a sliding
-        group: its window and a step's tokens); one needing over `capacity` could never run alone."""
-        span = num_tokens if self.step_tokens is None else self.step_tokens
-        return sum(self.blocks_for(num_tokens) if spec.window is None else
-                   min(self.blocks_for(num_tokens), -(-(spec.window - 1 + span) // self.block_size) + 1)
-                   for spec in self.specs)
+        """`TableWidths.peak`: one needing over `capacity` could never run alone."""
+        return self.widths.peak(num_tokens)
 
     def blocks_held(self, num_tokens: int) -> int:
-        """Blocks a sequence of `num_tokens` tokens holds while it decodes, every group together."""
-        if not num_tokens:
-            return 0
-        last = (num_tokens - 1) // self.block_size
-        return sum(last + 1 - spec.first_needed(num_tokens - 1) // self.block_size for spec in self.specs)
+        return self.widths.held(num_tokens)
 
     def _note_peak(self) -> None:
         self.peak_used = max(self.peak_used, self.pool.used)
@@ -158,7 +144,7 @@ class BlockManager:
         cached = k * self.block_size
         room = len(token_ids) if prefill_chunk is None else \
             min(len(token_ids), (cached // prefill_chunk + 1) * prefill_chunk)
-        widths = [self._width(spec, max(room, reserve_tokens), cached) for spec in self.specs]
+        widths = [self.widths.width(spec, max(room, reserve_tokens), cached) for spec in self.specs]
         # Per group: the cached blocks it reuses, NULL where its window needs none.
         reused = [[NULL_BLOCK if hit is None or i < spec.first_needed(cached) // self.block_size else hit
                    for i, hit in enumerate(held)] for spec, held in zip(self.specs, found)]
@@ -243,7 +229,7 @@ class BlockManager:
         plans, credit = [], 0
         for g, spec in enumerate(self.specs):
             table = self.group_tables[g].get(seq_id)
-            width = self._width(spec, max(num_tokens, reserve_tokens), first)
+            width = self.widths.width(spec, max(num_tokens, reserve_tokens), first)
             newest = min(last, width - 1)  # a sliding group's table may stop short of a prompt's end
             drop = spec.first_needed(first) // bs
             # Most calls (a decode into a block the sequence owns alone) change nothing but the count.
@@ -254,8 +240,7 @@ class BlockManager:
             size = 0 if table is None else len(table)
             if table is not None and spec.window is not None:
                 # Blocks this call's window releases come back before any is taken.
-                credit += sum(self.blocks[b].ref_count == 1 for b in table[self._dropped[g].get(seq_id, 0):drop]
-                              if b != NULL_BLOCK)
+                credit += sum(self.blocks[table[i]].ref_count == 1 for i in self._out_of_window(g, seq_id, drop))
             shared = 0 <= newest < size and on_device(table[newest]) and self.blocks[table[newest]].ref_count > 1
             plans.append((g, size, max(0, width - size), shared, drop, newest))
         if not plans:
@@ -297,14 +282,19 @@ class BlockManager:
         source, table[last] = table[last], copy
         return [(source, copy)]
 
+    def _out_of_window(self, g: int, seq_id: str, drop: int) -> list[int]:
+        """The table entries before block `drop` (which the group's window no longer sees) that
+        still name a block."""
+        table = self.group_tables[g][seq_id]
+        return [i for i in range(self._dropped[g][seq_id], min(drop, len(table))) if table[i] != NULL_BLOCK]
+
     def _drop_out_of_window(self, g: int, seq_id: str, drop: int) -> None:
-        """Releases the group's blocks before block `drop`, which its window no longer sees."""
-        table, dropped = self.group_tables[g][seq_id], self._dropped[g]
-        for i in range(dropped[seq_id], min(drop, len(table))):
-            if table[i] != NULL_BLOCK:
-                self.pool.release(table[i])
-                table[i] = NULL_BLOCK
-        dropped[seq_id] = max(dropped[seq_id], drop)
+        """Releases the group's blocks before block `drop`."""
+        table = self.group_tables[g][seq_id]
+        for i in self._out_of_window(g, seq_id, drop):
+            self.pool.release(table[i])
+            table[i] = NULL_BLOCK
+        self._dropped[g][seq_id] = max(self._dropped[g][seq_id], drop)
 
     def compact(self, seq_id: str, layer: torch.Tensor, head: torch.Tensor, src: torch.Tensor,
                 dst: torch.Tensor, kept: int) -> Compaction | None:
