@@ -1,14 +1,14 @@
-"""Engine options on the command line: one per `EngineConfig` field, shared by every command
-that builds an engine (generate, chat, serve, bench, eval)."""
+"""Engine options on the command line: one per field of each part of `EngineConfig`, shared by
+every command that builds an engine (generate, chat, serve, bench, eval)."""
 from __future__ import annotations
 
 import argparse
 import re
 from collections.abc import Callable
-from dataclasses import Field, fields
+from dataclasses import Field
 from typing import Any
 
-from kvserve.config import CONFIG_PARTS, EngineConfig
+from kvserve.config import PARTS, option_fields
 
 
 def _memory(text: str) -> str | float:
@@ -18,26 +18,28 @@ def _memory(text: str) -> str | float:
         return text
 
 
-# How each EngineConfig field type is read from the command line.
+# How each option's annotated type is read from the command line.
 _PARSERS: dict[str, Callable[[str], Any]] = {
     "int": int, "int | None": int, "float": float, "str": str, "str | None": str,
     "str | float": _memory, "str | Path | ModelConfig | None": str}
 
 
-def _engine_flags() -> list[tuple[Field[Any], str]]:
-    """(field, argparse dest) for every EngineConfig field; a field's metadata may rename its flag."""
-    return [(f, f.metadata.get("flag", f.name).replace("-", "_")) for f in fields(EngineConfig)]
+def _engine_flags() -> list[tuple[str, Field[Any], str]]:
+    """(part, field, argparse dest) for every option of every part; a field's metadata may rename
+    its flag."""
+    return [(part, f, f.metadata.get("flag", f.name).replace("-", "_"))
+            for part, cls in PARTS.items() for f in option_fields(cls)]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One option per EngineConfig field, named after it, with the field's help and default, in one
-    argument group per part of the configuration (CONFIG_PARTS). The
-    help shows the default at help time (`%(default)s`), so a command's own `set_defaults` (doctor's
-    smaller pool) is what its --help says."""
-    part_of = {name: part for part, names in CONFIG_PARTS.items() for name in names}
-    groups = {part: p.add_argument_group(f"engine: {part} (EngineConfig)") for part in CONFIG_PARTS}
-    for f, dest in sorted(_engine_flags(), key=lambda fd: list(CONFIG_PARTS).index(part_of[fd[0].name])):
-        g = groups[part_of[f.name]]
+    """One option per field of each part of EngineConfig, named after it, with the field's help
+    and default, in one argument group per part. The help shows the default at help time
+    (`%(default)s`), so a command's own `set_defaults` (doctor's smaller pool) is what its --help
+    says."""
+    groups = {part: p.add_argument_group(f"engine: {part.replace('_', ' ').replace('kv', 'KV')} "
+                                         f"({cls.__name__})") for part, cls in PARTS.items()}
+    for part, f, dest in _engine_flags():
+        g = groups[part]
         flag = "--" + dest.replace("_", "-")
         if f.type == "bool":
             g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=f.default,
@@ -49,14 +51,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def flag_names(message: str) -> str:
-    """An EngineConfig error as a command-line user reads it: each field named by its option."""
-    flags = {f.name: "--" + dest.replace("_", "-") for f, dest in _engine_flags()}
-    return re.sub(r"EngineConfig\.(\w+)", lambda m: flags.get(m.group(1), m.group(0)), message)
+    """A configuration error as a command-line user reads it: each field named by its option."""
+    flags = {f.name: "--" + dest.replace("_", "-") for _, f, dest in _engine_flags()}
+    owners = "|".join(["EngineConfig"] + [cls.__name__ for cls in PARTS.values()])
+    return re.sub(rf"\b(?:{owners})\.(\w+)", lambda m: flags.get(m.group(1), m.group(0)), message)
 
 
 def engine_kwargs(args: argparse.Namespace, cache_mode: str | None = None, **overrides: Any) -> dict[str, Any]:
-    """The EngineConfig fields the command line gave (flags renamed by metadata read back), with overrides."""
-    kwargs = {f.name: getattr(args, dest) for f, dest in _engine_flags()}
+    """The engine options the command line gave (flags renamed by metadata read back), with overrides."""
+    kwargs = {f.name: getattr(args, dest) for _, f, dest in _engine_flags()}
     if cache_mode is not None:
         kwargs["cache_mode"] = cache_mode
     if cache_mode not in (None, "paged"):

@@ -89,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         from kvserve.replicas.settings import ReplicaSettings
 
         replica_settings = ReplicaSettings(args.replicas, args.router, args.router_stats_period, host=args.host)
-        aengine: Any = ReplicaFront.start(EngineConfig(**engine_kwargs(args)), replica_settings, args.max_waiting)
+        aengine: Any = ReplicaFront.start(EngineConfig.of(**engine_kwargs(args)), replica_settings, args.max_waiting)
         on_start, on_stop = (lambda: None), ReplicaFront.stop
         serving = f"{aengine.model_name} ({args.replicas} replicas, {args.router} routing)"
     else:

@@ -157,14 +157,15 @@ def test_a_baseline_beside_a_paged_run_drops_what_only_paged_blocks_do() -> None
     for mode in ("contiguous", "no-cache"):
         kwargs = engine_kwargs(args, mode)
         assert (kwargs["cache_mode"], kwargs["preemption_mode"], kwargs["offload_memory"]) == (mode, "recompute", "0")
-        EngineConfig(**kwargs)  # valid, where the paged options would be refused
+        EngineConfig.of(**kwargs)  # valid, where the paged options would be refused
 
 
 def test_engine_options_are_grouped_by_part() -> None:
     """`--help` shows the engine's options in one group per part of the configuration."""
     text = subcommand("generate").format_help()
-    order = [text.index(f"engine: {part} (EngineConfig)") for part in
-             ("model", "cache", "KV format", "eviction", "scheduler", "parallel", "runtime")]
+    order = [text.index(f"engine: {part} ({cls}Options)") for part, cls in
+             (("model", "Model"), ("cache", "Cache"), ("KV format", "KVFormat"), ("eviction", "Eviction"),
+              ("scheduler", "Scheduler"), ("parallel", "Parallel"), ("runtime", "Runtime"))]
     assert order == sorted(order)
     eviction = text[order[3]:order[4]]
     assert "--kv-budget" in eviction and "--kv-cache-dtype" not in eviction

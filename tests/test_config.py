@@ -5,6 +5,7 @@ passes a bad value learns which one from the message alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -69,28 +70,29 @@ from kvserve.sampling_params import SamplingParams
 ])
 def test_engine_config_rejects(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
-        EngineConfig(**{field: value})
+        EngineConfig.of(**{field: value})
 
 
 @pytest.mark.parametrize("mode", ["contiguous", "no-cache"])
-@pytest.mark.parametrize("field, value", [("preemption_mode", "swap"), ("preemption_mode", "auto"),
-                                          ("offload_memory", "1MiB")])
-def test_the_baselines_refuse_what_only_paged_blocks_do(mode: str, field: str, value: str) -> None:
+@pytest.mark.parametrize("owner, field, value", [("EngineConfig", "preemption_mode", "swap"),
+                                                 ("EngineConfig", "preemption_mode", "auto"),
+                                                 ("CacheOptions", "offload_memory", "1MiB")])
+def test_the_baselines_refuse_what_only_paged_blocks_do(mode: str, owner: str, field: str, value: str) -> None:
     # These were accepted and did nothing: a baseline has no block tables to swap or offload.
-    with pytest.raises(ValueError, match=f"EngineConfig.{field}.*cache_mode='paged'"):
-        EngineConfig(cache_mode=mode, **{field: value})
+    with pytest.raises(ValueError, match=f"^{owner}.{field}.*cache_mode='paged'"):
+        EngineConfig.of(cache_mode=mode, **{field: value})
 
 
 def test_model_dependent_settings_name_the_field() -> None:
     model = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                         num_kv_heads=1, head_dim=16, max_position=128)
-    EngineConfig(kv_cache_dtype="int4", kv_group_size=16, max_model_len=128).check_model(model)
+    EngineConfig.of(kv_cache_dtype="int4", kv_group_size=16, max_model_len=128).check_model(model)
     for kwargs, message in [({"max_model_len": 129}, r"EngineConfig.max_model_len \(129\) exceeds"),
                             ({"kv_cache_dtype": "int4"}, r"EngineConfig.kv_group_size \(32\) must divide"),
                             ({"kv_cache_dtype": "int4", "kv_group_size": 8, "kv_group_size_v": 32},
                              r"EngineConfig.kv_group_size_v \(32\) must divide")]:
         with pytest.raises(ValueError, match=message):
-            EngineConfig(**kwargs).check_model(model)
+            EngineConfig.of(**kwargs).check_model(model)
 
 
 def test_engine_config_accepts_good_values() -> None:
@@ -99,11 +101,11 @@ def test_engine_config_accepts_good_values() -> None:
                    {"cache_mode": "contiguous"}, {"cache_mode": "no-cache"},
                    {"block_size": 1, "max_num_seqs": 1, "max_model_len": 1, "max_num_batched_tokens": 1},
                    {"kv_cache_memory": 1.0}, {"kv_cache_memory": 0.01}, {"kv_cache_memory": "512MiB"}]:
-        EngineConfig(**kwargs)
+        EngineConfig.of(**kwargs)
 
 
 def test_kv_budget_bytes_from_string() -> None:
-    assert EngineConfig(kv_cache_memory="3GiB").kv_budget_bytes() == 3 * 2**30
+    assert EngineConfig.of(kv_cache_memory="3GiB").kv_budget_bytes() == 3 * 2**30
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -171,8 +173,8 @@ def test_a_cuda_device_that_is_not_there_is_refused_naming_the_field() -> None:
     beyond = f"cuda:{torch.cuda.device_count()}"
     devices = [beyond] if torch.cuda.is_available() else ["cuda", "cuda:0", beyond]
     for device in devices:
-        with pytest.raises(ValueError, match=f"^EngineConfig.device is '{device}' but"):
-            EngineConfig(device=device)
+        with pytest.raises(ValueError, match=f"^ModelOptions.device is '{device}' but"):
+            EngineConfig.of(device=device)
 
 
 def test_a_request_budget_without_eviction_is_refused() -> None:
@@ -189,9 +191,9 @@ def test_a_request_budget_without_eviction_is_refused() -> None:
 def test_a_size_given_as_a_number_says_what_a_size_is(field: str, value: object) -> None:
     # It said "must be str": a bare number is refused (vLLM's swap_space counts GiB, our
     # kv_cache_memory takes a fraction), saying what to write instead.
-    with pytest.raises(ValueError, match=f"^EngineConfig.{field} must be a size string such as '4GiB', '512MiB' "
+    with pytest.raises(ValueError, match=f"^CacheOptions.{field} must be a size string such as '4GiB', '512MiB' "
                                          f"or '0', got {value} of type {type(value).__name__}$"):
-        EngineConfig(**{field: value})
+        EngineConfig.of(**{field: value})
 
 
 def test_a_swap_dir_that_is_no_directory_is_refused_naming_it(tmp_path: Path) -> None:
@@ -199,9 +201,9 @@ def test_a_swap_dir_that_is_no_directory_is_refused_naming_it(tmp_path: Path) ->
     file = tmp_path / "file"
     file.write_text("")
     for path, why in ((file, "is not a writable directory"), (tmp_path / "missing", "does not exist")):
-        with pytest.raises(ValueError, match=f"^EngineConfig.swap_dir: {re.escape(repr(str(path)))} {why}$"):
-            EngineConfig(preemption_mode="swap", disk_swap_memory="1MiB", swap_dir=str(path))
-    EngineConfig(preemption_mode="swap", disk_swap_memory="1MiB", swap_dir=str(tmp_path))
+        with pytest.raises(ValueError, match=f"^CacheOptions.swap_dir: {re.escape(repr(str(path)))} {why}$"):
+            EngineConfig.of(preemption_mode="swap", disk_swap_memory="1MiB", swap_dir=str(path))
+    EngineConfig.of(preemption_mode="swap", disk_swap_memory="1MiB", swap_dir=str(tmp_path))
 
 
 @pytest.mark.parametrize("mode", ["swap", "auto"])
@@ -212,18 +214,26 @@ def test_swap_tiers_that_hold_no_block_are_refused(mode: str) -> None:
                         num_kv_heads=1, head_dim=16, max_position=128)
     with pytest.raises(ValueError, match=r"^EngineConfig.host_swap_memory \(1KiB\) and disk_swap_memory \(0\) hold "
                                          r"no KV block \(2048 bytes for this model\)"):
-        EngineConfig(preemption_mode=mode, host_swap_memory="1KiB").check_model(model)
+        EngineConfig.of(preemption_mode=mode, host_swap_memory="1KiB").check_model(model)
     for kwargs in ({"host_swap_memory": "2KiB"}, {"host_swap_memory": "1KiB", "disk_swap_memory": "2KiB"},
                    {"preemption_mode": "recompute", "host_swap_memory": "0"}):
-        EngineConfig(**{"preemption_mode": mode, **kwargs}).check_model(model)
+        EngineConfig.of(**{"preemption_mode": mode, **kwargs}).check_model(model)
 
 
-def test_every_field_is_in_exactly_one_part() -> None:
-    from dataclasses import fields
-
-    from kvserve.config import CONFIG_PARTS
-    listed = [name for names in CONFIG_PARTS.values() for name in names]
-    assert sorted(listed) == sorted(f.name for f in fields(EngineConfig))
+def test_every_option_has_one_part_and_flat_names_round_trip() -> None:
+    from kvserve.config import PARTS, option_fields
+    listed = [f.name for cls in PARTS.values() for f in option_fields(cls)]
+    assert len(listed) == len(set(listed))  # a name in two parts could not be given flat
+    config = EngineConfig.of(block_size=32, kv_cache_dtype="int8", max_num_seqs=4, kv_eviction="window", kv_budget=64)
+    assert (config.cache.block_size, config.kv_format.kv_cache_dtype, config.scheduler.max_num_seqs,
+            config.eviction.kv_budget) == (32, "int8", 4, 64)
+    assert EngineConfig.of(**config.options()) == config
+    assert config.replace(block_size=8).cache.block_size == 8 and config.replace(block_size=8).scheduler == \
+        config.scheduler
+    with pytest.raises(TypeError, match="unknown option.*blok_size"):
+        EngineConfig.of(blok_size=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.cache.block_size = 8  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -238,5 +248,5 @@ def test_config_errors_carry_the_field(kwargs: dict, field: str) -> None:  # typ
     message names it too."""
     from kvserve.validate import FieldError
     with pytest.raises(FieldError) as caught:
-        EngineConfig(**kwargs)
+        EngineConfig.of(**kwargs)
     assert caught.value.field == field and field in str(caught.value)

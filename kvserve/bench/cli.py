@@ -190,7 +190,7 @@ def run_replicas(args: argparse.Namespace, out: Path) -> None:
     from kvserve.engine_args import engine_kwargs
     from kvserve.server.local_redis import start_local_redis
 
-    config = EngineConfig(**engine_kwargs(args))
+    config = EngineConfig.of(**engine_kwargs(args))
     tokenizer = llm_from_args(args, kv_cache_memory="16MiB").tokenizer  # for the text's ids only
     name, ids = load_text_ids(tokenizer, args.data)
     prompts = shared_prefix_prompts(ids, args.num_system_prompts, args.num_requests, args.system_len,

@@ -11,7 +11,7 @@ import asyncio
 import random
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import EngineConfig
@@ -85,7 +85,7 @@ def run_config(config: EngineConfig, prompts: list[list[int]], router: str, remo
     from kvserve.replicas.front import ReplicaFront
     from kvserve.replicas.settings import ReplicaSettings
 
-    front = ReplicaFront.start(replace(config, kv_remote=remote_url),
+    front = ReplicaFront.start(config.replace(kv_remote=remote_url),
                                ReplicaSettings(num_replicas, router, stats_period_s), max_waiting=len(prompts))
     try:
         start = time.perf_counter()

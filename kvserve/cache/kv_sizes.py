@@ -2,9 +2,8 @@
 a compressed format with a residual window keeps. The engine and every tensor-parallel rank size
 their pools with it; the doctor and `kvserve tune-kv` price formats with it.
 
-It reads an engine config and a model's shape through the two protocols below (what
-kvserve.config.EngineConfig and kvserve.model.config.ModelConfig provide), so the cache layer
-imports neither."""
+It reads a model's shape through the protocol below (what kvserve.model.config.ModelConfig
+provides); the engine's configuration passes its settings in (`EngineConfig.kv_sizes`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,22 +13,6 @@ import torch
 
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import LayerFormats, QuantizedKVPool
-
-
-class PoolSettings(Protocol):
-    """The engine config's fields that decide a pool's size."""
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def max_num_seqs(self) -> int: ...
-    @property
-    def max_model_len(self) -> int | None: ...
-    @property
-    def residual_tokens(self) -> int: ...
-    @property
-    def torch_dtype(self) -> torch.dtype: ...
-    def kv_layer_formats(self, num_layers: int) -> list[LayerFormats] | None: ...
-    def tokens_per_step(self, max_model_len: int) -> int: ...
 
 
 class ModelShape(Protocol):
@@ -53,19 +36,20 @@ class KVSizes:
     staging_bytes: int
 
     @staticmethod
-    def of(config: PoolSettings, cfg: ModelShape, layers_per_block: int | None = None) -> KVSizes:
-        """`layers_per_block`: the layers a block holds (cache/kv_groups.py; None: every layer)."""
-        dense = KVPool.bytes_per_block(layers_per_block or cfg.num_layers, config.block_size, cfg.num_kv_heads,
-                                       cfg.head_dim, config.torch_dtype)
-        formats = config.kv_layer_formats(cfg.num_layers)
-        if formats is not None and layers_per_block:  # a block holds that many layers (one format for all)
-            formats = formats[:layers_per_block]
+    def of(model: ModelShape, block_size: int, dtype: torch.dtype, formats: list[LayerFormats] | None,
+           max_num_seqs: int, residual: int, step_tokens: int, layers_per_block: int | None = None) -> KVSizes:
+        """A pool of `block_size`-token blocks holding `model`'s K/V in `dtype` (`formats` None) or in
+        each layer's formats; `layers_per_block`: the layers a block holds (cache/kv_groups.py; None:
+        every layer). Staging for `max_num_seqs` sequences, `residual` full-precision tokens each,
+        and steps of `step_tokens`."""
+        dense = KVPool.bytes_per_block(layers_per_block or model.num_layers, block_size, model.num_kv_heads,
+                                       model.head_dim, dtype)
         if formats is None:
             return KVSizes(dense, 0, 0)
-        step_tokens = config.tokens_per_step(config.max_model_len or cfg.max_position)
-        staging = QuantizedKVPool.staging_slots(config.max_num_seqs, config.block_size, config.residual_tokens,
-                                                formats, step_tokens)
-        return KVSizes(QuantizedKVPool.bytes_per_block(config.block_size, cfg.num_kv_heads, cfg.head_dim, formats),
+        if layers_per_block:  # a block holds that many layers (one format for all)
+            formats = formats[:layers_per_block]
+        staging = QuantizedKVPool.staging_slots(max_num_seqs, block_size, residual, formats, step_tokens)
+        return KVSizes(QuantizedKVPool.bytes_per_block(block_size, model.num_kv_heads, model.head_dim, formats),
                        staging, dense * staging)
 
     def memory_for(self, num_blocks: int) -> int:

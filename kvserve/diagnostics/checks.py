@@ -12,7 +12,6 @@ where the truth's top two are not a near-tie (NEAR_TIE): a near-tie goes either 
 """
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +19,6 @@ from typing import Any
 
 import torch
 
-from kvserve.cache.kv_sizes import KVSizes
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.engine.llm import LLM
 from kvserve.eval.quality import forced_logprobs, forcing, kl, top1
@@ -115,7 +113,7 @@ def cache_vs_recompute(llm: LLM, tokens: list[int], prompt_len: int, label: str,
     """`truth`: the fp32 recomputation of the same positions (None when the engine runs fp32)."""
     got = cached(llm, tokens[:prompt_len], tokens[prompt_len:])
     want = recomputed(llm, tokens, prompt_len)
-    return against_truth(f"cache vs recompute ({label})", got, want, truth, llm.engine.config.torch_dtype,
+    return against_truth(f"cache vs recompute ({label})", got, want, truth, llm.engine.config.model.torch_dtype,
                          "decoding from the cache differs from recomputing: the K/V written while decoding "
                          "is not what the model computes. Isolate the kernel with --attention-backend torch "
                          "--no-cpu-kernels; for a compressed format, raise --kv-residual or use int8", slack)
@@ -131,12 +129,12 @@ def kernel_vs_reference(llm: LLM, make_llm: MakeLLM, tokens: list[int], prompt_l
     checks report: kivi2's 0.058 KL to fp32 failed such a check on a sound kernel.)"""
     config = llm.engine.config
     name = "kernel vs reference (configured KV format)"
-    if config.attention_backend == "torch" and not config.cpu_kernels:
+    if config.runtime.attention_backend == "torch" and not config.runtime.cpu_kernels:
         return Check(name, "pass", {}, "the configured path is the reference", correctness=False)
     got = cached(llm, tokens[:prompt_len], tokens[prompt_len:])
     want = cached(make_llm(attention_backend="torch", cpu_kernels=False), tokens[:prompt_len], tokens[prompt_len:])
     # fp32 sums in another order can flip a code near a boundary: 1e-2 there, as the tests hold.
-    return against_truth(name, got, want, truth, config.torch_dtype,
+    return against_truth(name, got, want, truth, config.model.torch_dtype,
                          "the attention kernel decodes this format's pages differently from the reference: compare "
                          "with --attention-backend torch --no-cpu-kernels, and report it",
                          slack=10 if truth is None else 1)
@@ -151,7 +149,7 @@ def prefix_hit_vs_miss(llm: LLM, tokens: list[int], prompt_len: int, truth: torc
     """The same request twice under a salt of its own: the first run must miss (earlier checks
     cached this prompt without the salt), the second must hit."""
     engine = llm.engine
-    if not engine.config.enable_prefix_caching:
+    if not engine.config.cache.enable_prefix_caching:
         return Check("prefix hit vs miss", "pass", {}, "prefix caching is off", correctness=False)
     salt = fresh_salt()
     stats = engine.block_manager.prefix_stats
@@ -164,7 +162,7 @@ def prefix_hit_vs_miss(llm: LLM, tokens: list[int], prompt_len: int, truth: torc
     # every later step of a miss will, once they leave the window), while the miss's prefill read
     # them exactly: the format's own loss is expected (ARCHITECTURE.md, KV formats).
     staged = isinstance(engine.pool, QuantizedKVPool) and engine.pool.staged
-    check = against_truth("prefix hit vs miss", hit, miss, truth, engine.config.torch_dtype,
+    check = against_truth("prefix hit vs miss", hit, miss, truth, engine.config.model.torch_dtype,
                           "a prompt served from the prefix cache decodes differently from a fresh one: "
                           "run with --no-enable-prefix-caching until fixed",
                           extra={"cached_tokens_reused": float(reused), "cached_tokens_on_miss": float(missed)},
@@ -191,17 +189,17 @@ def preempted_vs_undisturbed(llm: LLM, make_llm: MakeLLM, tokens: list[int], pro
     # read blocks that an earlier, longer request sealed into a compressed format's codes.
     want = cached(llm, tokens[:prompt_len], tokens[prompt_len:], fresh_salt())
     blocks = engine.block_manager.blocks_for(len(tokens))
-    sizes = KVSizes.of(dataclasses.replace(engine.config, max_num_seqs=3), engine.model_config)
+    sizes = engine.config.replace(max_num_seqs=3).kv_sizes(engine.model_config)
     small = make_llm(kv_cache_memory=str(sizes.memory_for(2 * blocks + 1)), max_num_seqs=3,
                      enable_prefix_caching=False)
     outs = small.generate([tokens[:prompt_len]] * 3, forcing(tokens[prompt_len:]), use_tqdm=False)
     preemptions = small.engine.scheduler.num_preemptions
-    mode = engine.config.preemption_mode
+    mode = engine.config.scheduler.preemption_mode
     advice = f"a sequence resumed after preemption ({mode}) decodes differently: " + (
         "try --preemption-mode recompute" if mode != "recompute"
         else "its recomputed K/V differ from what its decode steps wrote; compare with --attention-backend torch")
     results = [against_truth("preempted vs undisturbed", torch.stack([t.full for t in o.logprobs]), want, truth,
-                             engine.config.torch_dtype, advice, slack, extra={"preemptions": float(preemptions)})
+                             engine.config.model.torch_dtype, advice, slack, extra={"preemptions": float(preemptions)})
                for o in outs]
     check = next((r for r in results if r.status == "fail"), results[0])
     if preemptions == 0:
@@ -218,7 +216,7 @@ def mask_future_tokens(llm: LLM, tokens: list[int]) -> Check:
     # which some GEMM builds round differently (the batch check judges that).
     a, b = prompt_scores(llm, [tokens])[0], prompt_scores(llm, [changed])[0]
     measured = compare(b, a)
-    return judged("mask: later tokens are invisible", measured, llm.engine.config.torch_dtype,
+    return judged("mask: later tokens are invisible", measured, llm.engine.config.model.torch_dtype,
                   "an earlier position sees a later token: the attention mask is off; "
                   "compare with --attention-backend torch")
 
@@ -229,7 +227,7 @@ def batch_invariance(llm: LLM, tokens: list[int], others: list[list[int]], truth
     log-probs by rounding alone; so the packed run is judged by its distance to the truth."""
     alone = prompt_scores(llm, [tokens])[0]
     packed = prompt_scores(llm, [tokens, *others])[0]
-    return against_truth("alone vs packed in a batch", packed, alone, truth, llm.engine.config.torch_dtype,
+    return against_truth("alone vs packed in a batch", packed, alone, truth, llm.engine.config.model.torch_dtype,
                          "a sequence's distributions depend on what else is in its batch beyond rounding: "
                          "a masking or slot-mapping bug; compare with --attention-backend torch")
 
@@ -242,7 +240,7 @@ def beam_rescoring(llm: LLM, prompt: list[int], width: int = 2, tokens: int = 8)
     total = scores.gather(1, torch.tensor(out.token_ids)[:, None]).sum().item()
     rescored = total / len(out.token_ids) ** params.length_penalty
     diff = abs(rescored - out.beam_score)
-    tol = TOLERANCE.get(llm.engine.config.torch_dtype, TOLERANCE[torch.bfloat16])[0] * len(out.token_ids)
+    tol = TOLERANCE.get(llm.engine.config.model.torch_dtype, TOLERANCE[torch.bfloat16])[0] * len(out.token_ids)
     ok = diff <= tol
     return Check("beam score vs recompute", "pass" if ok else "fail",
                  {"reported": out.beam_score, "recomputed": rescored, "abs_diff": diff},

@@ -112,12 +112,12 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
     n = min(args.tokens + _PROMPT_LEN, engine.max_model_len - 1)
     source, tokens = sample_tokens(llm, n, args.data)
     prompt_len = min(_PROMPT_LEN, n // 2)
-    compressed = engine.config.kv_cache_dtype not in ("auto", engine.config.dtype) or \
-        engine.config.kv_cache_dtype_k is not None or engine.config.kv_cache_dtype_v is not None
+    compressed = engine.config.kv_format.kv_cache_dtype not in ("auto", engine.config.model.dtype) or \
+        engine.config.kv_format.kv_cache_dtype_k is not None or engine.config.kv_format.kv_cache_dtype_v is not None
     dense = make_llm(**DENSE_PAGES) if compressed else llm
     short = tokens[:max(prompt_len + 16, min(n, 96))]
     truth = truth_short = truth_scores = None
-    half = engine.config.torch_dtype != torch.float32
+    half = engine.config.model.torch_dtype != torch.float32
     progress = Progress(total=half + compressed + 7 + len(formats) + (0 if args.skip_performance else 2))
 
     def fp32_truth() -> tuple[torch.Tensor, ...]:
@@ -152,15 +152,15 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
         found += [progress.run(f"format {f}", partial(checks.format_quality, make_llm, reference, tokens,
                                                       prompt_len, f)) for f in formats]
     found.append(progress.run("pool capacity", partial(capacity, engine)))
-    report: dict[str, Any] = {"model": engine.model_name, "dtype": engine.config.dtype,
-                              "kv_cache_dtype": engine.config.kv_cache_dtype,
+    report: dict[str, Any] = {"model": engine.model_name, "dtype": engine.config.model.dtype,
+                              "kv_cache_dtype": engine.config.kv_format.kv_cache_dtype,
                               "attention_backend": engine.attention_backend.name, "text": source,
                               "kv_cache_groups": engine.kv_groups.describe(),
                               "checks": [asdict(c) for c in found]}
     if not args.skip_performance:
         report["performance"] = perf = {
             "decode": progress.run("decode step profile", partial(
-                performance.decode_profile, llm, min(8, engine.config.max_num_seqs), short, steps=10)),
+                performance.decode_profile, llm, min(8, engine.config.scheduler.max_num_seqs), short, steps=10)),
             "batching": progress.run("batch fill", partial(
                 performance.batch_efficiency, llm, [tokens[i:i + 16 + 8 * i] for i in range(8)],
                 [8 + 4 * (i % 3) for i in range(8)]))}
@@ -170,21 +170,21 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
 
 def capacity(engine: Any) -> Check:
     """Whether max_num_seqs sequences of max_model_len fit the pool (the planner's question)."""
-    bm = engine.block_manager
+    bm, max_num_seqs = engine.block_manager, engine.config.scheduler.max_num_seqs
     tokens = bm.capacity * bm.block_size
-    want = engine.config.max_num_seqs * engine.max_model_len
+    want = max_num_seqs * engine.max_model_len
     # A hybrid model's sequence holds its full groups' blocks and its sliding groups' windows.
     fits = bm.capacity // bm.blocks_held(engine.max_model_len)
     measured = {"pool_tokens": float(tokens), "max_num_seqs_x_max_model_len": float(want),
                 "sequences_of_max_model_len": float(fits), "kv_cache_groups": float(len(bm.specs)),
                 "host_offload_tokens": float(bm.num_host_blocks * bm.block_size)}
-    if fits >= engine.config.max_num_seqs:
+    if fits >= max_num_seqs:
         return Check("KV pool capacity", "pass", measured, "max_num_seqs x max_model_len fit", correctness=False)
     block_bytes = engine.kv_bytes_per_token * bm.block_size * engine.kv_groups.layers_per_block / \
         engine.model_config.num_layers
-    need = engine.config.max_num_seqs * bm.blocks_held(engine.max_model_len) * block_bytes / 2**20
+    need = max_num_seqs * bm.blocks_held(engine.max_model_len) * block_bytes / 2**20
     return Check("KV pool capacity", "warn", measured, "max_num_seqs x max_model_len fit",
-                 f"long sequences will preempt others: the pool holds {tokens} tokens; {engine.config.max_num_seqs} "
+                 f"long sequences will preempt others: the pool holds {tokens} tokens; {max_num_seqs} "
                  f"sequences of {engine.max_model_len} need {want} (--kv-cache-memory {need:.0f}MiB), or lower "
                  f"--max-num-seqs, use a compressed --kv-cache-dtype, or --offload-memory for single long ones "
                  f"(kvserve memory plans it)", correctness=False)

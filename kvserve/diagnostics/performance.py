@@ -51,7 +51,7 @@ def decode_profile(llm: LLM, batch: int, prompt: list[int], steps: int) -> dict[
     """`batch` sequences decoding after `prompt`: the split of `steps` steps (ms per step) and
     the bandwidth and compute each step reaches."""
     engine = llm.engine
-    device, dtype = engine.device, engine.config.torch_dtype
+    device, dtype = engine.device, engine.config.model.torch_dtype
     params = SamplingParams(max_tokens=2 * steps + 16, temperature=0, ignore_eos=True)
     ids = [engine.add_request(prompt[:len(prompt) - i % 4], params) for i in range(batch)]
     try:
@@ -115,7 +115,7 @@ def batch_efficiency(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) 
             decoding = {s.seq_id for s in engine.scheduler.running if s.num_computed_tokens >= s.num_tokens - 1}
             got = {o.request_id for o in engine.step()}
             steps += 1
-            fill += len(engine.scheduler.running) / engine.config.max_num_seqs
+            fill += len(engine.scheduler.running) / engine.config.scheduler.max_num_seqs
             stalls += any(seq_id.split("#")[0] not in got for seq_id in decoding)
     finally:
         for rid in ids:

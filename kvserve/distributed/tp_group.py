@@ -58,7 +58,7 @@ class TPGroup:
               timeout_s: float = 600.0) -> "TPGroup":
         """Spawns ranks 1.. running `worker_main(config, rank, port, num_blocks, timeout_s)` (the
         engine's, engine/tp_worker.py) and joins the group as rank 0."""
-        world = config.tensor_parallel_size
+        world = config.parallel.tensor_parallel_size
         port = free_loopback_port()
         ctx = multiprocessing.get_context("spawn")  # a fork would copy rank 0's threads and model
         workers = [ctx.Process(target=worker_main, args=(config, rank, port, num_blocks, timeout_s), daemon=True,

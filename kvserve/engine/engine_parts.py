@@ -25,7 +25,7 @@ from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.kv_sizes import KVSizes
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
-from kvserve.config import EngineConfig, parse_bytes
+from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import TPGroup
 from kvserve.engine.model_runner import ModelRunner
@@ -67,55 +67,56 @@ class EngineParts:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
-    device = config.torch_device
+    device = config.model.torch_device
     if device.type == "cpu":
         fit_torch_threads()
-    loaded = load_model(config.model, config.torch_dtype, device, config.seed)
+    loaded = load_model(config.model.model, config.model.torch_dtype, device, config.model.seed)
     model, cfg = loaded.model, loaded.config
     config.check_model(cfg)
-    max_model_len = config.max_model_len or cfg.max_position
-    chunked_prefill = config.enable_chunked_prefill and config.cache_mode == "paged"
+    max_model_len = config.model.max_model_len or cfg.max_position
+    chunked_prefill = config.scheduler.enable_chunked_prefill and config.cache.cache_mode == "paged"
     max_num_batched_tokens = _step_budget(config, max_model_len, chunked_prefill)
 
-    rotation = kv_rotation(config.kv_rotation, cfg.head_dim, config.seed, config.kv_rotate_keys)
-    kernels = cpu_extension.load() if config.cpu_kernels and device.type == "cpu" else None
+    fmt = config.kv_format
+    rotation = kv_rotation(fmt.kv_rotation, cfg.head_dim, config.model.seed, fmt.kv_rotate_keys)
+    kernels = cpu_extension.load() if config.runtime.cpu_kernels and device.type == "cpu" else None
     # With tensor parallelism this process is rank 0: its pool holds its own KV heads, the most of
     # any rank, so the block count it derives from the budget fits every rank.
-    world = config.tensor_parallel_size
+    world = config.parallel.tensor_parallel_size
     shard = shard_of(cfg, 0, world) if world > 1 else None
     formats = rank_formats(config, model, loaded.tokenizer, kernels, rotation, shard)
     pool_cfg = cfg if shard is None else shard_config(cfg, shard)
     if shard is not None and shard.replicated_kv:
         logger.warning("kvserve: %d KV heads over %d ranks: each KV head is replicated on %d ranks",
                        cfg.num_kv_heads, world, world // cfg.num_kv_heads)
-    groups = KVGroups.of(cfg.layer_windows, hybrid=not config.disable_hybrid_kv_cache)
+    groups = KVGroups.of(cfg.layer_windows, hybrid=not config.cache.disable_hybrid_kv_cache)
     if groups.hybrid:
         logger.info("kvserve: hybrid KV cache, %d groups of %d layers (%s)", len(groups.groups),
                     groups.layers_per_block, groups.describe())
-    sizes = KVSizes.of(config, pool_cfg, groups.layers_per_block)
+    sizes = config.kv_sizes(pool_cfg, groups.layers_per_block)
     num_blocks = _num_blocks(config, sizes, max_model_len)
-    num_host_blocks = parse_bytes(config.offload_memory) // sizes.block_bytes if config.cache_mode == "paged" else 0
+    num_host_blocks = config.cache.offload_bytes // sizes.block_bytes if config.cache.cache_mode == "paged" else 0
     pool = make_pool(config, pool_cfg, num_blocks, formats, sizes.staging_slots, num_host_blocks, device,
                      groups.layers_per_block)
-    remote = None if config.kv_remote is None else RemoteKVTier(
-        config.kv_remote, remote_namespace(model, config, formats), block_nbytes(pool.block_tensors),
-        timeout_s=config.kv_remote_timeout, secret=config.kv_remote_secret)
+    remote = None if config.cache.kv_remote is None else RemoteKVTier(
+        config.cache.kv_remote, remote_namespace(model, config, formats), block_nbytes(pool.block_tensors),
+        timeout_s=config.cache.kv_remote_timeout, secret=config.cache.kv_remote_secret)
     # The baselines stand for engines without sharing: no prefix cache for them.
-    block_manager = BlockManager(num_blocks, config.block_size,
-                                 config.enable_prefix_caching and config.cache_mode == "paged",
+    block_manager = BlockManager(num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching and config.cache.cache_mode == "paged",
                                  num_host_blocks, remote, tuple(g.spec for g in groups.groups),
                                  max_num_batched_tokens if chunked_prefill else None)
     swap = None
-    if config.preemption_mode != "recompute" and config.cache_mode == "paged":
+    if config.scheduler.preemption_mode != "recompute" and config.cache.cache_mode == "paged":
         swap = _swap_space(config, pool, sizes.block_bytes)
-    cost = PreemptionCost(config.preemption_mode, sum(p.numel() for p in model.parameters()), device.type,
+    cost = PreemptionCost(config.scheduler.preemption_mode, sum(p.numel() for p in model.parameters()), device.type,
                           pool.nbytes // num_blocks, block_manager.blocks_for)
-    contiguous = config.cache_mode == "contiguous"
-    scheduler = Scheduler(block_manager, config.max_num_seqs, max_num_batched_tokens,
+    contiguous = config.cache.cache_mode == "contiguous"
+    scheduler = Scheduler(block_manager, config.scheduler.max_num_seqs, max_num_batched_tokens,
                           reserve_tokens=max_model_len if contiguous else 0,
-                          recompute_all=config.cache_mode == "no-cache",
+                          recompute_all=config.cache.cache_mode == "no-cache",
                           swap=swap, prefer_swap=cost.prefer_swap, chunked_prefill=chunked_prefill)
-    backend = make_backend(config.attention_backend, pool, pool_cfg.num_heads, device,
+    backend = make_backend(config.runtime.attention_backend, pool, pool_cfg.num_heads, device,
                            windowed=bool(cfg.sliding_layers), softcap=cfg.attn_logit_softcapping)
     tp = None
     if shard is not None:
@@ -123,28 +124,28 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model = shard_model(model, shard, tp.group)
     runner = ModelRunner(model, pool, device, backend, kernels, swap, rotation, tp,
                          _graph_shape(config, device, tp, backend, max_model_len, groups),
-                         cpu_stack=config.cpu_fused_step and device.type == "cpu" and tp is None,
+                         cpu_stack=config.runtime.cpu_fused_step and device.type == "cpu" and tp is None,
                          layer_map=groups.layer_map(cfg.num_layers) if groups.hybrid else None)
     # Where the host's step is a large share of a short device step (CUDA); on a CPU the host and
     # the model share the cores, and a step's tokens are read a step late for nothing.
-    async_scheduling = config.async_scheduling == "on" or (
-        config.async_scheduling == "auto" and device.type == "cuda" and tp is None)
+    async_scheduling = config.scheduler.async_scheduling == "on" or (
+        config.scheduler.async_scheduling == "auto" and device.type == "cuda" and tp is None)
     if async_scheduling:
         logger.info("kvserve: async scheduling: each step launches before the host reads the tokens of the one "
                     "before")
     tokenizer = loaded.tokenizer
     return EngineParts(config, device, model, cfg, loaded.name, tokenizer,
                        tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id,
-                       max_model_len, max_num_batched_tokens, sizes.block_bytes * cfg.num_layers / (groups.layers_per_block * config.block_size), groups, pool,
-                       remote,
-                       block_manager, swap, scheduler, backend, tp, runner, async_scheduling)
+                       max_model_len, max_num_batched_tokens,
+                       sizes.block_bytes * cfg.num_layers / (groups.layers_per_block * config.cache.block_size), groups,
+                       pool, remote, block_manager, swap, scheduler, backend, tp, runner, async_scheduling)
 
 
 def _step_budget(config: EngineConfig, max_model_len: int, chunked_prefill: bool) -> int:
     tokens = config.tokens_per_step(max_model_len)
-    if chunked_prefill and tokens < config.max_num_seqs:
+    if chunked_prefill and tokens < config.scheduler.max_num_seqs:
         raise ValueError(f"EngineConfig.max_num_batched_tokens ({tokens}) must be >= max_num_seqs "
-                         f"({config.max_num_seqs}) so that every running sequence decodes each step")
+                         f"({config.scheduler.max_num_seqs}) so that every running sequence decodes each step")
     if not chunked_prefill and tokens < max_model_len:
         raise ValueError(f"EngineConfig.max_num_batched_tokens ({tokens}) must be >= max_model_len "
                          f"({max_model_len}) so that any prompt can be prefilled (or enable_chunked_prefill)")
@@ -153,26 +154,26 @@ def _step_budget(config: EngineConfig, max_model_len: int, chunked_prefill: bool
 
 def _num_blocks(config: EngineConfig, sizes: KVSizes, max_model_len: int) -> int:
     budget = config.kv_budget_bytes()
-    num_blocks = config.num_blocks_override or (budget - sizes.staging_bytes) // sizes.block_bytes
+    num_blocks = config.cache.num_blocks_override or (budget - sizes.staging_bytes) // sizes.block_bytes
     if num_blocks < 1:
         raise ValueError(f"EngineConfig.kv_cache_memory: {budget} bytes is smaller than one KV block "
-                         f"({sizes.block_bytes} bytes = {config.block_size} tokens"
+                         f"({sizes.block_bytes} bytes = {config.cache.block_size} tokens"
                          + (f", after {sizes.staging_bytes} bytes of full-precision staging)"
                             if sizes.staging_bytes else ")"))
-    if config.cache_mode == "contiguous" and -(-max_model_len // config.block_size) > num_blocks:
+    if config.cache.cache_mode == "contiguous" and -(-max_model_len // config.cache.block_size) > num_blocks:
         raise ValueError(f"EngineConfig.kv_cache_memory: contiguous mode preallocates max_model_len "
                          f"({max_model_len}) tokens per sequence, more than the "
-                         f"{num_blocks * config.block_size} slots the budget holds")
+                         f"{num_blocks * config.cache.block_size} slots the budget holds")
     return num_blocks
 
 
 def _swap_space(config: EngineConfig, pool: KVPool | QuantizedKVPool, block_bytes: int) -> SwapSpace:
-    disk = parse_bytes(config.disk_swap_memory)
+    host, disk = config.cache.swap_bytes()
     try:
-        return SwapSpace(pool, parse_bytes(config.host_swap_memory) // block_bytes, disk // block_bytes,
-                         config.swap_dir)
+        return SwapSpace(pool, host // block_bytes, disk // block_bytes,
+                         config.cache.swap_dir)
     except OSError as err:  # the file tier's space, reserved now so that no swap-out finds the disk full
-        directory = config.swap_dir or tempfile.gettempdir()
+        directory = config.cache.swap_dir or tempfile.gettempdir()
         free = shutil.disk_usage(directory).free
         raise ValueError(f"EngineConfig.disk_swap_memory: cannot reserve {disk} bytes for the swap file in "
                          f"{directory} ({err.strerror}; {free} bytes ({free / 2**20:.1f} MiB) free there): "
@@ -182,11 +183,11 @@ def _swap_space(config: EngineConfig, pool: KVPool | QuantizedKVPool, block_byte
 def _graph_shape(config: EngineConfig, device: torch.device, tp: TPGroup | None, backend: AttentionBackend,
                  max_model_len: int, groups: KVGroups) -> tuple[int, int] | None:
     """(sequences, slots) of the decode steps to capture in CUDA graphs, or None (eager)."""
-    if not config.cuda_graphs or device.type != "cuda":
+    if not config.runtime.cuda_graphs or device.type != "cuda":
         return None
     reason = "tensor parallelism" if tp is not None else "the hybrid KV cache's groups" if groups.hybrid else \
         backend.graph_unsupported()
     if reason is not None:
         logger.info("kvserve: decode steps run eagerly, without CUDA graphs: %s", reason)
         return None
-    return config.max_num_seqs, max_model_len
+    return config.scheduler.max_num_seqs, max_model_len

@@ -23,7 +23,7 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: Any = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = LLMEngine(EngineConfig.of(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def _add_all(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None,

@@ -29,10 +29,11 @@ def rank_formats(config: EngineConfig, model: torch.nn.Module, tokenizer: Any, k
     if not needs_calibration(formats):
         return formats
     start = time.perf_counter()
-    ids = calibration_tokens(tokenizer, model.config.vocab_size, config.kv_calibration_tokens, config.seed,
-                             config.kv_calibration_data)
-    stats = measure_kv_stats(model, resolve_ops(kernels), ids, rotation, config.torch_dtype, config.torch_device,
-                             config.block_size, config.kv_exact_sink)
+    fmt = config.kv_format
+    ids = calibration_tokens(tokenizer, model.config.vocab_size, fmt.kv_calibration_tokens, config.model.seed,
+                             fmt.kv_calibration_data)
+    stats = measure_kv_stats(model, resolve_ops(kernels), ids, rotation, config.model.torch_dtype,
+                             config.model.torch_device, config.cache.block_size, fmt.kv_exact_sink)
     if shard is not None:
         stats = stats.heads(list(shard.kv_heads))
     logger.info("kvserve: KV formats calibrated on %d tokens in %.1f s", len(ids), time.perf_counter() - start)
@@ -43,9 +44,10 @@ def make_pool(config: EngineConfig, cfg: ModelConfig, num_blocks: int, formats: 
               staging: int, num_host_blocks: int, device: torch.device,
               layers_per_block: int | None = None) -> KVPool | QuantizedKVPool:
     """`layers_per_block`: the layers a block holds (cache/kv_groups.py; None: every layer)."""
+    block_size, dtype = config.cache.block_size, config.model.torch_dtype
     if formats is None:
-        return KVPool(layers_per_block or cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                      config.torch_dtype, device, num_host_blocks)
+        return KVPool(layers_per_block or cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                      dtype, device, num_host_blocks)
     # Hybrid: a block holds `layers_per_block` layers, all in one format (EngineConfig checks).
-    return QuantizedKVPool(num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype,
-                           device, formats[:layers_per_block or len(formats)], config.residual_tokens, staging)
+    return QuantizedKVPool(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device,
+                           formats[:layers_per_block or len(formats)], config.residual_tokens, staging)

@@ -39,9 +39,9 @@ def remote_namespace(model: torch.nn.Module, config: EngineConfig, formats: list
                   for t in (getattr(f, "head_scale", None), getattr(f, "wide_channels", None)) if t is not None]
     if calibrated:
         pages += "@" + hashlib.sha256(torch.cat(calibrated).cpu().numpy().tobytes()).hexdigest()[:16]
-    rotation = "none"
-    if config.kv_rotation != "none":
-        rotation = f"{config.kv_rotation}:{config.seed}" + ("" if config.kv_rotate_keys else ":values")
-    return (f"{model_fingerprint(model)}@{config.torch_dtype}@bs{config.block_size}@{pages}@rot={rotation}"
-            f"@outliers={config.kv_outliers}@sparse={config.kv_sparse_threshold},{config.kv_sparse_capacity}"
+    rotation, fmt = "none", config.kv_format
+    if fmt.kv_rotation != "none":
+        rotation = f"{fmt.kv_rotation}:{config.model.seed}" + ("" if fmt.kv_rotate_keys else ":values")
+    return (f"{model_fingerprint(model)}@{config.model.torch_dtype}@bs{config.cache.block_size}@{pages}@rot={rotation}"
+            f"@outliers={fmt.kv_outliers}@sparse={fmt.kv_sparse_threshold},{fmt.kv_sparse_capacity}"
             f"@layout{LAYOUT_VERSION}@tp{rank}/{world_size}")

@@ -31,7 +31,7 @@ class RequestIntake:
         self.eos_token_id = eos_token_id
         self.block_manager = block_manager
         self._ids = itertools.count()
-        self._rng = random.Random(config.seed)
+        self._rng = random.Random(config.model.seed)
 
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -119,7 +119,7 @@ class RequestIntake:
             raise FieldError("prompt",
                              f"prompt: {num_prompt} prompt tokens + max_tokens {params.max_tokens} exceed "
                              f"the whole KV cache ({pool}, {bm.num_host_blocks} host blocks); raise kv_cache_memory")
-        max_num_seqs = self.config.max_num_seqs
+        max_num_seqs = self.config.scheduler.max_num_seqs
         if params.n > max_num_seqs:
             raise FieldError("n", f"n: {params.n} samples exceed max_num_seqs={max_num_seqs}")
         if params.beam_width > 1 and params.beam_width * bm.blocks_peak(total) > bm.capacity:

@@ -13,7 +13,6 @@ import torch
 
 from kvserve.attention import make_backend
 from kvserve.attention.rotation import kv_rotation
-from kvserve.cache.kv_sizes import KVSizes
 from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import broadcast_object, init_group
@@ -26,20 +25,21 @@ logger = logging.getLogger(__name__)
 
 
 def tp_worker_main(config: EngineConfig, rank: int, port: int, num_blocks: int, timeout_s: float) -> None:
-    device = config.torch_device
-    torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
-    loaded = load_model(config.model, config.torch_dtype, device, config.seed)
+    device = config.model.torch_device
+    torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.tensor_parallel_size))
+    loaded = load_model(config.model.model, config.model.torch_dtype, device, config.model.seed)
     cfg = loaded.config
-    shard = shard_of(cfg, rank, config.tensor_parallel_size)
-    rotation = kv_rotation(config.kv_rotation, cfg.head_dim, config.seed, config.kv_rotate_keys)
-    kernels = cpu_extension.load() if config.cpu_kernels and device.type == "cpu" else None
+    shard = shard_of(cfg, rank, config.parallel.tensor_parallel_size)
+    fmt = config.kv_format
+    rotation = kv_rotation(fmt.kv_rotation, cfg.head_dim, config.model.seed, fmt.kv_rotate_keys)
+    kernels = cpu_extension.load() if config.runtime.cpu_kernels and device.type == "cpu" else None
     formats = rank_formats(config, loaded.model, loaded.tokenizer, kernels, rotation, shard)
     rank_cfg = shard_config(cfg, shard)
-    pool = make_pool(config, rank_cfg, num_blocks, formats, KVSizes.of(config, rank_cfg).staging_slots, 0, device)
-    group = init_group(rank, config.tensor_parallel_size, port, timeout_s)
+    pool = make_pool(config, rank_cfg, num_blocks, formats, config.kv_sizes(rank_cfg).staging_slots, 0, device)
+    group = init_group(rank, config.parallel.tensor_parallel_size, port, timeout_s)
     model = shard_model(loaded.model, shard, group)
     del loaded
-    backend = make_backend(config.attention_backend, pool, rank_cfg.num_heads, device,
+    backend = make_backend(config.runtime.attention_backend, pool, rank_cfg.num_heads, device,
                            windowed=bool(rank_cfg.sliding_layers), softcap=rank_cfg.attn_logit_softcapping)
     runner = ModelRunner(model, pool, device, backend, kernels, None, rotation)
     try:

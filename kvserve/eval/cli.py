@@ -119,7 +119,7 @@ def _engine_options(args: argparse.Namespace, origin: str, spec: str, **override
     options = engine_kwargs(args, max_num_seqs=max(args.max_num_seqs, args.windows, args.greedy_prompts),
                             enable_prefix_caching=False, **kv_format_overrides(spec, args), **overrides)
     try:
-        EngineConfig(**options)
+        EngineConfig.of(**options)
     except ValueError as err:
         raise ValueError(f"{origin}: {err}") from None
     return options

@@ -28,7 +28,6 @@ from tqdm import tqdm
 from kvserve.arg_types import at_least
 from kvserve.cache.formats import format_names
 from kvserve.cache.kv_plan import KVPlan
-from kvserve.cache.kv_sizes import KVSizes
 from kvserve.config import EngineConfig
 from kvserve.engine_args import add_engine_args, engine_kwargs, llm_from_args
 from kvserve.eval import quality
@@ -165,7 +164,7 @@ def tune(args: argparse.Namespace, budget: Budget, candidates: list[str], text: 
     layers = cfg.num_layers
     size = np.zeros((layers, len(names)), dtype=np.int64)
     for f, name in enumerate(names):
-        sizes = KVSizes.of(EngineConfig(**engine_kwargs(args, kv_cache_dtype=name, **probe)), cfg)
+        sizes = EngineConfig.of(**engine_kwargs(args, kv_cache_dtype=name, **probe)).kv_sizes(cfg)
         size[:, f] = round(sizes.block_bytes / layers)  # a uniform format: every layer the same share
     # Known before any run: a size budget below every layer's cheapest format has no plan.
     smallest = size.min(axis=1).sum() / args.block_size

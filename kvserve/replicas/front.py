@@ -59,7 +59,7 @@ class ReplicaFront:
         threads = settings.threads_per_replica or max(1, (os.cpu_count() or 1) // settings.num_replicas)
         deployment = serve.deployment(EngineReplica, name="EngineReplica").options(
             num_replicas=settings.num_replicas,
-            max_ongoing_requests=max_waiting + config.max_num_seqs,
+            max_ongoing_requests=max_waiting + config.scheduler.max_num_seqs,
             ray_actor_options={"num_cpus": 0},  # torch threads are set per replica instead
             request_router_config=RequestRouterConfig(
                 request_router_class=ROUTER_CLASSES[settings.router],

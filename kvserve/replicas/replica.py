@@ -74,7 +74,7 @@ class EngineReplica:
 
     def describe(self, pin: str | None = None) -> ReplicaDescription:
         e = self.engine
-        return ReplicaDescription(e.tokenizer, e.model_name, e.max_model_len, e.config.block_size)
+        return ReplicaDescription(e.tokenizer, e.model_name, e.max_model_len, e.config.cache.block_size)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                        cache_salt: str | None = None, block_keys: list[str] | None = None) -> AsyncIterator[Any]:

@@ -30,7 +30,7 @@ def test_the_rotations_are_orthogonal(kind: str, dim: int) -> None:
 def test_bad_rotations_name_the_field(tiny_llm: Callable[..., LLM]) -> None:
     with pytest.raises(ValueError, match="EngineConfig.kv_rotation.*power-of-two"):
         rotation_matrix("hadamard", 80, seed=0)
-    with pytest.raises(ValueError, match="EngineConfig.kv_rotation must be one of"):
+    with pytest.raises(ValueError, match="KVFormatOptions.kv_rotation must be one of"):
         tiny_llm(kv_rotation="givens")
 
 

@@ -109,7 +109,7 @@ def test_choices_follow_the_registry_and_registration_ends_with_its_block(
     with pytest.raises(ValueError, match=f'unknown format "{NAME}"'):
         make_format(NAME, "k")
     with pytest.raises(ValueError, match=f"kv_cache_dtype must be 'auto'.*got '{NAME}'"):
-        EngineConfig(kv_cache_dtype=NAME)
+        EngineConfig.of(kv_cache_dtype=NAME)
 
 
 def test_kvserve_memory_prices_it_from_its_fields(bf16_by_hand: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -136,11 +136,11 @@ def test_names_that_a_list_or_the_engine_could_not_read_are_refused() -> None:
 
 
 def test_a_registered_default_window_is_the_engines_default_residual() -> None:
-    assert EngineConfig(kv_cache_dtype="kivi2").residual_tokens == 128
-    assert EngineConfig(kv_cache_dtype="int8").residual_tokens == 0
+    assert EngineConfig.of(kv_cache_dtype="kivi2").residual_tokens == 128
+    assert EngineConfig.of(kv_cache_dtype="int8").residual_tokens == 0
     with registered(NAME, lambda role, options: RoundedBF16(), default_residual=48):
-        assert EngineConfig(kv_cache_dtype=NAME).residual_tokens == 48
-        assert EngineConfig(kv_cache_dtype=NAME, kv_residual=0).residual_tokens == 0
+        assert EngineConfig.of(kv_cache_dtype=NAME).residual_tokens == 48
+        assert EngineConfig.of(kv_cache_dtype=NAME, kv_residual=0).residual_tokens == 0
 
 
 # The kernels' page kind numbers (kvserve/kernels: DENSE 0, ABSMAX 1, GROUPED 2, CHANNEL 3,

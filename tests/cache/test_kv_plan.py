@@ -33,17 +33,17 @@ def test_bad_plan_files_name_the_field(tmp_path: Path, content: str, field: str)
     path.write_text(content)
     with pytest.raises(ValueError, match=field):
         KVPlan.load(path)
-    with pytest.raises(ValueError, match=f"EngineConfig.kv_cache_dtype: kv plan {path}"):
-        EngineConfig(kv_cache_dtype=f"plan:{path}")
+    with pytest.raises(ValueError, match=f"KVFormatOptions.kv_cache_dtype: kv plan {path}"):
+        EngineConfig.of(kv_cache_dtype=f"plan:{path}")
 
 
 def test_a_missing_plan_or_role_overrides_beside_one_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype: kv plan .*cannot read it"):
-        EngineConfig(kv_cache_dtype=f"plan:{tmp_path / 'absent.json'}")
-    with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype: kv plan: 'plan:' names no file"):
-        EngineConfig(kv_cache_dtype="plan:")  # it said "Is a directory": the empty path is "."
+    with pytest.raises(ValueError, match="KVFormatOptions.kv_cache_dtype: kv plan .*cannot read it"):
+        EngineConfig.of(kv_cache_dtype=f"plan:{tmp_path / 'absent.json'}")
+    with pytest.raises(ValueError, match="KVFormatOptions.kv_cache_dtype: kv plan: 'plan:' names no file"):
+        EngineConfig.of(kv_cache_dtype="plan:")  # it said "Is a directory": the empty path is "."
     path = tmp_path / "plan.json"
     KVPlan((("int8", "int8"),)).save(path)
-    with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype_k"):
-        EngineConfig(kv_cache_dtype=f"plan:{path}", kv_cache_dtype_k="int4")
+    with pytest.raises(ValueError, match="KVFormatOptions.kv_cache_dtype_k"):
+        EngineConfig.of(kv_cache_dtype=f"plan:{path}", kv_cache_dtype_k="int4")
     assert json.loads(path.read_text())["version"] == 1

@@ -92,7 +92,7 @@ def test_shards_cover_every_head_once_or_replicate_kv_heads() -> None:
 ])
 def test_unsupported_tensor_parallel_settings_name_the_field(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(**kwargs)
+        EngineConfig.of(**kwargs)
 
 
 _BUNDLED = {"dtype": "float32", "device": "cpu", "kv_cache_memory": "64MiB", "max_model_len": 512, "max_num_seqs": 4}

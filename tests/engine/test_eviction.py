@@ -97,7 +97,7 @@ def test_an_eviction_interval_of_a_block_holds_the_same_blocks(tiny_llm: Callabl
     assert seen[1][0] == 32 and seen[16][0] == 32 + 15
     assert seen[1][1] == seen[16][1] == 3  # 32 kept + 1 or 15 more: three blocks of 16 either way
     assert seen[16][2] * 8 <= seen[1][2]
-    with pytest.raises(ValueError, match="EngineConfig.kv_evict_interval"):
+    with pytest.raises(ValueError, match="EvictionOptions.kv_evict_interval"):
         tiny_llm(kv_eviction=policy, kv_budget=32, kv_evict_interval=0)
 
 
@@ -247,9 +247,9 @@ def test_a_prompt_evicted_chunk_by_chunk_holds_budget_plus_a_chunk(tiny_llm: Cal
         llm.generate([list(range(3, 103))], forced_params(4)[0], use_tqdm=False)
         peaks[chunk] = llm.engine.block_manager.peak_used
     assert peaks == {None: 7, 16: 3}
-    with pytest.raises(ValueError, match="EngineConfig.kv_prefill_chunk"):
+    with pytest.raises(ValueError, match="EvictionOptions.kv_prefill_chunk"):
         tiny_llm(kv_eviction="snapkv", kv_budget=24, kv_prefill_chunk=4, **KNOBS)  # below its window of 8
-    with pytest.raises(ValueError, match="EngineConfig.kv_prefill_chunk"):
+    with pytest.raises(ValueError, match="EvictionOptions.kv_prefill_chunk"):
         tiny_llm(kv_prefill_chunk=0)
 
 

@@ -89,7 +89,7 @@ def test_same_budget_holds_more_tokens(tiny_llm: Callable[..., LLM]) -> None:
 ])
 def test_bad_format_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        EngineConfig(**kwargs)
+        EngineConfig.of(**kwargs)
 
 
 def plan_file(tmp_path: Any, *layers: tuple[str, str]) -> str:
@@ -108,11 +108,10 @@ def test_a_uniform_plan_equals_the_format_and_each_layer_keeps_its_own(tiny_llm:
     windows = [[(7 * i + 3 * j) % 128 for j in range(60)] for i in range(2)]
 
     def run(**kwargs: Any) -> tuple[torch.Tensor, LLM]:
-        from kvserve.cache.kv_sizes import KVSizes
 
         # The same 12 blocks whatever the format, so that both engines hand out the same block ids.
-        config = EngineConfig(model=TINY, dtype="float32", max_num_seqs=2, kv_group_size=GROUP, **kwargs)
-        llm = tiny_llm(max_num_seqs=2, kv_group_size=GROUP, kv_cache_memory=str(KVSizes.of(config, TINY).memory_for(12)),
+        config = EngineConfig.of(model=TINY, dtype="float32", max_num_seqs=2, kv_group_size=GROUP, **kwargs)
+        llm = tiny_llm(max_num_seqs=2, kv_group_size=GROUP, kv_cache_memory=str(config.kv_sizes(TINY).memory_for(12)),
                        **kwargs)
         return forced_logprobs(llm, windows, prefill_len=30), llm
 
@@ -137,19 +136,18 @@ def test_a_uniform_plan_equals_the_format_and_each_layer_keeps_its_own(tiny_llm:
 
 def test_a_mixed_plan_survives_preemption_prefix_caching_and_leaks_nothing(tiny_llm: Callable[..., LLM],
                                                                           tmp_path: Any) -> None:
-    from kvserve.cache.kv_sizes import KVSizes
     from kvserve.config import EngineConfig
 
     plan = plan_file(tmp_path, ("kivi4", "int8"), ("auto", "int4"))
-    config = EngineConfig(model=TINY, dtype="float32", kv_cache_dtype=plan, kv_group_size=GROUP, kv_residual=16,
+    config = EngineConfig.of(model=TINY, dtype="float32", kv_cache_dtype=plan, kv_group_size=GROUP, kv_residual=16,
                           max_num_seqs=3)
-    memory = str(KVSizes.of(config, TINY).memory_for(9))
+    memory = str(config.kv_sizes(TINY).memory_for(9))
     llm = tiny_llm(kv_cache_dtype=plan, kv_group_size=GROUP, kv_residual=16, max_num_seqs=3, kv_cache_memory=memory)
     generates_under_pressure(llm)
 
 
 def test_a_plan_for_another_layer_count_names_the_field(tiny_llm: Callable[..., LLM], tmp_path: Any) -> None:
-    with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype: the plan names 3 layers, the model has 2"):
+    with pytest.raises(ValueError, match="KVFormatOptions.kv_cache_dtype: the plan names 3 layers, the model has 2"):
         tiny_llm(kv_cache_dtype=plan_file(tmp_path, *[("int8", "int8")] * 3))
 
 
@@ -209,7 +207,7 @@ def test_per_head_fp8_generates_with_prefix_caching_and_preemption(tiny_llm: Cal
 ])
 def test_bad_fp8_scale_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        EngineConfig(**kwargs)
+        EngineConfig.of(**kwargs)
 
 
 @pytest.mark.parametrize("backend", ["torch", heavy_case("triton", backend="triton")])
@@ -234,7 +232,7 @@ def test_exact_sink_kivi_generates_with_prefix_caching_and_preemption(tiny_llm: 
 
 def test_bad_exact_sink_names_the_field() -> None:
     with pytest.raises(ValueError, match="kv_exact_sink"):
-        EngineConfig(kv_cache_dtype="kivi2", kv_exact_sink="yes")
+        EngineConfig.of(kv_cache_dtype="kivi2", kv_exact_sink="yes")
 
 
 def test_wide_key_channels_are_calibrated_at_start_up_and_bring_pages_closer(tiny_llm: Callable[..., LLM]) -> None:
@@ -276,7 +274,7 @@ def test_the_2bit_layout_generates_with_prefix_caching_and_preemption(tiny_llm: 
 ])
 def test_bad_2bit_layout_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        EngineConfig(kv_cache_dtype="kivi2", **kwargs)
+        EngineConfig.of(kv_cache_dtype="kivi2", **kwargs)
 
 
 def test_the_2bit_layout_in_bf16_reads_the_same_on_the_cpu_kernel(tiny_llm: Callable[..., LLM]) -> None:

@@ -17,7 +17,7 @@ MODEL = torch.nn.Linear(2, 2)  # one model throughout: its weights are part of t
 
 def namespace(sign: float = 1.0, **kw: Any) -> str:
     """The namespace of a kivi engine with `kw` changed; `sign` -1 calibrates other wide channels."""
-    config = EngineConfig(**{"kv_cache_dtype": "kivi2", "kv_group_size": 16, **kw})
+    config = EngineConfig.of(**{"kv_cache_dtype": "kivi2", "kv_group_size": 16, **kw})
     formats = config.kv_layer_formats(LAYERS)
     importance = sign * torch.arange(LAYERS * KV_HEADS * DIM, dtype=torch.float32).reshape(LAYERS, KV_HEADS, DIM)
     stats = KVStats(torch.ones(LAYERS, 2, KV_HEADS), importance)

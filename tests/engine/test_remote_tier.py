@@ -178,8 +178,8 @@ def test_the_secret_is_never_shown(tiny_llm: Callable[..., LLM], redis_server: R
     metrics = Metrics()
     metrics.observe_step(llm.engine)
     shown = repr(llm.engine.config) + caplog.text + metrics.render().decode()
-    with pytest.raises(ValueError, match="EngineConfig.kv_remote_secret must be str") as refused:
-        EngineConfig(kv_remote="redis://x", kv_remote_secret=b"hunter2-secret")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="CacheOptions.kv_remote_secret must be str") as refused:
+        EngineConfig.of(kv_remote="redis://x", kv_remote_secret=b"hunter2-secret")  # type: ignore[arg-type]
     assert "hunter2" not in shown + str(refused.value)
 
 
@@ -200,7 +200,7 @@ def test_the_secret_has_its_flag() -> None:
 ])
 def test_bad_remote_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        EngineConfig(**kwargs)
+        EngineConfig.of(**kwargs)
 
 
 def test_the_tier_counts_show_in_metrics(tiny_llm: Callable[..., LLM], redis_server: RedisServer) -> None:

@@ -35,7 +35,7 @@ class Served:
 
         from kvserve.server.app import build_app
 
-        config = EngineConfig(model=TINY, dtype="float32", device="cpu", kv_cache_memory="4MiB", max_model_len=512)
+        config = EngineConfig.of(model=TINY, dtype="float32", device="cpu", kv_cache_memory="4MiB", max_model_len=512)
         self.front = ReplicaFront.start(config, ReplicaSettings(2, "prefix", stats_period_s=0.2), max_waiting=64)
         self.port = free_loopback_port()
         self.server = uvicorn.Server(uvicorn.Config(build_app(self.front), host="127.0.0.1", port=self.port,
