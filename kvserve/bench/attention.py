@@ -57,7 +57,7 @@ def time_backends(formats: list[str], heads: int = 9, kv_heads: int = 3, dim: in
                 backend = cls(pool, heads)
                 # No staging here: the pool's plan is the same per-token one for every step.
                 step = StepMetadata.build([q_len] * batch, ctxs, tables, block_size, torch.device("cpu"),
-                                          kv_plan=pool.plan_step(None, []))
+                                          kv_plan=pool.write_plan(None))
                 meta = backend.prepare(step)
                 backend.forward(0, q, k, v, meta, dim ** -0.5)
                 times = []

@@ -23,34 +23,35 @@ from kvserve.cache.blocks import (BlockUsage, HostBlock, PrefixStats, PromptGran
 from kvserve.cache.compaction import Compaction
 from kvserve.cache.kv_groups import NULL_BLOCK, KVSpec
 from kvserve.cache.kv_remote import RemoteKVTier
+from kvserve.cache.staging_slots import StagingSlots
 from kvserve.cache.table_widths import TableWidths
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_host_blocks: int = 0, remote: RemoteKVTier | None = None,
-                 specs: tuple[KVSpec, ...] = (KVSpec(),), step_tokens: int | None = None) -> None:
+                 specs: tuple[KVSpec, ...] = (KVSpec(),), step_tokens: int | None = None, staging_slots: int = 0,
+                 residual: int = 0) -> None:
         """`remote`: a shared tier asked for the full blocks after a prompt's local prefix hit
         (cache/kv_remote.py); what it serves is loaded into new blocks before the step runs.
         `specs`: each KV cache group's spec (one full group: a plain paged cache). `step_tokens`:
         the most tokens a step runs of one sequence (chunked prefill), so a sliding group holds
-        blocks only that far past the computed tokens; None: a prompt runs whole."""
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        blocks only that far past the computed tokens; None: a prompt runs whole. `staging_slots`
+        and `residual`: a compressed pool's full-precision slots and window (staging_slots.py)."""
+        self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
         self.specs, self.widths = specs, TableWidths(specs, block_size, step_tokens)
         self.pool = BlockPool(num_blocks, len(specs), any(spec.window is not None for spec in specs))
         self.blocks = self.pool.blocks
+        self.staging = StagingSlots(staging_slots, block_size, residual, self.blocks) if staging_slots else None
         self.group_tables: list[dict[str, list[int]]] = [{} for _ in specs]
         self._dropped: list[dict[str, int]] = [{} for _ in specs]  # leading entries a window released
         self.num_tokens: dict[str, int] = {}
         self._hashes: dict[str, list[bytes]] = {}  # each sequence's registered full-block hashes
         self._roots: dict[str, bytes] = {}          # salted sequences' first parent hash
         self.prefix_stats = PrefixStats()
-        self.num_host_blocks = num_host_blocks
+        self.num_host_blocks, self.remote = num_host_blocks, remote
         self._host_free = [HostBlock(i, num_blocks) for i in reversed(range(num_host_blocks))]
-        self.remote = remote
-        self.evicted_blocks = 0  # blocks returned to the pool by compaction, since the start
-        self.peak_used = 0
+        self.evicted_blocks = self.peak_used = 0  # since the start: blocks compaction freed; most used at once
 
     @property
     def tables(self) -> dict[str, list[int]]:

@@ -24,7 +24,7 @@ class BlockOps:
     loads: tuple[tuple[int, bytes], ...] = ()         # (device block, its pages from the remote tier)
     copies: tuple[tuple[int, int], ...] = ()         # (source block, destination block)
     # (staging slot, block): a compressed pool's freed cached block encoded from its full-precision
-    # copy (QuantizedKVPool.release_unowned), sent alone between steps
+    # copy (StagingSlots.release_unowned), sent alone between steps
     seals: tuple[tuple[int, int], ...] = ()
 
     def then(self, other: "BlockOps") -> "BlockOps":

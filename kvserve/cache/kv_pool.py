@@ -8,7 +8,6 @@ read in place (block ids from `num_blocks` on).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,9 +84,8 @@ class KVPool:
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
-    def plan_step(self, block_manager: Any, seqs: Iterable[tuple[str, int, int]],
-                  copies: list[tuple[int, int]] | None = None) -> None:
-        """Pages hold K/V as computed: nothing to decide per step (see QuantizedKVPool)."""
+    def write_plan(self, staging: None) -> None:
+        """Pages hold K/V as computed: nothing to plan per step (see QuantizedKVPool)."""
         return None
 
     def copy_blocks(self, pairs: list[tuple[int, int]], plan: None = None) -> None:

@@ -10,8 +10,9 @@ window it is sealed: encoded from the staging slot into its own pages, and the s
 Sealing happens after the step's attention (`seal`), so a step reads the tokens it brings in full
 precision, as HF's QuantizedCache and vLLM do: a prompt attends to itself exactly and only later
 steps read its codes. A block whose tokens all arrive in one step already out of the window (most
-of a long prompt) takes a staging slot for that step only. The plan for a step is made once
-(`plan_step`) and applied by every layer. Each layer has its own (keys, values) formats (one pair
+of a long prompt) takes a staging slot for that step only. Which block holds which slot is the block
+manager's (cache/staging_slots.py); its plan for a step becomes index tensors once
+(`write_plan`) and is applied by every layer. Each layer has its own (keys, values) formats (one pair
 for all, or a per-layer plan, `cache/kv_plan.py`); a block holds every layer's fields, so its bytes
 are their sum.
 
@@ -29,15 +30,14 @@ plan it is sent, copy-on-write copies included (`StepPlan.stage_copies`).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.compaction import Compaction, move_slots
 from kvserve.cache.formats import Fields, KVFormat
+from kvserve.cache.staging_slots import StagingPlan
 
 
 @dataclass
@@ -120,8 +120,6 @@ class QuantizedKVPool:
         self.staged = num_staging > 0
         self.num_staging = num_staging
         self.kv = [QuantizedLayerKV(self, formats) for formats in layer_formats]
-        self.stage_of: dict[int, int] = {}  # block -> staging slot
-        self._stage_free = list(range(self.num_staging - 1, -1, -1))
         # Without staging every step's plan is the same: encode each token into its slot.
         none = torch.zeros(0, dtype=torch.long, device=device)
         self._per_token_plan = StepPlan(True, none, none, none, none, None)
@@ -152,23 +150,6 @@ class QuantizedKVPool:
             return 0
         return max_num_seqs * (-(-residual // block_size) + 2) + tokens_per_step // block_size
 
-    def _take_stage(self, block: int) -> int:
-        if block not in self.stage_of:
-            if not self._stage_free:
-                raise RuntimeError("QuantizedKVPool: staging slots exhausted")
-            self.stage_of[block] = self._stage_free.pop()
-        return self.stage_of[block]
-
-    def release_unowned(self, bm: Any) -> BlockOps:
-        """Gives back now the staging slots of blocks no sequence owns any more (a finished or
-        aborted one's), so an idle engine holds none; a cached (full) block is first sealed, by
-        the returned op, so that it serves later prefix hits from its codes. Safe to apply at
-        once: the slots are not reused before it runs."""
-        unowned = [b for b in self.stage_of if bm.blocks[b].ref_count == 0]
-        seals = tuple((self.stage_of[b], b) for b in unowned if bm.blocks[b].hash is not None)
-        self._stage_free.extend(self.stage_of.pop(b) for b in unowned)
-        return BlockOps(seals=seals)
-
     def seal(self, seals: tuple[tuple[int, int], ...]) -> None:
         """A BlockOps' seals, (staging slot, block): outside a step, on every rank."""
         stages = self._dev(torch.tensor([s for s, _ in seals], dtype=torch.long))
@@ -176,58 +157,24 @@ class QuantizedKVPool:
         for layer in self.kv:
             layer.seal_blocks(blocks, stages)
 
-    def plan_step(self, block_manager: Any, seqs: Iterable[tuple[str, int, int]],
-                  copies: list[tuple[int, int]] | None = None) -> StepPlan:
-        """seqs: (seq_id, tokens already in the pool, tokens after this step), in batch order;
-        copies: the step's copy-on-write (source, destination) blocks."""
-        if not self.staged:
+    def write_plan(self, staging: StagingPlan | None) -> StepPlan:
+        """Where the step's tokens go, as index tensors: `staging` (the block manager's plan,
+        cache/staging_slots.py), or each token into its slot when the pool stages nothing."""
+        if staging is None:
             return self._per_token_plan
-        return self._plan_staged(block_manager, seqs, copies or [])
-
-    def _plan_staged(self, bm: Any, seqs: Iterable[tuple[str, int, int]], copies: list[tuple[int, int]]) -> StepPlan:
-        bs = self.block_size
-        # First, before a source can lose its slot below (its last owner preempted this step):
-        # its slot stays intact until the copy, since freed slots are not reused within a step.
-        stage_copies = tuple((self.stage_of[s], self._take_stage(d)) for s, d in copies if s in self.stage_of)
-        seal: dict[int, int] = {}  # block -> the staging slot it is encoded from after attention
-        freed: list[int] = []      # slots given back once the plan is made: none is reused within a step
-        # Blocks nobody owns: a cached (full) one is sealed, so it can serve a later prefix hit;
-        # any other holds nothing reusable.
-        for block in [b for b in self.stage_of if bm.blocks[b].ref_count == 0]:
-            if bm.blocks[block].hash is not None:
-                seal[block] = self.stage_of[block]
-            freed.append(self.stage_of.pop(block))
-        staged_tokens, staged_slots = [], []
-        offset = 0
-        for seq_id, start, end in seqs:
-            table = bm.tables[seq_id]
-            window = end - self.residual  # tokens before this position are out of the window
-            for i in range(start // bs, -(-end // bs)):
-                block, lo, hi = table[i], i * bs, (i + 1) * bs
-                # A block all new and already out of the window reuses any slot left from its
-                # previous owner, and is sealed below like any other that left the window.
-                stage = self._take_stage(block)
-                first, last = max(lo, start), min(hi, end)
-                staged_tokens.append(torch.arange(offset + first - start, offset + last - start))
-                staged_slots.append(torch.arange(stage * bs + first - lo, stage * bs + last - lo))
-            # Staged blocks of this sequence that have left the window.
-            for block in table[:max(window, 0) // bs]:
-                if block in self.stage_of:
-                    seal[block] = self.stage_of.pop(block)
-                    freed.append(seal[block])
-            offset += end - start
-        self._stage_free.extend(freed)
+        tokens = [torch.arange(t, t + n) for t, _, n in staging.staged]
+        slots = [torch.arange(p, p + n) for _, p, n in staging.staged]
         stage_of = torch.full((self.num_blocks,), -1, dtype=torch.long)
-        for held in (self.stage_of, seal):  # this step still reads the sealed ones from staging
-            if held:
-                stage_of[list(held)] = torch.tensor(list(held.values()))
+        if staging.reads:
+            stage_of[[b for b, _ in staging.reads]] = torch.tensor([s for _, s in staging.reads])
 
         def cat(parts: list[torch.Tensor]) -> torch.Tensor:
             return self._dev(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long))
 
-        return StepPlan(False, cat(staged_tokens), cat(staged_slots),
-                        self._dev(torch.tensor(list(seal.values()), dtype=torch.long)),
-                        self._dev(torch.tensor(list(seal), dtype=torch.long)), self._dev(stage_of), stage_copies)
+        return StepPlan(False, cat(tokens), cat(slots),
+                        self._dev(torch.tensor([s for _, s in staging.seals], dtype=torch.long)),
+                        self._dev(torch.tensor([b for b, _ in staging.seals], dtype=torch.long)),
+                        self._dev(stage_of), staging.copies)
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvserve.cache.quantized_pool import QuantizedKVPool
 
 if TYPE_CHECKING:
     from kvserve.engine.llm_engine import LLMEngine
@@ -29,8 +28,8 @@ def idle_problems(engine: LLMEngine) -> list[str]:
     if owned:
         problems.append(f"blocks with a reference count: {owned[:8]}{'...' if len(owned) > 8 else ''}")
     problems += [f"block manager: {left}" for left in bm.sequence_state_left()]
-    if isinstance(engine.pool, QuantizedKVPool) and engine.pool.stage_of:
-        problems.append(f"staging slots held by blocks {sorted(engine.pool.stage_of)[:8]}")
+    if bm.staging is not None and bm.staging.stage_of:
+        problems.append(f"staging slots held by blocks {sorted(bm.staging.stage_of)[:8]}")
     if engine.swap is not None:
         problems += [f"swap tier {u.name}: {u.used} slots in use" for u in engine.swap.usage() if u.used]
     sched = engine.scheduler

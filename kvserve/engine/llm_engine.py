@@ -12,7 +12,6 @@ from typing import Any
 
 from kvserve.cache.block_manager import BlockUsage
 from kvserve.cache.block_ops import BlockOps
-from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.config import EngineConfig
 from kvserve.engine.engine_parts import build_engine_parts
 from kvserve.engine.eviction_step import EvictionStep
@@ -176,10 +175,9 @@ class LLMEngine:
         pending = self.update.pending
         if pending is not None and all(s.finished for s in pending.seqs):
             self.update.pending = None
-        if isinstance(self.pool, QuantizedKVPool) and self.pool.staged:
-            ops = self.pool.release_unowned(self.block_manager)
-            if ops.any():
-                self.runner.move_blocks(ops)
+        staging = self.block_manager.staging
+        if staging is not None and (seals := staging.release_unowned()):
+            self.runner.move_blocks(BlockOps(seals=seals))
 
     # -- reporting --------------------------------------------------------------------------
     def kv_usage(self) -> BlockUsage:

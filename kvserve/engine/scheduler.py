@@ -160,10 +160,11 @@ class Scheduler:
             # The beams of one request run together (a beam step needs all of them), so a group
             # that was preempted comes back all at once or not at all.
             group = self._group_at_head()
-            need = sum(s.num_tokens for s in group)
+            need, seats = sum(s.num_tokens for s in group), sum(1 + s.num_forks for s in group)
             # Readmitted beams may be cut into chunks too: a beam that completes before the others
             # waits for them, recomputing its last token (Forks.step_beams).
-            if sum(1 + s.num_forks for s in group) > slots or budget <= 0 or (need > budget and not chunked):
+            if seats > slots or budget <= 0 or (need > budget and not chunked) or \
+                    not self._staging_room(self.max_num_seqs - slots + seats):
                 break
             grants = [self.block_manager.allocate_prompt(s.seq_id, s.token_ids, self.reserve_tokens,
                                                          max_cached=self._cacheable(s),
@@ -185,6 +186,12 @@ class Scheduler:
                 self.running.append(seq)
                 admitted.append(seq)
         return admitted, BlockOps(loads=tuple(loads))
+
+    def _staging_room(self, seats: int) -> bool:
+        """Whether `seats` running sequences fit a compressed pool's staging slots, so a step never
+        finds them exhausted (cache/staging_slots.py)."""
+        staging = self.block_manager.staging
+        return staging is None or staging.room_for(seats, self.max_num_batched_tokens)
 
     @staticmethod
     def _cacheable(seq: Sequence) -> int | None:

@@ -53,7 +53,7 @@ class StepPlan:
     spans: list[SeqSpan]
     input_ids: list[int]             # every span's tokens in batch order; empty where `fill` takes them all
     ops: BlockOps                    # every block move to apply before the forward pass
-    kv_plan: PoolWritePlan | None    # a compressed pool's staging for the step (QuantizedKVPool.plan_step)
+    kv_plan: PoolWritePlan | None    # a compressed pool's writes for the step (QuantizedKVPool.write_plan)
     offloaded: bool = False          # some table holds host blocks (offload)
     fill: TokenFill | None = None
 
@@ -80,9 +80,10 @@ def plan_step(batch: SchedulerOutput, bm: BlockManager, pool: KVPool | Quantized
     spans = [SeqSpan(start, n, table, e, prompt_span(s, start, start + n) if s.params.prompt_logprobs is not None
                      else None, f)
              for s, start, n, table, e, f in zip(seqs, starts, num_scheduled, tables, evicted, scored)]
-    # A generator: only a pool that plans its writes reads it.
-    kv_plan = pool.plan_step(bm, ((s.seq_id, start - e, end - e) for s, start, end, e in zip(seqs, starts, ends, evicted)),
-                             list(batch.block_ops.copies))
+    staging = None if bm.staging is None else bm.staging.plan(
+        ((bm.tables[s.seq_id], start - e, end - e) for s, start, end, e in zip(seqs, starts, ends, evicted)),
+        batch.block_ops.copies)
+    kv_plan = pool.write_plan(staging)
     offloaded = bool(bm.num_host_blocks) and not all(on_device(b) for t in tables for b in t[0])
     return StepPlan(spans, input_ids, batch.block_ops, kv_plan, offloaded, fill)
 

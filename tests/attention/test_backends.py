@@ -292,7 +292,7 @@ def outputs_over_compressed_pages(fmt: str, heads: int, kv_heads: int, dtype: to
         if BACKENDS[name].unsupported(pool, CPU) is not None:  # e.g. triton not installed here
             continue
         backend = BACKENDS[name](pool, heads)
-        plan = pool.plan_step(None, [])
+        plan = pool.write_plan(None)
         prior = [s for s in seqs if s.ctx > s.q_len]
         lens = [s.ctx - s.q_len for s in prior]
         backend.forward(0, torch.zeros(sum(lens), heads, HEAD_DIM, dtype=dtype),

@@ -94,7 +94,7 @@ def windowed_step(name: str, fmt: str, layout: str, shapes: list[tuple[int, int]
     if (reason := BACKENDS[name].unsupported(pool, CPU)) is not None:
         pytest.skip(f"{name}: {reason}")
     backend = BACKENDS[name](pool, heads)
-    plan = None if isinstance(pool, KVPool) else pool.plan_step(None, [])
+    plan = None if isinstance(pool, KVPool) else pool.write_plan(None)
     prior = [s for s in seqs if s.ctx > s.q_len]
     if prior:
         lens = [s.ctx - s.q_len for s in prior]

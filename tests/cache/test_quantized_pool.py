@@ -11,6 +11,7 @@ from kvserve.cache.block_manager import BlockManager
 from kvserve.cache.formats import KVFormat, format_names, make_format
 from kvserve.cache.formats.kivi import ChannelFormat
 from kvserve.cache.quantized_pool import QuantizedKVPool, encode_blocks
+from kvserve.cache.staging_slots import StagingPlan
 from kvserve.attention import StepMetadata
 from kvserve.attention.selector import BACKENDS
 from tests.backend_cases import heavy_case
@@ -60,10 +61,11 @@ class Driver:
         g = torch.Generator().manual_seed(seed)
         self.bs, self.residual, self.fmt, self.fmt_kw = bs, residual, fmt, fmt_kw
         num_blocks = max(64, 1024 // bs)
-        self.bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         formats = formats_of(fmt, **fmt_kw)
+        staging = QuantizedKVPool.staging_slots(4, bs, residual, [formats], sum(lens))
+        self.bm = BlockManager(num_blocks, bs, enable_prefix_caching=False, staging_slots=staging, residual=residual)
         self.pool = QuantizedKVPool(num_blocks, bs, KV_HEADS, DIM, torch.float32, torch.device("cpu"), [formats],
-                                    residual, QuantizedKVPool.staging_slots(4, bs, residual, [formats], sum(lens)))
+                                    residual, staging)
         reason = BACKENDS[backend].unsupported(self.pool, torch.device("cpu"))
         if reason is not None:
             pytest.skip(f"{backend}: {reason}")
@@ -87,13 +89,18 @@ class Driver:
             assert self.bm.allocate(sid, end) is not None
         step = StepMetadata.build(new, ends, [self.bm.tables[s][:self.bm.blocks_for(e)]
                                               for s, e in zip(self.ids, ends)], self.bs, torch.device("cpu"),
-                                  kv_plan=self.pool.plan_step(self.bm, list(zip(self.ids, starts, ends))))
+                                  kv_plan=self.pool.write_plan(self.plan(starts, ends)))
         self.out = self.backend.forward(0, torch.cat([q[s:e] for q, s, e in zip(self.q, starts, ends)]),
                                         torch.cat([k[s:e] for k, s, e in zip(self.k, starts, ends)]),
                                         torch.cat([v[s:e] for v, s, e in zip(self.v, starts, ends)]),
                                         self.backend.prepare(step), DIM ** -0.5)
         self.len = ends
         self.new = new
+
+    def plan(self, starts: list[int], ends: list[int]) -> StagingPlan | None:
+        staging = self.bm.staging
+        return None if staging is None else staging.plan(
+            [(self.bm.tables[s], start, end) for s, start, end in zip(self.ids, starts, ends)], ())
 
     def expected(self) -> torch.Tensor:
         outs = []
@@ -158,7 +165,8 @@ def test_residual_window_stays_exact_and_is_sealed_behind(residual: int, backend
     # Only blocks touching the window (and none beyond it) hold staging slots.
     end = d.len[0]
     table = d.bm.tables["0"]
-    staged = [i for i, b in enumerate(table) if b in d.pool.stage_of]
+    held = {} if d.bm.staging is None else d.bm.staging.stage_of
+    staged = [i for i, b in enumerate(table) if b in held]
     assert staged == list(range(max(end - residual, 0) // 16, -(-end // 16)))
 
 
@@ -171,12 +179,14 @@ def test_compression_is_real() -> None:
 
 def test_freed_blocks_return_their_staging_slots() -> None:
     d = Driver("kivi2", 16, 32, [40, 20])
-    assert d.pool.stage_of
+    staging = d.bm.staging
+    assert staging.stage_of
     for sid in d.ids:
         d.bm.free(sid)
     d.ids, d.len, d.k, d.v, d.q = d.ids[:0], [], [], [], []
-    d.pool.plan_step(d.bm, [])
-    assert not d.pool.stage_of and len(d.pool._stage_free) == d.pool.num_staging
+    d.plan([], [])
+    assert not staging.stage_of
+    assert staging.num_free == staging.num_slots
 
 
 def test_bytes_per_block_follow_the_formats() -> None:
@@ -199,4 +209,4 @@ def test_reused_block_drops_the_stale_staging_slot() -> None:
     assert d.bm.allocate_prompt("1", [1] * 60) is not None
     d.step([60])
     torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
-    assert len(set(d.pool.stage_of.values())) == len(d.pool.stage_of)
+    assert len(set(d.bm.staging.stage_of.values())) == len(d.bm.staging.stage_of)
