@@ -11,7 +11,7 @@ import torch
 from kvserve.cache.block_manager import BlockManager
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.sequence import RequestOutput, Sequence, SequenceStatus
+from kvserve.engine.sequence import OutputState, RequestOutput, Sequence, SequenceStatus
 from kvserve.engine.token_counter import TokenCounter
 
 
@@ -30,12 +30,12 @@ class Forks:
                          prompt=parent.prompt, index=index, beam=parent.beam, cache_salt=parent.cache_salt,
                          eviction=parent.eviction,
                          kv_state=None if parent.kv_state is None else parent.kv_state.clone(),
-                         output_token_ids=list(parent.output_token_ids),
-                         output_logprobs=list(parent.output_logprobs), prompt_logprobs=list(parent.prompt_logprobs),
-                         num_computed_tokens=parent.num_computed_tokens,
+                         output_token_ids=list(parent.output_token_ids), num_computed_tokens=parent.num_computed_tokens,
                          arrival_time=parent.arrival_time, first_scheduled_time=parent.first_scheduled_time,
-                         first_token_time=parent.first_token_time,
-                         detokenizer=self.detokenizer())  # its text starts over from every output id
+                         # Its text starts over from every output id.
+                         out=OutputState(self.detokenizer(), output_logprobs=list(parent.out.output_logprobs),
+                                         prompt_logprobs=list(parent.out.prompt_logprobs),
+                                         first_token_time=parent.out.first_token_time))
         self.block_manager.fork(parent.seq_id, child.seq_id)
         self.scheduler.add_running(child)
         return child
@@ -98,9 +98,9 @@ class Forks:
         result = Sequence(first.request_id, first.prompt_token_ids, first.params, first.seed, prompt=first.prompt,
                           output_token_ids=best.token_ids, status=SequenceStatus.FINISHED,
                           arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
-                          first_token_time=first.first_token_time,
-                          finish_time=now,
-                          finish_reason="stop" if best.token_ids[-1] == first.beam.eos_token_id else "length")
+                          out=OutputState(first_token_time=first.out.first_token_time, finish_time=now,
+                                          finish_reason="stop" if best.token_ids[-1] == first.beam.eos_token_id
+                                          else "length"))
         if self.tokenizer is not None:
-            result.text = self.tokenizer.decode(best.token_ids, skip_special_tokens=True)
-        return dataclasses.replace(RequestOutput.of(result, result.text, result.text), beam_score=best.score)
+            result.out.text = self.tokenizer.decode(best.token_ids, skip_special_tokens=True)
+        return dataclasses.replace(RequestOutput.of(result, result.out.text, result.out.text), beam_score=best.score)

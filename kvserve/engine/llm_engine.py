@@ -103,8 +103,8 @@ class LLMEngine:
             if seq.output_token_ids[-1:] == [PLACEHOLDER]:  # its token is still on the device: dropped
                 seq.output_token_ids.pop()
             if not seq.finished:
-                seq.finish_reason = "abort"
-                seq.finish_time = time.perf_counter()
+                seq.out.finish_reason = "abort"
+                seq.out.finish_time = time.perf_counter()
                 self.scheduler.finish(seq)
         self._settle()
 

@@ -38,6 +38,6 @@ def prompt_span(seq: Sequence, start: int, end: int) -> tuple[int, int]:
     hi that the sequence has not scored yet (a recomputed prompt is not scored twice)."""
     if seq.params.prompt_logprobs is None:
         return start, start
-    lo = max(start, len(seq.prompt_logprobs) - 1)  # the list starts as [None] (token 0)
+    lo = max(start, len(seq.out.prompt_logprobs) - 1)  # the list starts as [None] (token 0)
     hi = min(end, len(seq.prompt_token_ids) - 1)
     return lo, max(lo, hi)

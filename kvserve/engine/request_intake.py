@@ -14,7 +14,7 @@ from kvserve.cache.block_manager import BlockManager
 from kvserve.config import EngineConfig
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.detokenizer import Detokenizer
-from kvserve.engine.sequence import Sequence
+from kvserve.engine.sequence import OutputState, Sequence
 from kvserve.model.config import ModelConfig
 from kvserve.sampling_params import SamplingParams
 from kvserve.validate import FieldError, check_utf8
@@ -82,9 +82,10 @@ class RequestIntake:
                              params.max_tokens, None if params.ignore_eos else self.eos_token_id)
         return Sequence(request_id or str(next(self._ids)), ids, params, seed, prompt=text,
                         num_forks=max(params.n, params.beam_width) - 1, beam=beam, cache_salt=cache_salt,
-                        eviction=eviction, detokenizer=self.detokenizer(),
+                        eviction=eviction,
                         # The first prompt token has no context to score it.
-                        prompt_logprobs=[] if params.prompt_logprobs is None else [None])
+                        out=OutputState(self.detokenizer(),
+                                        prompt_logprobs=[] if params.prompt_logprobs is None else [None]))
 
     def _check_ids(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.vocab_size

@@ -1,4 +1,6 @@
-"""A request as the engine tracks it: its tokens, progress, and what it has produced."""
+"""A request as the engine tracks it: its tokens and progress (`Sequence`, written by the
+scheduler and by the step's update as tokens join it), and what the caller is shown of it
+(`OutputState`, written by the output side alone: text, logprobs, how and when it ended)."""
 from __future__ import annotations
 
 import enum
@@ -36,6 +38,22 @@ class TokenLogprobs:
     full: torch.Tensor | None   # [vocab] fp32 log-probabilities, when logprobs == -1
 
 
+@dataclass(eq=False)
+class OutputState:
+    """A sequence's output as its caller sees it. The scheduler reads none of it: a sequence ends
+    for the scheduler by its status (`Sequence.finished`), set when `finish_reason` is."""
+    detokenizer: Detokenizer | None = None  # None: no tokenizer, no text
+    text: str = ""
+    text_sent: int = 0  # characters of `text` its outputs have shown
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs
+    # With params.prompt_logprobs: one per prompt token scored so far, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None          # what went wrong, when finish_reason is "error"
+    finish_time: float | None = None
+
+
 # Compared by identity: the scheduler finds a sequence in its queues with `in` and `remove`, where
 # comparing every field would cost a scan of its token lists, and two sequences with equal fields
 # (a request re-sent under its id) are still two.
@@ -53,21 +71,12 @@ class Sequence:
     eviction: EvictionPolicy | None = None  # which tokens its cache keeps (None: all)
     kv_state: EvictionState | None = None   # with `eviction`, once its first tokens are computed
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs
-    # With params.prompt_logprobs: one per prompt token scored so far, None for the first.
-    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0   # tokens whose K/V are in the pool
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
-    error: str | None = None          # what went wrong, when finish_reason is "error"
-    text: str = ""
-    text_sent: int = 0  # characters of `text` its outputs have shown
-    detokenizer: Detokenizer | None = None  # None: no tokenizer, no text
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None  # queue time ends here
-    first_token_time: float | None = None
-    finish_time: float | None = None
+    out: OutputState = field(default_factory=OutputState)
 
     # Unique per sample; the block manager's key. Asked several times per sequence per step: a
     # field, not a property.
@@ -166,11 +175,12 @@ class RequestOutput:
 
     @classmethod
     def of(cls, seq: Sequence, text: str, delta_text: str) -> "RequestOutput":
-        """`text`: what the output shows of `seq.text` (a running one holds back a stop string's
-        possible start)."""
+        """`text`: what the output shows of `seq.out.text` (a running one holds back a stop
+        string's possible start)."""
+        out = seq.out
         return cls(seq.request_id, seq.index, seq.prompt, seq.prompt_token_ids, text,
-                   list(seq.output_token_ids), delta_text, seq.finished, seq.finish_reason,
-                   seq.error, seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
+                   list(seq.output_token_ids), delta_text, seq.finished, out.finish_reason,
+                   out.error, seq.arrival_time, seq.first_scheduled_time, out.first_token_time, out.finish_time,
                    seq.num_preemptions,
-                   None if seq.params.logprobs is None else list(seq.output_logprobs),
-                   None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs))
+                   None if seq.params.logprobs is None else list(out.output_logprobs),
+                   None if seq.params.prompt_logprobs is None else list(out.prompt_logprobs))

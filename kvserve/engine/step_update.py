@@ -129,7 +129,7 @@ class StepUpdate:
             seqs, tokens, logprobs = self._sample_rows(ready, logits)
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             if logprob is not None:
-                seq.output_logprobs.append(logprob)
+                seq.out.output_logprobs.append(logprob)
             self.counter.append(seq, token, now)
             if (out := self._emit(seq, token, now)) is not None:
                 outputs.append(out)
@@ -158,9 +158,9 @@ class StepUpdate:
             self.output_processor.append_text(seq, token)
         except Exception as err:  # a fault in one request's bookkeeping ends that request only
             logger.exception("request %s failed", seq.request_id)
-            seq.finish_reason, seq.error = "error", f"{type(err).__name__}: {err}"
-        if seq.finish_reason is not None:
-            seq.finish_time = now
+            seq.out.finish_reason, seq.out.error = "error", f"{type(err).__name__}: {err}"
+        if seq.out.finish_reason is not None:
+            seq.out.finish_time = now
             self.scheduler.finish(seq)
             if all(s.finished for s in self.requests[seq.request_id]):
                 del self.requests[seq.request_id]
@@ -205,4 +205,4 @@ class StepUpdate:
         scored = token_logprobs(logits, [s.params.prompt_logprobs for s in owners],
                                 [s.params.scale_temperature for s in owners], targets)
         for seq, logprob in zip(owners, scored):
-            seq.prompt_logprobs.append(logprob)
+            seq.out.prompt_logprobs.append(logprob)

@@ -17,4 +17,4 @@ class TokenCounter:
     def count(self, seq: Sequence, now: float) -> None:
         """A token already in `seq` (a read placeholder's) was sampled at `now`."""
         self.generated += 1
-        seq.first_token_time = seq.first_token_time or now
+        seq.out.first_token_time = seq.out.first_token_time or now

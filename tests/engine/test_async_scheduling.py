@@ -166,7 +166,7 @@ def test_abort_while_a_token_is_pending(tiny_llm: Callable[..., LLM]) -> None:
     pending = next(s for s in engine.scheduler.running if s.request_id == dropped)
     assert pending.output_token_ids[-1] == PLACEHOLDER  # its token is on its way
     engine.abort(dropped)
-    assert PLACEHOLDER not in pending.output_token_ids and pending.finish_reason == "abort"
+    assert PLACEHOLDER not in pending.output_token_ids and pending.out.finish_reason == "abort"
     while engine.has_unfinished():
         seen += engine.step()
     final = [o for o in seen if o.request_id == keep and o.finished]

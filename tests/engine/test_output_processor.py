@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.output_processor import OutputProcessor
-from kvserve.engine.sequence import Sequence
+from kvserve.engine.sequence import OutputState, Sequence
 from kvserve.sampling_params import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 
 CHARS = "ab c"
@@ -31,7 +31,7 @@ def run(tokenizer: PreTrainedTokenizerFast, text: str, params: SamplingParams,
     """Feeds `text` a character (token) at a time until the sequence finishes; returns it and the
     text of every output (None where there was none)."""
     processor = OutputProcessor(EOS, max_model_len)
-    seq = Sequence("r", [2], params, seed=0, detokenizer=Detokenizer(tokenizer))
+    seq = Sequence("r", [2], params, seed=0, out=OutputState(Detokenizer(tokenizer)))
     shown: list[str | None] = []
     for char in text:
         seq.output_token_ids.append(VOCAB[char])
@@ -39,8 +39,8 @@ def run(tokenizer: PreTrainedTokenizerFast, text: str, params: SamplingParams,
         out = processor.output(seq)
         shown.append(None if out is None else out.text)
         if out is not None:
-            assert out.text.endswith(out.delta_text) and out.finish_reason == seq.finish_reason
-        if seq.finish_reason is not None:
+            assert out.text.endswith(out.delta_text) and out.finish_reason == seq.out.finish_reason
+        if seq.out.finish_reason is not None:
             break
     return seq, shown
 
@@ -66,9 +66,9 @@ def test_stop_strings_cut_where_the_whole_text_first_holds_one(tokenizer: PreTra
         seq, shown = run(tokenizer, text, SamplingParams(max_tokens=100, stop=stop))
         cut = first_stop(text, stop)
         hits += cut is not None
-        assert seq.finish_reason == ("stop" if cut is not None else None)
+        assert seq.out.finish_reason == ("stop" if cut is not None else None)
         final = text if cut is None else text[:cut]
-        assert seq.text == final
+        assert seq.out.text == final
         # A running output never shows what a stop string later takes back, and its text grows.
         running = [s for s in shown if s is not None]
         assert all(final.startswith(s) for s in running)
@@ -84,17 +84,17 @@ def test_eos_stop_ids_and_length(tokenizer: PreTrainedTokenizerFast) -> None:
              (SamplingParams(max_tokens=3), [2, 3, 3], "length"),
              (SamplingParams(max_tokens=9), [2, 2, 2, 2, 2], "length")]  # 1 prompt + 5 = max_model_len
     for params, tokens, reason in cases:
-        seq = Sequence("r", [2], params, seed=0, detokenizer=Detokenizer(tokenizer))
+        seq = Sequence("r", [2], params, seed=0, out=OutputState(Detokenizer(tokenizer)))
         for i, token in enumerate(tokens):
-            assert seq.finish_reason is None, (params, tokens, i)
+            assert seq.out.finish_reason is None, (params, tokens, i)
             seq.output_token_ids.append(token)
             processor.append_text(seq, token)
-        assert seq.finish_reason == reason, (params, tokens)
+        assert seq.out.finish_reason == reason, (params, tokens)
 
 
 def test_final_kind_has_one_output_with_the_whole_text(tokenizer: PreTrainedTokenizerFast) -> None:
     seq, shown = run(tokenizer, "ab cab", SamplingParams(max_tokens=6, output_kind="final"))
-    assert shown == [None] * 5 + ["ab cab"] and seq.finish_reason == "length"
+    assert shown == [None] * 5 + ["ab cab"] and seq.out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("stop", [["x"] * (MAX_STOPS + 1), ["x" * (MAX_STOP_CHARS + 1)], ["ab"] * 26_000])

@@ -13,12 +13,25 @@ from typing import Any
 from kvserve.cache.block_manager import BlockManager, PromptGrant
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
-from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.engine.sequence import OutputState, Sequence, SequenceStatus
 from kvserve.sampling_params import SamplingParams
 
 
+class ReadOnlyOutput(OutputState):
+    """The output side's state of a sequence, which the scheduler never writes: every test here
+    that drives the scheduler fails if it does."""
+    sealed = False
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if self.sealed:
+            raise AssertionError(f"the scheduler wrote OutputState.{name}")
+        super().__setattr__(name, value)
+
+
 def make_seq(request_id: str, prompt_len: int) -> Sequence:
-    return Sequence(request_id, list(range(prompt_len)), SamplingParams(), seed=0)
+    out = ReadOnlyOutput()
+    object.__setattr__(out, "sealed", True)
+    return Sequence(request_id, list(range(prompt_len)), SamplingParams(), seed=0, out=out)
 
 
 def run_model(sched: Scheduler, out: SchedulerOutput) -> None:
