@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
@@ -26,9 +26,10 @@ from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.profiling import label
 
 Pool = KVPool | QuantizedKVPool
+M = TypeVar("M")  # a backend's per-step metadata, made by its `prepare`
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(ABC, Generic[M]):
     name: ClassVar[str]
     masks_window: ClassVar[bool] = False  # whether `with_window` is implemented
     caps_logits: ClassVar[bool] = False   # whether `softcap` is implemented
@@ -46,16 +47,16 @@ class AttentionBackend(ABC):
         """Why this backend cannot serve `pool` on `device`; None when it can."""
 
     @abstractmethod
-    def prepare(self, step: StepMetadata) -> Any:
+    def prepare(self, step: StepMetadata) -> M:
         """The backend's per-step metadata, built once and shared by every layer."""
 
     @abstractmethod
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any,
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: M,
                 scale: float) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] of the step's new tokens: stores k/v in layer
         `layer`'s pages, returns attention over each sequence's context [T, heads, D]."""
 
-    def with_window(self, meta: Any, window: int) -> Any:
+    def with_window(self, meta: M, window: int) -> M:
         """`meta` (this step's, from `prepare`) for a layer whose query at position p sees the keys
         at p - window + 1 .. p only (transformers' sliding-window mask)."""
         raise ValueError(f"EngineConfig.attention_backend: the {self.name} backend has no sliding-window mask, "
@@ -67,13 +68,13 @@ class AttentionBackend(ABC):
         can (then `prepare_graph` must be implemented)."""
         return f"the {self.name} backend plans every step on the host"
 
-    def prepare_graph(self, step: StepMetadata, context_lens: torch.Tensor, max_context: int) -> Any:
+    def prepare_graph(self, step: StepMetadata, context_lens: torch.Tensor, max_context: int) -> M:
         """`prepare` for a decode step captured in a CUDA graph: the metadata reads `step`'s device
         tensors and `context_lens` ([B] int32, on the device) in place at every replay, and holds
         no choice made from one step's values (contexts up to `max_context`)."""
         raise NotImplementedError(self.graph_unsupported())
 
-    def forward_scored(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any,
+    def forward_scored(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: M,
                        scale: float, plan: ScorePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, and the attention `plan`'s sequences give each slot [n, kv_heads, S]
         (see attention/scores.py). Here recomputed in torch from the pages; a kernel that has
@@ -83,7 +84,7 @@ class AttentionBackend(ABC):
 
 
 @dataclass(frozen=True)
-class StepAttention:
+class StepAttention(Generic[M]):
     """One step's attention as the model sees it: a backend bound to its prepared metadata, one
     per KV cache group (`metas`; a layer finds its group and pool tensor in `layer_map`, None
     when one group holds layer i in tensor i). With a `scoring` plan, each layer also fills its
@@ -91,19 +92,19 @@ class StepAttention:
     attention/scores.py). With a `rotation`, q, k (unless it rotates values only) and v are
     rotated before the backend and the output back after it (attention/rotation.py). `windowed`
     holds a group's metadata per sliding window, made on first use."""
-    backend: AttentionBackend
+    backend: AttentionBackend[M]
     step: StepMetadata
-    metas: tuple[Any, ...]
+    metas: tuple[M, ...]
     scoring: ScorePlan | None = None
     scores: torch.Tensor | None = None
     rotation: KVRotation | None = None
     layer_map: tuple[tuple[int, int], ...] | None = None
-    windowed: dict[tuple[int, int], Any] = field(default_factory=dict)
+    windowed: dict[tuple[int, int], M] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, backend: AttentionBackend, step: StepMetadata, scoring: ScorePlan | None = None,
+    def of(cls, backend: AttentionBackend[M], step: StepMetadata, scoring: ScorePlan | None = None,
            rotation: KVRotation | None = None, other_groups: tuple[StepMetadata, ...] = (),
-           layer_map: tuple[tuple[int, int], ...] | None = None) -> "StepAttention":
+           layer_map: tuple[tuple[int, int], ...] | None = None) -> "StepAttention[M]":
         """`step`: the first KV cache group's metadata; `other_groups`: the same tokens over the
         other groups' block tables (cache/kv_groups.py)."""
         scores = None
@@ -135,7 +136,7 @@ class StepAttention:
                 out, self.scores[layer] = self.backend.forward_scored(slot, q, k, v, meta, scale, self.scoring)
             return out if r is None else rotate(out, r.T)
 
-    def _windowed(self, group: int, window: int) -> Any:
+    def _windowed(self, group: int, window: int) -> M:
         if (group, window) not in self.windowed:
             if self.scoring is not None:  # slot_scores' causal mask would count the keys the window hides
                 raise ValueError(f"kv_eviction: policies that rank tokens by attention are not built for "

@@ -38,7 +38,7 @@ class CPUMetadata:
     window: int = 0   # a sliding layer's window (`with_window`); 0: none
 
 
-class CPUPagedBackend(AttentionBackend):
+class CPUPagedBackend(AttentionBackend[CPUMetadata]):
     name = "cpu"
     masks_window = True
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from kvserve.cache.page_step import WritePlan
 from kvserve.device_copy import to_device
 
 
@@ -24,7 +24,7 @@ class StepMetadata:
     positions: torch.Tensor      # [T] position of each new token in its sequence, on the device
     max_query_len: int
     offloaded: bool              # a table holds host blocks (ids >= the device pool's size)
-    kv_plan: Any                 # the pool's own plan for this step's writes (QuantizedKVPool)
+    kv_plan: WritePlan | None    # a compressed pool's plan for this step's writes (QuantizedKVPool)
     # A sequence has evicted tokens: its slots no longer sit at their positions, which a
     # sliding window (a span of positions, masked in slots) needs.
     evicts: bool = False
@@ -32,7 +32,7 @@ class StepMetadata:
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device, offloaded: bool = False,
-              kv_plan: Any = None, evicted: list[int] | None = None) -> "StepMetadata":
+              kv_plan: WritePlan | None = None, evicted: list[int] | None = None) -> "StepMetadata":
         """`block_tables`: each sequence's blocks, at least those holding its context."""
         # numpy, then shared into tensors: a dozen small ops cost ~15 us where the same in torch
         # took ~45 (its per-op dispatch; one sequence), and on a CPU both run ~10x slower inside a

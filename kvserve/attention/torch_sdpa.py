@@ -28,7 +28,7 @@ class SDPAMetadata:
     query_slots: torch.Tensor         # [B, max_query_len * group, 1] each grid row's slot, on the CPU
 
 
-class TorchSDPABackend(AttentionBackend):
+class TorchSDPABackend(AttentionBackend[SDPAMetadata]):
     name = "torch"
     masks_window = True
     caps_logits = True

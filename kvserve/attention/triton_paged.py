@@ -42,7 +42,7 @@ class TritonMetadata:
     window: int = 0  # a sliding layer's window (`with_window`); 0: none
 
 
-class TritonPagedBackend(AttentionBackend):
+class TritonPagedBackend(AttentionBackend[TritonMetadata]):
     name = "triton"
     masks_window = True
 

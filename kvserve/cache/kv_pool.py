@@ -8,11 +8,12 @@ read in place (block ids from `num_blocks` on).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.cache.compaction import Compaction, move_slots
+from kvserve.cache.page_step import PageStep
 
 if TYPE_CHECKING:
     from kvserve.cache.block_manager import HostBlock
@@ -26,15 +27,15 @@ class DenseLayerKV:
                  host_v: torch.Tensor | None) -> None:
         self.k, self.v, self.host_k, self.host_v = k, v, host_k, host_v
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, meta: PageStep) -> None:
         """New tokens' K/V [T, kv_heads, head_dim] into their slots."""
         self.k.view(-1, *self.k.shape[2:])[meta.slot_mapping] = k.to(self.k.dtype)
         self.v.view(-1, *self.v.shape[2:])[meta.slot_mapping] = v.to(self.v.dtype)
 
-    def seal(self, meta: Any) -> None:
+    def seal(self, meta: PageStep) -> None:
         """Dense pages hold their final values from `write` on: nothing waits for the attention."""
 
-    def gather(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, meta: PageStep) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [B, max_blocks, block_size, kv_heads, head_dim] of the block tables."""
         tables = meta.block_tables
         return (_gather(self.k, self.host_k if meta.offloaded else None, tables),

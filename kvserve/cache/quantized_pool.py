@@ -26,31 +26,17 @@ without a residual replay exactly.
 
 The KV budget pays for the staging slots first (`staging_slots`, sized for the worst case);
 blocks take the rest. Staging is planned on tensor-parallel rank 0 alone: every rank applies the
-plan it is sent, copy-on-write copies included (`StepPlan.stage_copies`).
+plan it is sent, copy-on-write copies included (`WritePlan.stage_copies`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from kvserve.cache.compaction import Compaction, move_slots
 from kvserve.cache.formats import Fields, KVFormat
+from kvserve.cache.page_step import PageStep, WritePlan
 from kvserve.cache.staging_slots import StagingPlan
-
-
-@dataclass
-class StepPlan:
-    """Where this step's tokens go; indices into the step's [T] new tokens."""
-    per_token: bool                    # no staging: every token is encoded into its slot
-    staged_tokens: torch.Tensor        # into staging slot * block_size + offset
-    staged_slots: torch.Tensor
-    seal_stages: torch.Tensor          # encoded from staging into their blocks after attention
-    seal_blocks: torch.Tensor
-    stage_of: torch.Tensor | None      # [num_blocks] staging slot of each block this step reads
-                                       # from staging (sealed ones included), -1: none
-    stage_copies: tuple[tuple[int, int], ...] = ()  # copy-on-write: (source slot, destination slot)
 
 
 def encode_blocks(fmt: KVFormat, x: torch.Tensor) -> Fields:
@@ -61,6 +47,11 @@ def encode_blocks(fmt: KVFormat, x: torch.Tensor) -> Fields:
 
 
 LayerFormats = tuple[KVFormat, KVFormat]  # (keys, values)
+
+
+def _plan_of(step: PageStep) -> WritePlan:
+    assert step.kv_plan is not None, "QuantizedKVPool.write_plan makes one for every step"
+    return step.kv_plan
 
 
 class QuantizedLayerKV:
@@ -74,9 +65,9 @@ class QuantizedLayerKV:
         staging = (p.num_staging, p.block_size, p.num_kv_heads, p.head_dim)
         self.staging = [torch.zeros(staging, dtype=p.dtype, device=p.device) for _ in range(2)]
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, meta: PageStep) -> None:
         """The step's new K/V, before its attention: encoded into their slots, or staged."""
-        plan: StepPlan = meta.kv_plan
+        plan = _plan_of(meta)
         for x, fmt, fields, staging in zip((k, v), self.formats, self.fields, self.staging):
             if plan.per_token:
                 for name, t in fmt.encode(x).items():
@@ -84,9 +75,9 @@ class QuantizedLayerKV:
             if len(plan.staged_tokens):
                 staging.view(-1, *x.shape[1:])[plan.staged_slots] = x[plan.staged_tokens].to(staging.dtype)
 
-    def seal(self, meta: Any) -> None:
+    def seal(self, meta: PageStep) -> None:
         """After the step's attention: the blocks that left the window, encoded from staging."""
-        plan: StepPlan = meta.kv_plan
+        plan = _plan_of(meta)
         if len(plan.seal_blocks):
             self.seal_blocks(plan.seal_blocks, plan.seal_stages)
 
@@ -96,9 +87,9 @@ class QuantizedLayerKV:
             for name, t in encode_blocks(fmt, staging[stages]).items():
                 fields[name][blocks] = t
 
-    def gather(self, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, meta: PageStep) -> tuple[torch.Tensor, torch.Tensor]:
         tables = meta.block_tables
-        plan: StepPlan = meta.kv_plan
+        plan = _plan_of(meta)
         out = []
         for fmt, fields, staging in zip(self.formats, self.fields, self.staging):
             pages = fmt.decode({name: f[tables] for name, f in fields.items()}, self.pool.dtype)
@@ -122,7 +113,7 @@ class QuantizedKVPool:
         self.kv = [QuantizedLayerKV(self, formats) for formats in layer_formats]
         # Without staging every step's plan is the same: encode each token into its slot.
         none = torch.zeros(0, dtype=torch.long, device=device)
-        self._per_token_plan = StepPlan(True, none, none, none, none, None)
+        self._per_token_plan = WritePlan(True, none, none, none, none, None)
 
     @property
     def formats(self) -> list[KVFormat]:
@@ -157,7 +148,7 @@ class QuantizedKVPool:
         for layer in self.kv:
             layer.seal_blocks(blocks, stages)
 
-    def write_plan(self, staging: StagingPlan | None) -> StepPlan:
+    def write_plan(self, staging: StagingPlan | None) -> WritePlan:
         """Where the step's tokens go, as index tensors: `staging` (the block manager's plan,
         cache/staging_slots.py), or each token into its slot when the pool stages nothing."""
         if staging is None:
@@ -171,7 +162,7 @@ class QuantizedKVPool:
         def cat(parts: list[torch.Tensor]) -> torch.Tensor:
             return self._dev(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long))
 
-        return StepPlan(False, cat(tokens), cat(slots),
+        return WritePlan(False, cat(tokens), cat(slots),
                         self._dev(torch.tensor([s for _, s in staging.seals], dtype=torch.long)),
                         self._dev(torch.tensor([b for b, _ in staging.seals], dtype=torch.long)),
                         self._dev(stage_of), staging.copies)
@@ -179,7 +170,7 @@ class QuantizedKVPool:
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]], plan: StepPlan | None = None) -> None:
+    def copy_blocks(self, pairs: list[tuple[int, int]], plan: WritePlan | None = None) -> None:
         """Copy-on-write: codes, scales and (if staged) the full-precision staging copy, between
         the slots the step's `plan` paired (the plan, not this pool's own bookkeeping: tensor-
         parallel ranks other than 0 never plan)."""

@@ -19,7 +19,7 @@ import torch
 
 from kvserve.attention import StepAttention, StepMetadata
 from kvserve.attention.rotation import KVRotation
-from kvserve.attention.torch_sdpa import TorchSDPABackend
+from kvserve.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
 from kvserve.cache.formats import KVFormat
 from kvserve.cache.formats.absmax import HeadScaleFormat
 from kvserve.cache.formats.kivi import ChannelFormat
@@ -61,7 +61,7 @@ class _QueryEnergy(TorchSDPABackend):
         super().__init__(pool, num_heads)
         self.energy: dict[int, torch.Tensor] = {}
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any,
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SDPAMetadata,
                 scale: float) -> torch.Tensor:
         self.energy[layer] = q.float().square().sum(0)
         return super().forward(layer, q, k, v, meta, scale)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -24,6 +24,7 @@ from kvserve.attention.scores import ScorePlan
 from kvserve.cache.block_bytes import write_blocks
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
+from kvserve.cache.page_step import WritePlan
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.cache.swap_space import SwapSpace
 from kvserve.device_copy import to_device
@@ -56,7 +57,7 @@ class StepInput:
 class BlockMoves:
     """A step's block moves and the pool's plan for them; alone, the step in which no sequence runs."""
     ops: BlockOps
-    kv_plan: Any
+    kv_plan: WritePlan | None
 
 
 class StepPeers(Protocol):

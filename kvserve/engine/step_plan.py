@@ -16,7 +16,8 @@ import torch
 from kvserve.cache.block_manager import BlockManager, on_device
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
-from kvserve.cache.quantized_pool import QuantizedKVPool, StepPlan as PoolWritePlan
+from kvserve.cache.page_step import WritePlan
+from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.device_copy import to_device
 from kvserve.engine.logprobs import prompt_span
 from kvserve.engine.pending_tokens import PendingTokens
@@ -53,7 +54,7 @@ class StepPlan:
     spans: list[SeqSpan]
     input_ids: list[int]             # every span's tokens in batch order; empty where `fill` takes them all
     ops: BlockOps                    # every block move to apply before the forward pass
-    kv_plan: PoolWritePlan | None    # a compressed pool's writes for the step (QuantizedKVPool.write_plan)
+    kv_plan: WritePlan | None        # a compressed pool's writes for the step (QuantizedKVPool.write_plan)
     offloaded: bool = False          # some table holds host blocks (offload)
     fill: TokenFill | None = None
 
