@@ -16,7 +16,8 @@ class BlockOps:
     sequence gave back, which the other moves may reuse), swaps out (reads of blocks that may be
     reused below), swaps in, offloads to host blocks, blocks loaded from the remote tier, then
     copy-on-write copies. Each is what the block manager or swap space returned for the move it
-    decided; the engine sends compactions alone, right after the step that decided them."""
+    decided; the compactions a step's evictions decide travel at the head of the next step's
+    (Scheduler.carry)."""
     compactions: tuple[Compaction, ...] = ()
     swap_out: tuple[tuple[int, int, int], ...] = ()  # (device block, tier, slot)
     swap_in: tuple[tuple[int, int, int], ...] = ()   # (tier, slot, device block)

@@ -33,6 +33,8 @@ def idle_problems(engine: LLMEngine) -> list[str]:
     if engine.swap is not None:
         problems += [f"swap tier {u.name}: {u.used} slots in use" for u in engine.swap.usage() if u.used]
     sched = engine.scheduler
+    if sched.carries():
+        problems.append("the scheduler carries block moves for a step that never came")
     for name in ("running", "waiting", "swapped"):
         if queue := getattr(sched, name):
             problems.append(f"scheduler.{name} holds {len(queue)} sequences")

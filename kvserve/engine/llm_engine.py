@@ -163,21 +163,26 @@ class LLMEngine:
         ops = batch.block_ops
         if not (ops.swap_out or ops.swap_in):
             return batch
-        lost = self.runner.move_blocks(BlockOps(swap_out=ops.swap_out, swap_in=ops.swap_in))
-        rest = dataclasses.replace(ops, swap_out=(), swap_in=())
+        # Compactions first, as BlockOps orders them: they read blocks a swap may reuse.
+        lost = self.runner.move_blocks(BlockOps(compactions=ops.compactions, swap_out=ops.swap_out,
+                                                swap_in=ops.swap_in))
+        rest = dataclasses.replace(ops, compactions=(), swap_out=(), swap_in=())
         return self.scheduler.recompute_lost(dataclasses.replace(batch, block_ops=rest), lost)
 
     def _settle(self) -> None:
         """What finished or aborted sequences leave, given back now, so that an idle engine holds
         nothing of them (engine/idle_check.py): in-flight tokens of sequences that all finished
         (async scheduling: the step after a sequence's last token was launched before its stop
-        was read), and the staging slots of blocks they gave back (a cached one sealed first)."""
+        was read), the staging slots of blocks they gave back (a cached one sealed first), and
+        compactions carried for a next step that an engine with no request will not run."""
         pending = self.update.pending
         if pending is not None and all(s.finished for s in pending.seqs):
             self.update.pending = None
         staging = self.block_manager.staging
         if staging is not None and (seals := staging.release_unowned()):
             self.runner.move_blocks(BlockOps(seals=seals))
+        if not self.scheduler.has_unfinished() and (carried := self.scheduler.take_carried()).any():
+            self.runner.move_blocks(carried)  # no next step to carry them
 
     # -- reporting --------------------------------------------------------------------------
     def kv_usage(self) -> BlockUsage:

@@ -148,8 +148,8 @@ class ModelRunner:
         """Block moves outside a forward pass: a step's swaps, ahead of the rest (LLMEngine._swap),
         those of a step in which no sequence runs (async scheduling skips the sequences awaiting
         their last token, and the step may preempt all the others: a swap-out lost here would
-        readmit a sequence over pages never written), and the compactions of the evictions a
-        step decided, right after it. No write plan: a compressed pool's would retire staged
+        readmit a sequence over pages never written), and compactions carried for a step that an
+        idle engine will not run. No write plan: a compressed pool's would retire staged
         blocks that only a forward pass seals (the copy-on-write copies of a step without
         sequences belong to sequences it preempted, so they need no staging copy; evicting
         pools stage nothing). Returns the sequences whose pages a swap tier lost."""

@@ -3,7 +3,8 @@
 Invariants the engine relies on:
 - Every block move of a step travels in the `SchedulerOutput`: each helper of `schedule()`
   (`_swap_in`, `_make_room_for_decode`, `_admit`) returns the moves the block manager and swap
-  space returned to it, joined with `BlockOps.then`, so no move outlives its step.
+  space returned to it, joined with `BlockOps.then`, so no move outlives its step; the
+  compactions the step's update decided after the forward pass are `carry`-ed into the next.
 - Swapped sequences come back before new ones are admitted. When blocks run out, the most
   recently admitted sequence is preempted (by recompute or swap, `prefer_swap`); one that has
   outgrown the device pool offloads its cold blocks instead, since it could never be readmitted.
@@ -70,6 +71,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.preemptions: Counter[str] = Counter()  # by mode: "recompute", "swap"
+        self._carried = BlockOps()  # moves decided after a step, for the next one (`carry`)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -81,11 +83,28 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def carry(self, ops: BlockOps) -> None:
+        """Moves decided after a step (the compactions of its evictions), sent at the head of the
+        next step's: BlockOps' order applies compactions before any move that may reuse a block
+        they give back, and nothing writes a page in between."""
+        self._carried = self._carried.then(ops)
+
+    def carries(self) -> bool:
+        return self._carried.any()
+
+    def take_carried(self) -> BlockOps:
+        """The carried moves, for an engine that has no next step to send them in."""
+        carried, self._carried = self._carried, BlockOps()
+        return carried
+
     def schedule(self) -> SchedulerOutput:
         """The step's sequences and every block move they need, each move as the block manager
-        or swap space returned it to the helper that decided it."""
-        if self.chunked_prefill:
-            return self._schedule_chunked()
+        or swap space returned it to the helper that decided it, after the carried ones."""
+        carried = self.take_carried()
+        out = self._schedule_chunked() if self.chunked_prefill else self._schedule_whole()
+        return out if not carried.any() else dataclasses.replace(out, block_ops=carried.then(out.block_ops))
+
+    def _schedule_whole(self) -> SchedulerOutput:
         # Swapped sequences hold finished work: they come back before new ones are admitted.
         if not self.swapped:
             admitted, ops = self._admit(self.max_num_batched_tokens, chunked=False)

@@ -107,9 +107,8 @@ class StepUpdate:
             starts = scores.score_from or [None] * len(batch.seqs)
             compactions = self.eviction.evict(batch.seqs, batch.num_scheduled, starts, result.scores or {},
                                               self.requests)
-            if compactions:
-                # Now, while no block the sequences gave back can have been handed out again.
-                self.runner.move_blocks(BlockOps(compactions=compactions))
+            if compactions:  # applied at the head of the next step's moves
+                self.scheduler.carry(BlockOps(compactions=compactions))
         if launched is not None:
             for seq in ready:  # one that the read above finished drops its sample
                 if not seq.finished:

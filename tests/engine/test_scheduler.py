@@ -10,7 +10,11 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from kvserve.cache.block_manager import BlockManager, PromptGrant
+from kvserve.cache.block_ops import BlockOps
+from kvserve.cache.compaction import Compaction
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import OutputState, Sequence, SequenceStatus
@@ -358,3 +362,18 @@ def test_waiting_past_seats_follows_the_admission_rule() -> None:
     swapped.status = SequenceStatus.SWAPPED
     sched.swapped.append(swapped)
     assert sched.waiting_past_seats([make_seq("a", 4)]) == 2
+
+
+def test_carried_compactions_lead_the_next_steps_moves_once() -> None:
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=16, chunked_prefill=True)
+    seq = make_seq("r", 6)
+    sched.add(seq)
+    run_model(sched, sched.schedule())
+    compaction = Compaction((), torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), torch.tensor([1]))
+    sched.carry(BlockOps(compactions=(compaction,)))
+    assert sched.carries()
+    sched.add(make_seq("s", 9))  # an admission that takes blocks the compaction's sequence gave back
+    out = sched.schedule()
+    assert out.block_ops.compactions == (compaction,) and not sched.carries()
+    assert sched.schedule().block_ops.compactions == ()
