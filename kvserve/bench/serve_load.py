@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import torch
 
-from kvserve.bench.serving import format_summary, run_load, summarize
+from kvserve.bench.serving import ServingSummary, format_summary, run_load, summarize
+from kvserve.bench.serving_sweep import plot_sweep, sweep_table
 from kvserve.bench.serving_workloads import Shape, make_sessions
 from kvserve.bench.workload import load_text_ids
 from kvserve.engine.llm import LLM
@@ -80,29 +81,41 @@ def run_serve_bench(args: argparse.Namespace, llm: LLM, out: Path) -> None:
                    *([] if args.enable_prefix_caching else ["--no-enable-prefix-caching"])]
     server = None if args.url else ServerProcess(*engine_args)
     url = args.url if server is None else server.url
+    rows: list[tuple[float, ServingSummary]] = []
+    errors: list[str] = []
     try:
         # Warm-up on other slices of the text, excluded: a cold prefix cache for the measured run.
         run_load(url, make_sessions("random", ids, args.seed + 1, shape, 4, 32, 8), model=args.served_model_name)
-        records, wall = run_load(url, sessions, args.request_rate, args.burstiness, args.max_concurrency,
-                                 args.seed, args.served_model_name)
+        for i, rate in enumerate(args.request_rate):
+            # Each rate's own draw of the text: no run reuses the prefixes of the one before.
+            run_sessions = sessions if i == 0 else make_sessions(
+                args.workload, ids, args.seed + 1000 * i, shape, args.num_requests, args.prompt_len_median,
+                args.output_len_median)
+            records, wall = run_load(url, run_sessions, rate, args.burstiness, args.max_concurrency, args.seed,
+                                     args.served_model_name)
+            rows.append((rate, summarize(records, wall, args.goodput)))
+            errors += [r.error for r in records if r.error]
         state = None if server is None else server.kv_state()
     finally:
         if server is not None:
             server.stop()
-    summary = summarize(records, wall, args.goodput)
-    errors = [r.error for r in records if r.error]
     what = (f"lognormal prompts (median {args.prompt_len_median}) and outputs (median {args.output_len_median})"
             if args.workload == "random" else f"shape {dataclasses.asdict(shape)}")
     served = (f"the server at {args.url}" if server is None else
               f"kvserve serve: dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, prefix caching "
               f"{args.enable_prefix_caching}, torch threads {torch.get_num_threads()}")
+    name = args.url or "kvserve serve"
     lines = [f"workload {args.workload}: {len(sessions)} sessions, {len(requests)} streaming completions of "
-             f"{text_name} slices, {what}, ignore_eos; request rate {args.request_rate} (burstiness "
-             f"{args.burstiness}), max concurrency {args.max_concurrency}, seed {args.seed}; {served}", "",
-             *format_summary(args.url or "kvserve serve", summary)]
+             f"{text_name} slices, {what}, ignore_eos; request rate {', '.join(map(str, args.request_rate))} "
+             f"(burstiness {args.burstiness}), max concurrency {args.max_concurrency}, seed {args.seed}; {served}", ""]
+    for rate, summary in rows:
+        lines += [*format_summary(f"{name} at {rate} req/s", summary), ""]
+    if len(rows) > 1:
+        lines += sweep_table(rows)
+        plot_sweep(name, rows, out / "serve_sweep.png")
     if offline_tok_s is not None and state is not None:
-        lines += ["", f"offline LLM.generate, all at once: {offline_tok_s:.1f} output tok/s; server / offline: "
-                      f"{summary.output_tok_s / offline_tok_s:.3f}x. KV blocks in use afterwards: "
+        lines += ["", f"offline LLM.generate, all at once: {offline_tok_s:.1f} output tok/s; server / offline (first "
+                      f"rate): {rows[0][1].output_tok_s / offline_tok_s:.3f}x. KV blocks in use afterwards: "
                       f"{sum(c in 'US' for c in state['states'])}; running/waiting afterwards: "
                       f"{state['running']}/{state['waiting']}"]
     if errors:

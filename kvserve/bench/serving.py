@@ -193,11 +193,19 @@ def _rate(text: str) -> float:
     return math.inf if text.strip().lower() == "inf" else number(above=0)(text)
 
 
+def _rates(text: str) -> list[float]:
+    """One rate, or several separated by commas (a sweep)."""
+    return [_rate(part) for part in text.split(",")]
+
+
 def add_load_args(p: argparse.ArgumentParser) -> None:
     """How requests are sent, as `vllm bench serve` names it."""
     g = p.add_argument_group("load")
-    g.add_argument("--request-rate", type=_rate, default=math.inf,
-                   help="requests per second, sent at gamma-distributed gaps (default inf: all at once)")
+    g.add_argument("--request-rate", type=_rates, default=[math.inf],
+                   help="requests per second, sent at gamma-distributed gaps (default inf: all at once); several "
+                        "separated by commas sweep them: each rate runs the workload drawn with its own seed (other "
+                        "slices of the text, so no run reuses another's prefixes), and the report adds a table and "
+                        "a plot of latency against throughput")
     g.add_argument("--burstiness", type=number(above=0), default=1.0,
                    help="shape of the gaps' gamma distribution: 1 a Poisson process, below 1 burstier (default 1)")
     g.add_argument("--max-concurrency", type=at_least(1), default=None,

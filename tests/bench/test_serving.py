@@ -84,9 +84,10 @@ def test_the_load_options_are_read_as_vllm_names_them() -> None:
 
     args = build_parser().parse_args(["bench", "serve", "--request-rate", "inf", "--burstiness", "0.5",
                                       "--max-concurrency", "4", "--goodput", "ttft:500 tpot:50"])
-    assert (args.request_rate, args.burstiness, args.max_concurrency) == (math.inf, 0.5, 4)
+    assert (args.request_rate, args.burstiness, args.max_concurrency) == ([math.inf], 0.5, 4)
     assert args.goodput == {"ttft": 500.0, "tpot": 50.0}
-    assert build_parser().parse_args(["bench", "serve", "--request-rate", "2.5"]).request_rate == 2.5
+    assert build_parser().parse_args(["bench", "serve", "--request-rate", "2.5"]).request_rate == [2.5]
+    assert build_parser().parse_args(["bench", "serve", "--request-rate", "1,4,inf"]).request_rate == [1, 4, math.inf]
     for flags in (["--request-rate", "0"], ["--burstiness", "-1"], ["--max-concurrency", "0"], ["--goodput", "x:1"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["bench", "serve", *flags])
@@ -142,3 +143,30 @@ def test_a_server_that_sends_no_usage_is_counted_one_token_per_chunk() -> None:
         httpd.shutdown()
     assert record.error is None and record.output_tokens == 5 and len(record.itls) == 4
     assert all(gap >= 0 for gap in record.itls) and 0.1 < sum(record.itls) < 2
+
+
+def test_a_sweep_runs_each_rate_on_its_own_draw_and_draws_the_curve(server: ServerProcess, tmp_path: Path) -> None:
+    import httpx
+
+    from kvserve.cli import main
+
+    name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    main(["bench", "serve", "--url", server.url, "--served-model-name", name, "--num-requests", "3",
+          "--prompt-len-median", "12", "--output-len-median", "4", "--request-rate", "50,inf",
+          "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--out", str(tmp_path)])
+    report = (tmp_path / "serve_load.md").read_text()
+    assert report.count("3 completed, 0 failed") == 2 and "at 50.0 req/s" in report and "at inf req/s" in report
+    table = [line for line in report.splitlines() if line.startswith("| 50 |") or line.startswith("| inf |")]
+    assert len(table) == 2 and (tmp_path / "serve_sweep.png").stat().st_size > 0
+
+
+def test_the_sweep_table_reads_each_summary() -> None:
+    from kvserve.bench.serving import ServingSummary
+    from kvserve.bench.serving_sweep import sweep_table
+
+    ms = {"ttft": {"mean": 0, "p50": 120.4, "p90": 0, "p99": 480.6}, "tpot": {"mean": 0, "p50": 20.04, "p90": 0,
+                                                                          "p99": 35.06}}
+    rows = [(2.0, ServingSummary(10, 0, 5.0, 2.0, 64.0, 300.0, None, ms)),
+            (math.inf, ServingSummary(10, 1, 2.5, 4.0, 128.0, 600.0, 3.5, ms))]
+    assert sweep_table(rows)[2:] == ["| 2 | 2.00 | 64.0 | 120 / 481 | 20.0 / 35.1 | - |",
+                                     "| inf | 4.00 | 128.0 | 120 / 481 | 20.0 / 35.1 | 3.50 |"]
