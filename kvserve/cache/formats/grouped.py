@@ -21,7 +21,10 @@ from kvserve.validate import FieldError
 class GroupFormat(PerTokenFormat):
     """Asymmetric `bits`-bit codes, one fp16 scale and zero-point per `group_size` consecutive
     channels of each token and head; codes packed 8 / bits per byte. `symmetric`: midrise codes
-    with a scale alone (16 bits per group fewer), for values centred on zero, as rotated ones are."""
+    with a scale alone (16 bits per group fewer), for values centred on zero, as rotated ones are;
+    each group's scale is fitted (`quantize_midrise(fit=True)`): absmax steps lost the 2.5-bit layout
+    +7.1% perplexity on GPL-3, fitted ones +4.2% (issue 42). Asymmetric codes keep their min-max
+    grid, which the CPU kernel's 4-bit encoder writes bit for bit."""
 
     def __init__(self, name: str, bits: int, group_size: int, symmetric: bool = False) -> None:
         self.name, self.bits, self.group_size, self.symmetric = name, bits, group_size, symmetric
@@ -45,7 +48,7 @@ class GroupFormat(PerTokenFormat):
         self.check_head_dim(x.shape[-1])
         grouped = x.unflatten(-1, (-1, self.group_size))
         if self.symmetric:
-            codes, scale = quantize_midrise(grouped, self.bits, -1)
+            codes, scale = quantize_midrise(grouped, self.bits, -1, fit=True)
             return {"codes": pack(codes.flatten(-2), self.bits), "scale": scale}
         if include is not None:
             include = include.unflatten(-1, (-1, self.group_size))
