@@ -55,8 +55,10 @@ def main() -> None:
     dense = "bf16" if args.dtype == "bfloat16" else "auto"
     # A block-encoded format (KIVI keys) keeps the block still filling in full-precision staging;
     # a residual of one token stages exactly that block for any format, so keys alone, values alone
-    # and one layer alone all read the same tokens exact as the whole layout does.
-    base = engine_kwargs(args, max_num_seqs=max(args.max_num_seqs, args.windows), kv_residual=max(args.kv_residual, 1))
+    # and one layer alone all read the same tokens exact as the whole layout does (unset: the
+    # formats' own windows, none for per-token formats such as fp8).
+    base = engine_kwargs(args, max_num_seqs=max(args.max_num_seqs, args.windows), 
+                        kv_residual=None if args.kv_residual is None else max(args.kv_residual, 1))
 
     reference = LLM(**{**base, "kv_cache_dtype": "auto", "kv_rotation": "none"})
     layers = reference.engine.model_config.num_layers
