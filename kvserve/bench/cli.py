@@ -182,35 +182,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def run_replicas(args: argparse.Namespace, out: Path) -> None:
-    import redis
-
-    from kvserve.bench.replicas import format_runs, run_config, shared_prefix_prompts
-    from kvserve.bench.workload import load_text_ids
-    from kvserve.config import EngineConfig
-    from kvserve.engine_args import engine_kwargs
-    from kvserve.server.local_redis import start_local_redis
-
-    config = EngineConfig.of(**engine_kwargs(args))
-    tokenizer = llm_from_args(args, kv_cache_memory="16MiB").tokenizer  # for the text's ids only
-    name, ids = load_text_ids(tokenizer, args.data)
-    prompts = shared_prefix_prompts(ids, args.num_system_prompts, args.num_requests, args.system_len,
-                                    args.user_len, args.seed)
-    runs = []
-    for remote in args.remote.split(","):
-        url = start_local_redis() if remote == "redis" else None
-        for router in args.routers.split(","):
-            if url is not None:
-                redis.Redis.from_url(url).flushall()
-            runs.append(run_config(config, prompts, router, url, args.replicas, args.max_tokens, args.concurrency,
-                                   args.router_stats_period))
-            print(format_runs(runs[-1:]).splitlines()[-1], flush=True)
-    text = (f"{args.replicas} replicas (Ray Serve, one machine of {torch.get_num_threads()} threads shared), "
-            f"{args.num_requests} requests sharing {args.num_system_prompts} system prompts of {args.system_len} "
-            f"tokens (+{args.user_len} own), {args.max_tokens} tokens out, {args.concurrency} in flight; text {name}; "
-            f"dtype {args.dtype}\n\n" + format_runs(runs))
-    print(text)
-    (out / "replicas.md").write_text(text + "\n")
-    (out / "replicas.json").write_text(json.dumps([asdict(r) for r in runs], indent=2))
+    from kvserve.bench.replicas import run_replicas_bench
+    run_replicas_bench(args, out)
 
 
 def run_attention(args: argparse.Namespace, out: Path) -> None:

@@ -7,12 +7,17 @@ redis-server, and runs the same requests in the same order through `ReplicaFront
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from kvserve.config import EngineConfig
 from kvserve.sampling_params import SamplingParams
@@ -116,3 +121,34 @@ def format_runs(runs: list[ReplicaRun]) -> str:
                      f"{r.ttft_mean_s:.2f} s | "
                      f"{r.ttft_p50_s:.2f} s | {r.tokens_per_s:.1f} | {' / '.join(map(str, r.requests_per_replica))} |")
     return "\n".join(lines)
+
+
+def run_replicas_bench(args: argparse.Namespace, out: Path) -> None:
+    """`kvserve bench replicas`: every router with and without the Redis tier, on shared-prefix prompts."""
+    import redis
+
+    from kvserve.bench.workload import load_text_ids
+    from kvserve.engine_args import engine_kwargs, llm_from_args
+    from kvserve.server.local_redis import start_local_redis
+
+    config = EngineConfig.of(**engine_kwargs(args))
+    tokenizer = llm_from_args(args, kv_cache_memory="16MiB").tokenizer  # for the text's ids only
+    name, ids = load_text_ids(tokenizer, args.data)
+    prompts = shared_prefix_prompts(ids, args.num_system_prompts, args.num_requests, args.system_len,
+                                    args.user_len, args.seed)
+    runs = []
+    for remote in args.remote.split(","):
+        url = start_local_redis() if remote == "redis" else None
+        for router in args.routers.split(","):
+            if url is not None:
+                redis.Redis.from_url(url).flushall()
+            runs.append(run_config(config, prompts, router, url, args.replicas, args.max_tokens, args.concurrency,
+                                   args.router_stats_period))
+            print(format_runs(runs[-1:]).splitlines()[-1], flush=True)
+    text = (f"{args.replicas} replicas (Ray Serve, one machine of {torch.get_num_threads()} threads shared), "
+            f"{args.num_requests} requests sharing {args.num_system_prompts} system prompts of {args.system_len} "
+            f"tokens (+{args.user_len} own), {args.max_tokens} tokens out, {args.concurrency} in flight; text {name}; "
+            f"dtype {args.dtype}\n\n" + format_runs(runs))
+    print(text)
+    (out / "replicas.md").write_text(text + "\n")
+    (out / "replicas.json").write_text(json.dumps([asdict(r) for r in runs], indent=2))
