@@ -24,8 +24,9 @@ from kvserve.validate import FieldError
 PARTS: dict[str, type[Options]] = {
     "model": ModelOptions, "cache": CacheOptions, "kv_format": KVFormatOptions, "eviction": EvictionOptions,
     "scheduler": SchedulerOptions, "parallel": ParallelOptions, "runtime": RuntimeOptions}
-# Each option's part, by its flat name (a name belongs to one part: tests/config checks it).
+# Each option's part, by its flat name (a name belongs to one part: tests/test_config.py checks it).
 PART_OF: dict[str, str] = {f.name: part for part, cls in PARTS.items() for f in option_fields(cls)}
+
 
 @dataclass(frozen=True)
 class EngineConfig:
