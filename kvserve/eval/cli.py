@@ -161,10 +161,13 @@ def _check_together(args: argparse.Namespace) -> None:
                          f"{', '.join(map(str, bits))} bits")
 
 
-def _check_apart(args: argparse.Namespace, sources: list[Text]) -> None:
+def _check_apart(args: argparse.Namespace, rows: list[Row], sources: list[Text]) -> None:
     """Calibrated layouts (per-head fp8 scales, wide key channels) must not be judged on the text
-    they were calibrated on: any passage an evaluated text shares with it is a usage error."""
-    if args.kv_fp8_scales != "head" and not args.kv_key_wide_channels:
+    they were calibrated on: where a row's formats are calibrated, any passage an evaluated text
+    shares with the calibration text is a usage error."""
+    from kvserve.engine.kv_calibration import needs_calibration
+
+    if not any(needs_calibration(EngineConfig.of(**options).kv_formats()) for _, options in rows):
         return
     calibration = load_text(args.kv_calibration_data, option="--kv-calibration-data")
     for source in sources:
@@ -208,11 +211,12 @@ def cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     try:  # options valid alone but not together are usage errors too, refused before any model loads
         _check_together(args)
-        (reference_label, reference_options), *others = _rows(args)
+        rows = _rows(args)
+        (reference_label, reference_options), *others = rows
         sources = [load_text(spec) for spec in args.data or [None]]
         if len({s.name for s in sources}) < len(sources):
             raise ValueError("--data: a text is named twice")
-        _check_apart(args, sources)
+        _check_apart(args, rows, sources)
     except ValueError as err:
         parser.error(str(err))
     out = Path(args.out)

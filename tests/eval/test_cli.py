@@ -106,6 +106,10 @@ def test_a_text_that_shares_a_passage_with_the_calibration_text_is_refused(
     assert "--kv-calibration-data" in err
     code, err = run_eval(tmp_path, capsys, "--data", f"python-docs,{quoted}", "--formats", "kivi2")
     assert "shares text" not in err  # not calibrated: the run goes on (to the missing model)
+    # Per-head fp8 scales asked for, but no row has fp8 pages: nothing is calibrated.
+    code, err = run_eval(tmp_path, capsys, "--data", f"python-docs,{quoted}", "--formats", "int8",
+                         "--kv-fp8-scales", "head")
+    assert "shares text" not in err
     code, err = run_eval(tmp_path, capsys, "--data", "calibration", "--formats", "kivi2",
                          "--kv-key-wide-channels", "8", "--kv-calibration-data", "python-docs")
     assert "shares text" not in err
