@@ -66,6 +66,7 @@ from kvserve.sampling_params import SamplingParams
     ("kv_cache_memory", [1]),
     ("seed", "x"),
     ("kv_remote_timeout", True),
+    ("kv_remote_timeout", float("nan")),
     ("host_swap_memory", 5),
 ])
 def test_engine_config_rejects(field: str, value: object) -> None:
@@ -250,3 +251,10 @@ def test_config_errors_carry_the_field(kwargs: dict, field: str) -> None:  # typ
     with pytest.raises(FieldError) as caught:
         EngineConfig.of(**kwargs)
     assert caught.value.field == field and field in str(caught.value)
+
+
+def test_a_role_group_size_is_checked_where_a_format_uses_it() -> None:
+    # Pages in the model dtype use no groups: the option waits for a format, as before the split.
+    assert EngineConfig.of(kv_group_size_k=3).kv_format.kv_group_size_k == 3
+    with pytest.raises(ValueError, match="^KVFormatOptions.kv_group_size_k must be an integer from 4 to 128"):
+        EngineConfig.of(kv_cache_dtype="int4", kv_group_size_k=3)

@@ -77,7 +77,7 @@ class CacheOptions(Options):
         if self.kv_remote_secret is not None and (self.kv_remote is None or not self.kv_remote_secret):
             raise FieldError("kv_remote_secret",
                              "CacheOptions.kv_remote_secret must be a non-empty string, used with kv_remote")
-        if self.kv_remote_timeout <= 0:
+        if not self.kv_remote_timeout > 0:  # NaN too
             raise FieldError("kv_remote_timeout", f"CacheOptions.kv_remote_timeout must be a number of seconds "
                                                   f"> 0, got {self.kv_remote_timeout!r}")
 

@@ -76,10 +76,11 @@ class KVFormatOptions(Options):
             raise FieldError("kv_residual",
                              f"KVFormatOptions.kv_residual must be an integer >= 0, got {self.kv_residual!r}")
         self._one_of("kv_rotation", ROTATIONS)
-        # Every named format is built once, whatever the model's dtype ('auto' is always valid).
+        # Every compressed format named is built once ('auto' pages are the model's dtype: valid).
         try:
             for pair in self.format_names(torch.float32):
-                self.format_pair(pair)
+                if pair != ("fp32", "fp32"):
+                    self.format_pair(pair)
         except FieldError as err:
             raise FieldError(err.field, f"KVFormatOptions.{err}") from None
         except ValueError as err:  # a plan file's or a format's own error

@@ -100,8 +100,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The step's sequences and every block move they need, each move as the block manager
         or swap space returned it to the helper that decided it, after the carried ones."""
-        carried = self.take_carried()
         out = self._schedule_chunked() if self.chunked_prefill else self._schedule_whole()
+        carried = self.take_carried()  # after: a scheduling error leaves them carried
         return out if not carried.any() else dataclasses.replace(out, block_ops=carried.then(out.block_ops))
 
     def _schedule_whole(self) -> SchedulerOutput:
