@@ -49,7 +49,7 @@ class CacheOptions(Options):
     def _check(self) -> None:
         self._one_of("cache_mode", CACHE_MODES)
         self._positive("block_size")
-        self._positive("num_blocks_override", optional=True)
+        self._positive("num_blocks_override")
         if isinstance(self.kv_cache_memory, str):
             parse_bytes(self.kv_cache_memory)
         elif not 0 < self.kv_cache_memory <= 1:

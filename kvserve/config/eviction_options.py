@@ -37,7 +37,7 @@ class EvictionOptions(Options):
 
     def _check(self) -> None:
         self._one_of("kv_eviction", POLICY_NAMES)
-        self._positive("kv_budget", optional=True)
+        self._positive("kv_budget")
         # Knobs are checked whenever set, though only a policy reads them: a request may pick one.
         self._policy("EvictionOptions", "none", 1, block_size=1)
         self.policy(None, None, "EvictionOptions", block_size=1)

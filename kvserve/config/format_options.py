@@ -13,7 +13,7 @@ from kvserve.cache.formats import FORMAT_CHOICES, FP8_SCALES, KVFormat, check_fo
 from kvserve.cache.kv_plan import KVPlan, plan_path
 from kvserve.config.options import Options, opt
 from kvserve.texts import TEXT_NAMES
-from kvserve.validate import FieldError, is_int
+from kvserve.validate import FieldError
 
 _DTYPE_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -72,7 +72,7 @@ class KVFormatOptions(Options):
             raise FieldError("kv_calibration_data",
                              f"KVFormatOptions.kv_calibration_data must be one of {', '.join(TEXT_NAMES)} or a "
                              f"file, got {self.kv_calibration_data!r}")
-        if self.kv_residual is not None and (not is_int(self.kv_residual) or self.kv_residual < 0):
+        if self.kv_residual is not None and self.kv_residual < 0:
             raise FieldError("kv_residual",
                              f"KVFormatOptions.kv_residual must be an integer >= 0, got {self.kv_residual!r}")
         self._one_of("kv_rotation", ROTATIONS)

@@ -32,7 +32,7 @@ class ModelOptions(Options):
             raise FieldError("device", f"ModelOptions.device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda"):
             self._check_cuda()
-        self._positive("max_model_len", optional=True)
+        self._positive("max_model_len")
 
     def _check_cuda(self) -> None:
         if not torch.cuda.is_available():

@@ -49,10 +49,11 @@ class Options:
     def _check(self) -> None:
         """The part's own ranges and choices (fields of other parts are EngineConfig's to check)."""
 
-    def _positive(self, *names: str, optional: bool = False) -> None:
+    def _positive(self, *names: str) -> None:
+        """Each field, an int (or None where its annotation allows it) by the type check, is >= 1."""
         for name in names:
             value = getattr(self, name)
-            if (value is not None or not optional) and (not is_int(value) or value < 1):
+            if value is not None and value < 1:
                 raise FieldError(name, f"{type(self).__name__}.{name} must be a positive integer, got {value!r}")
 
     def _one_of(self, name: str, choices: typing.Iterable[str]) -> None:

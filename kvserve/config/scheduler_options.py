@@ -35,6 +35,6 @@ class SchedulerOptions(Options):
 
     def _check(self) -> None:
         self._positive("max_num_seqs")
-        self._positive("max_num_batched_tokens", optional=True)
+        self._positive("max_num_batched_tokens")
         self._one_of("preemption_mode", PREEMPTION_MODES)
         self._one_of("async_scheduling", ASYNC_SCHEDULING)

@@ -106,7 +106,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                                  config.cache.enable_prefix_caching and config.cache.cache_mode == "paged",
                                  num_host_blocks, remote, tuple(g.spec for g in groups.groups),
                                  max_num_batched_tokens if chunked_prefill else None,
-                                 sizes.staging_slots if formats is not None else 0, config.residual_tokens)
+                                 sizes.staging_slots, config.residual_tokens)
     swap = None
     if config.scheduler.preemption_mode != "recompute" and config.cache.cache_mode == "paged":
         swap = _swap_space(config, pool, sizes.block_bytes)
