@@ -14,6 +14,7 @@ from kvserve.bench.format_lists import attention_formats, kv_formats_defaults
 from kvserve.bench.metrics import format_table, ratio, same_budget_table
 from kvserve.bench.serving import add_load_args
 from kvserve.bench.serving_workloads import WORKLOADS
+from kvserve.bench.speculative import add_spec_parser, run_spec_bench
 from kvserve.config import DTYPES
 from kvserve.engine_args import add_engine_args, kv_format_overrides, llm_from_args
 from kvserve.texts import DATA_HELP
@@ -128,6 +129,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(rp)
     rp.set_defaults(func=run)
 
+    add_spec_parser(kinds).set_defaults(func=run)
     sc = kinds.add_parser("scaling", help="ms per token vs sequence length, cached vs no-cache (PNG)")
     sc.add_argument("--prompt-len", type=at_least(1), default=32,
                     help="prompt tokens of the one sequence timed (default 32)")
@@ -178,7 +180,8 @@ def run(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     {"throughput": run_throughput, "scaling": run_scaling, "memory": run_memory,
      "serve": run_serve, "kv-formats": run_kv_formats, "attention": run_attention,
-     "soak": run_soak_bench, "evictions": run_evictions, "replicas": run_replicas}[args.bench](args, out)
+     "soak": run_soak_bench, "evictions": run_evictions, "replicas": run_replicas,
+     "spec": run_spec_bench}[args.bench](args, out)
 
 
 def run_replicas(args: argparse.Namespace, out: Path) -> None:

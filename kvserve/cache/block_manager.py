@@ -409,6 +409,19 @@ class BlockManager:
         self._hashes.pop(seq_id, None)
         self._roots.pop(seq_id, None)
 
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Speculation's rollback: the sequence holds at most `num_tokens` slots again (the last
+        may still be to take), and each table gives back its blocks past them, written by rejected
+        draft tokens alone (never registered: a block joins the prefix cache once its every token
+        is computed)."""
+        keep = self.blocks_for(num_tokens)
+        for tables in self.group_tables:
+            table = tables[seq_id]
+            for block_id in reversed(table[keep:]):
+                self.pool.release(block_id)
+            del table[keep:]
+        self.num_tokens[seq_id] = min(self.num_tokens[seq_id], num_tokens)
+
     def group_blocks(self) -> list[int]:
         """Blocks each group's tables hold (a block shared within a group counted once)."""
         return [len({b for table in tables.values() for b in table if on_device(b) and self.pool.owned(b)})
@@ -417,22 +430,6 @@ class BlockManager:
     def _held(self) -> list[tuple[str, int, list[int]]]:
         """(sequence, group, table) of every block table."""
         return [(seq_id, g, table) for g, tables in enumerate(self.group_tables) for seq_id, table in tables.items()]
-
-    def block_states(self) -> tuple[str, list[str | None]]:
-        """Per device block, its state as one letter (F free, U in use, S shared, C cached, N the
-        sliding groups' null block) and the sequence whose table holds it first (None when
-        unowned): the dashboard's grid."""
-        owners: list[str | None] = [None] * self.num_blocks
-        for seq_id, _, table in self._held():
-            for block_id in table:
-                if on_device(block_id) and self.pool.owned(block_id) and owners[block_id] is None:
-                    owners[block_id] = seq_id
-        states = "".join(
-            ("S" if b.ref_count > 1 else "U") if b.ref_count else ("C" if b.hash is not None else "F")
-            for b in self.blocks)
-        if self.reserved:
-            states = "N" + states[1:]
-        return states, owners
 
     def usage(self) -> BlockUsage:
         filled: dict[int, int] = {}

@@ -1,5 +1,6 @@
-"""The engine's configuration in parts (model, cache, KV format, eviction, scheduler, parallel,
-runtime), each a validated dataclass; `EngineConfig.of(**options)` builds one from flat names."""
+"""The engine's configuration in parts (model, cache, KV format, eviction, scheduler, speculative,
+parallel, runtime), each a validated dataclass; `EngineConfig.of(**options)` builds one from flat
+names."""
 from kvserve.config.cache_options import CACHE_MODES, CacheOptions
 from kvserve.config.engine_config import PART_OF, PARTS, EngineConfig
 from kvserve.config.eviction_options import EvictionOptions
@@ -8,7 +9,8 @@ from kvserve.config.model_options import DTYPES, ModelOptions
 from kvserve.config.options import Options, opt, option_fields, parse_bytes
 from kvserve.config.runtime_options import ParallelOptions, RuntimeOptions
 from kvserve.config.scheduler_options import CHUNKED_BATCHED_TOKENS, SchedulerOptions
+from kvserve.config.speculative_options import SpeculativeOptions
 
 __all__ = ["CACHE_MODES", "CHUNKED_BATCHED_TOKENS", "DTYPES", "PARTS", "PART_OF", "CacheOptions", "EngineConfig",
            "EvictionOptions", "KVFormatOptions", "ModelOptions", "Options", "ParallelOptions", "RuntimeOptions",
-           "SchedulerOptions", "opt", "option_fields", "parse_bytes"]
+           "SchedulerOptions", "SpeculativeOptions", "opt", "option_fields", "parse_bytes"]

@@ -1,5 +1,5 @@
-"""The engine's configuration: its parts (model, cache, KV format, eviction, scheduler, parallel,
-runtime), each validated on its own construction, and the checks that span parts, run when they
+"""The engine's configuration: its parts (model, cache, KV format, eviction, scheduler,
+speculative, parallel, runtime), each validated on its own construction, and the checks that span parts, run when they
 are put together. `EngineConfig.of(**options)` takes every option by its flat name, as `LLM(...)`
 and the command line give them."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from kvserve.config.model_options import ModelOptions
 from kvserve.config.options import Options, option_fields
 from kvserve.config.runtime_options import ParallelOptions, RuntimeOptions
 from kvserve.config.scheduler_options import CHUNKED_BATCHED_TOKENS, SchedulerOptions
+from kvserve.config.speculative_options import SpeculativeOptions
 from kvserve.eviction.policy import EvictionPolicy
 from kvserve.model.config import ModelConfig
 from kvserve.validate import FieldError
@@ -23,7 +24,7 @@ from kvserve.validate import FieldError
 # The parts, in the order the command line shows them, each an attribute of EngineConfig.
 PARTS: dict[str, type[Options]] = {
     "model": ModelOptions, "cache": CacheOptions, "kv_format": KVFormatOptions, "eviction": EvictionOptions,
-    "scheduler": SchedulerOptions, "parallel": ParallelOptions, "runtime": RuntimeOptions}
+    "scheduler": SchedulerOptions, "speculative": SpeculativeOptions, "parallel": ParallelOptions, "runtime": RuntimeOptions}
 # Each option's part, by its flat name (a name belongs to one part: tests/test_config.py checks it).
 PART_OF: dict[str, str] = {f.name: part for part, cls in PARTS.items() for f in option_fields(cls)}
 
@@ -35,6 +36,7 @@ class EngineConfig:
     kv_format: KVFormatOptions = field(default_factory=KVFormatOptions)
     eviction: EvictionOptions = field(default_factory=EvictionOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
 
@@ -82,10 +84,26 @@ class EngineConfig:
             reason = self.eviction_unsupported()
             if reason:
                 raise FieldError("kv_eviction", f"EngineConfig.kv_eviction: {reason}")
+        if self.speculative.speculative is not None and (reason := self._speculation_unsupported(formats)):
+            raise FieldError("speculative", f"EngineConfig.speculative={self.speculative.speculative!r}: {reason}")
 
     def _pages_whole(self, formats: list[FormatPair] | None) -> bool:
         """Every token's K/V lives in its block's pages: no full-precision window, no block coding."""
         return formats is None or (not self.residual_tokens and all(f.per_token for pair in formats for f in pair))
+
+    def _speculation_unsupported(self, formats: list[FormatPair] | None) -> str | None:
+        """What speculative decoding is not built with yet: a draft's rejected tokens must leave no
+        trace, which these would need more than a released slot for."""
+        if formats is not None:
+            return (f"compressed KV formats (kv_cache_dtype={self.kv_format.kv_cache_dtype!r}) would seal or stage "
+                    f"rejected tokens; use kv_cache_dtype='auto' with it")
+        if self.eviction.kv_eviction != "none":
+            return "token eviction (kv_eviction) would score rejected tokens' attention"
+        if self.cache.cache_mode != "paged":
+            return f"it needs cache_mode='paged', not {self.cache.cache_mode!r}"
+        if self.parallel.tensor_parallel_size > 1:
+            return "tensor parallelism (tensor_parallel_size > 1) is not built with it"
+        return None
 
     def _tensor_parallel_unsupported(self) -> str | None:
         """What a first tensor-parallel engine leaves out: moves whose state lives on rank 0 only,

@@ -28,7 +28,9 @@ from kvserve.cache.swap_space import SwapSpace
 from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import TPGroup
+from kvserve.engine.draft_policy import DraftPolicy
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.ngram_proposer import NgramProposer
 from kvserve.engine.preemption_cost import PreemptionCost
 from kvserve.engine.rank_setup import make_pool, rank_formats
 from kvserve.engine.remote_namespace import remote_namespace
@@ -116,7 +118,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     scheduler = Scheduler(block_manager, config.scheduler.max_num_seqs, max_num_batched_tokens,
                           reserve_tokens=max_model_len if contiguous else 0,
                           recompute_all=config.cache.cache_mode == "no-cache",
-                          swap=swap, prefer_swap=cost.prefer_swap, chunked_prefill=chunked_prefill)
+                          swap=swap, prefer_swap=cost.prefer_swap, chunked_prefill=chunked_prefill,
+                          drafts=draft_policy(config, max_model_len))
     backend = make_backend(config.runtime.attention_backend, pool, pool_cfg.num_heads, device,
                            windowed=bool(cfg.sliding_layers), softcap=cfg.attn_logit_softcapping)
     tp = None
@@ -192,3 +195,11 @@ def _graph_shape(config: EngineConfig, device: torch.device, tp: TPGroup | None,
         logger.info("kvserve: decode steps run eagerly, without CUDA graphs: %s", reason)
         return None
     return config.scheduler.max_num_seqs, max_model_len
+
+
+def draft_policy(config: EngineConfig, max_model_len: int) -> DraftPolicy | None:
+    spec = config.speculative
+    if spec.speculative is None:
+        return None
+    return DraftPolicy(NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max),
+                       spec.speculative_disable_by_batch_size, max_model_len)

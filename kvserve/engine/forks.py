@@ -12,6 +12,7 @@ from kvserve.cache.block_manager import BlockManager
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import OutputState, RequestOutput, Sequence, SequenceStatus
+from kvserve.engine.spec_state import SpecState
 from kvserve.engine.token_counter import TokenCounter
 
 
@@ -28,7 +29,7 @@ class Forks:
         """A running copy of `parent` (same tokens and progress) sharing all of its blocks."""
         child = Sequence(parent.request_id, parent.prompt_token_ids, parent.params, seed,
                          prompt=parent.prompt, index=index, beam=parent.beam, cache_salt=parent.cache_salt,
-                         eviction=parent.eviction,
+                         eviction=parent.eviction, spec=None if parent.spec is None else SpecState(),
                          kv_state=None if parent.kv_state is None else parent.kv_state.clone(),
                          output_token_ids=list(parent.output_token_ids), num_computed_tokens=parent.num_computed_tokens,
                          arrival_time=parent.arrival_time, first_scheduled_time=parent.first_scheduled_time,

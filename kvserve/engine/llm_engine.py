@@ -200,4 +200,5 @@ class LLMEngine:
                 "preemptions_by_mode": dict(self.scheduler.preemptions),
                 "swap_tiers": [] if self.swap is None else [vars(u) for u in self.swap.usage()],
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "swapped": len(self.scheduler.swapped)}
+                "swapped": len(self.scheduler.swapped),
+                "spec_decode": self.update.verifier.stats.summary()}

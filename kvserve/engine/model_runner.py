@@ -46,11 +46,12 @@ class StepInput:
     ops: BlockOps
     input_ids: list[int]                # empty where `fill` takes every one from the device
     metadata: StepMetadata              # over the first KV cache group's block tables
-    rows: torch.Tensor                  # the logits rows: each sequence's last token, then prompt_span's
+    rows: torch.Tensor                  # the logits rows: each sequence's last token, prompt_span's, drafts'
     scoring: ScorePlan | None
     num_seqs: int
     fill: TokenFill | None = None
     other_groups: tuple[StepMetadata, ...] = ()  # the same tokens over the other groups' tables
+    num_draft_rows: int = 0             # the rows' last: the positions before each draft token
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,15 @@ class StepResult:
     logits: torch.Tensor                # [len(seqs), vocab]: after each sequence's last token run
     prompt_logits: torch.Tensor         # [R, vocab]: after each position `prompt_span` names, in batch order
     scores: dict[int, torch.Tensor] | None  # batch index -> [layers, kv_heads, slots] attention received
+    draft_logits: torch.Tensor | None = None  # [D, vocab]: before each draft token, in batch order
+
+    @classmethod
+    def split(cls, logits: torch.Tensor, step: StepInput,
+              scores: dict[int, torch.Tensor] | None = None) -> StepResult:
+        """The result from the logits of the step's rows, in their order."""
+        n, d = step.num_seqs, step.num_draft_rows
+        end = logits.shape[0] - d
+        return cls(logits[:n], logits[n:end], scores, logits[end:] if d else None)
 
 
 class ModelRunner:
@@ -138,11 +148,14 @@ class ModelRunner:
         extra = [torch.arange(lo, hi) + int(step.query_start[i]) - span.start
                  for i, span in enumerate(spans) if span.prompt_rows is not None
                  for lo, hi in [span.prompt_rows] if hi > lo]
-        if extra:
-            rows = torch.cat([rows, *extra])
+        # The positions before each draft token: the last token's and the draft's own but its last.
+        drafts = [torch.arange(span.num_tokens - 1 - span.draft, span.num_tokens - 1) + int(step.query_start[i])
+                  for i, span in enumerate(spans) if span.draft]
+        if extra or drafts:
+            rows = torch.cat([rows, *extra, *drafts])
         return StepInput(plan.ops, plan.input_ids, step, rows,
                          ScorePlan.build(step, first_rows) if first_rows else None, plan.num_seqs, plan.fill,
-                         tuple(others))
+                         tuple(others), sum(span.draft for span in spans))
 
     def move_blocks(self, ops: BlockOps) -> set[str]:
         """Block moves outside a forward pass: a step's swaps, ahead of the rest (LLMEngine._swap),
@@ -191,19 +204,16 @@ class ModelRunner:
             input_ids = to_device(torch.tensor(step.input_ids), self.device)
             if fill is not None:
                 input_ids[fill.rows] = fill.tokens
-        n = step.num_seqs
         if self.graphs is not None and step.scoring is None and self.graphs.serves(step.metadata, len(step.rows)):
-            logits = self.graphs.run(step.metadata, input_ids)
-            return StepResult(logits, logits[n:], None)
+            return StepResult.split(self.graphs.run(step.metadata, input_ids), step)
         if self.stack is not None and step.scoring is None and self.stack.serves(step.metadata):
-            logits = self.stack.run(step.metadata, input_ids, step.rows)
-            return StepResult(logits[:n], logits[n:], None)
+            return StepResult.split(self.stack.run(step.metadata, input_ids, step.rows), step)
         attention = StepAttention.of(self.backend, step.metadata, step.scoring, self.rotation, step.other_groups,
                                      self.layer_map)
         logits = self.model(input_ids, attention, to_device(step.rows, self.device), self.ops)
         scores = None if attention.scoring is None else dict(zip(attention.scoring.batch_index,
                                                                  attention.scores.cpu().unbind(1)))
-        return StepResult(logits[:n], logits[n:], scores)
+        return StepResult.split(logits, step, scores)
 
     @staticmethod
     def sample(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:

@@ -18,23 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from kvserve.validate import FieldError, is_int
 
 
 @dataclass(frozen=True)
 class NgramProposer:
+    """Settings as SpeculativeOptions checked them (every one >= 1, min <= max)."""
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-            value = getattr(self, name)
-            if not (is_int(value) and value >= 1):
-                raise FieldError(name, f"NgramProposer.{name} must be an integer >= 1, got {value!r}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise FieldError("prompt_lookup_min", f"NgramProposer.prompt_lookup_min ({self.prompt_lookup_min}) "
-                                                  f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
 
     def propose(self, token_ids: list[int]) -> list[int]:
         """The draft that follows `token_ids` (empty: nothing earlier matches its end)."""

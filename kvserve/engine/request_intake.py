@@ -15,6 +15,8 @@ from kvserve.config import EngineConfig
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.sequence import OutputState, Sequence
+from kvserve.engine.spec_state import SpecState
+from kvserve.eviction.policy import EvictionPolicy
 from kvserve.model.config import ModelConfig
 from kvserve.sampling_params import SamplingParams
 from kvserve.validate import FieldError, check_utf8
@@ -82,10 +84,20 @@ class RequestIntake:
                              params.max_tokens, None if params.ignore_eos else self.eos_token_id)
         return Sequence(request_id or str(next(self._ids)), ids, params, seed, prompt=text,
                         num_forks=max(params.n, params.beam_width) - 1, beam=beam, cache_salt=cache_salt,
-                        eviction=eviction,
+                        eviction=eviction, spec=self._spec_state(params, beam, eviction),
                         # The first prompt token has no context to score it.
                         out=OutputState(self.detokenizer(),
                                         prompt_logprobs=[] if params.prompt_logprobs is None else [None]))
+
+    def _spec_state(self, params: SamplingParams, beam: BeamGroup | None,
+                    eviction: EvictionPolicy | None) -> SpecState | None:
+        """A request speculates when the engine does, unless a token's consequences on the host
+        come with it one at a time (beams, eviction, penalties, logprobs, forced tokens): those
+        requests decode as usual beside the speculating ones."""
+        if self.config.speculative.speculative is None or beam is not None or eviction is not None or \
+                params.penalized or params.logprobs is not None or params.forced_token_ids is not None:
+            return None
+        return SpecState()
 
     def _check_ids(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.vocab_size

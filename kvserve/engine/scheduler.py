@@ -12,7 +12,11 @@ Invariants the engine relies on:
   gives its grants back (`BlockManager.roll_back`, which also drops their remote loads).
 - A sequence runs at most `Sequence.num_runnable` tokens a step and holds blocks for
   `num_slots_to_run` slots (an evicting sequence's chunk ends cap both); `complete_step` is the
-  one place `num_computed_tokens` advances.
+  one place `num_computed_tokens` advances for the tokens a sequence holds.
+- Speculative decoding (`drafts`): a decoding sequence may run draft tokens after its new one,
+  out of the step's token budget, in slots taken after every decode has its own (a draft that
+  finds no blocks is dropped, never the cause of a preemption). Drafts are not the sequence's
+  tokens: the step's update appends those it accepts and gives back the rest's slots.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from kvserve.cache.block_manager import BlockManager, HostBlock, on_device
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.swap_space import SwapSpace
+from kvserve.engine.draft_policy import DraftPolicy
 from kvserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -36,6 +41,10 @@ class SchedulerOutput:
     is_prefill: bool          # no sequence of the step is decoding
     preempted: list[Sequence]
     block_ops: BlockOps       # every block move to apply before the step runs
+    drafts: tuple[tuple[int, ...], ...] = ()  # per sequence, the draft tokens it runs last (empty: none drafts)
+
+    def draft_of(self, i: int) -> tuple[int, ...]:
+        return self.drafts[i] if self.drafts else ()
 
     @property
     def num_tokens(self) -> int:
@@ -58,8 +67,9 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  reserve_tokens: int = 0, recompute_all: bool = False, swap: SwapSpace | None = None,
                  prefer_swap: Callable[[int], bool] = lambda num_tokens: False,
-                 chunked_prefill: bool = False) -> None:
+                 chunked_prefill: bool = False, drafts: DraftPolicy | None = None) -> None:
         self.block_manager = block_manager
+        self.drafts = drafts
         self.swap = swap
         self.prefer_swap = prefer_swap
         self.max_num_seqs = max_num_seqs
@@ -116,7 +126,10 @@ class Scheduler:
         if self.recompute_all:
             for seq in running:
                 seq.num_computed_tokens = 0
-        return SchedulerOutput(running, [s.num_runnable for s in running], False, preempted, ops.then(room))
+        counts = [s.num_runnable for s in running]
+        drafts, grown = self._draft(running, self.max_num_batched_tokens - sum(counts))
+        return SchedulerOutput(running, [n + len(d) for n, d in zip(counts, drafts or [()] * len(counts))], False,
+                               preempted, ops.then(room).then(grown), drafts)
 
     def _schedule_chunked(self) -> SchedulerOutput:
         ops = self._swap_in()
@@ -134,8 +147,11 @@ class Scheduler:
                 prefilling.append(seq)
         # A decoding sequence runs its one new token (an evicting one too): no need to ask each.
         seqs = decoding[:budget]
-        counts = [1] * len(seqs)
         budget -= len(seqs)
+        drafts, grown = self._draft(seqs, budget)
+        ops = ops.then(grown)
+        counts = [1 + len(d) for d in drafts] if drafts else [1] * len(seqs)
+        budget -= sum(counts) - len(seqs)
         for seq in prefilling:
             take = min(seq.num_runnable, budget)
             if take == 0:
@@ -153,7 +169,29 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(take)
                 budget -= take
-        return SchedulerOutput(seqs, counts, not decoding, preempted, ops)
+        if drafts:
+            drafts += ((),) * (len(seqs) - len(drafts))
+        return SchedulerOutput(seqs, counts, not decoding, preempted, ops, drafts)
+
+    def _draft(self, decoding: list[Sequence], budget: int) -> tuple[tuple[tuple[int, ...], ...], BlockOps]:
+        """Each decoding sequence's draft (all empty: `()`), within `budget` tokens, with the slots
+        it runs in: taken after every decode holds its own, so a draft never preempts."""
+        if self.drafts is None or budget <= 0 or not self.drafts.drafts_in(len(decoding)):
+            return (), BlockOps()
+        drafts: list[tuple[int, ...]] = []
+        copies: list[tuple[int, int]] = []
+        for seq in decoding:
+            draft = self.drafts.draft(seq, budget) if seq.num_new_tokens == 1 else ()
+            if draft:
+                grown = self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run + len(draft),
+                                                    num_computed=seq.num_computed_tokens)
+                if grown is None:
+                    draft = ()
+                else:
+                    copies += grown
+                    budget -= len(draft)
+            drafts.append(draft)
+        return (tuple(drafts) if any(drafts) else ()), BlockOps(copies=tuple(copies))
 
     def complete_step(self, out: SchedulerOutput) -> list[int]:
         """After the model ran `out`: every scheduled sequence's computed tokens advance (the one
@@ -161,7 +199,7 @@ class Scheduler:
         ones that get a next token; a prompt chunk that leaves more to prefill gets none."""
         done = []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled)):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(out.draft_of(i))  # what it accepts of a draft counts later
             if seq.num_computed_tokens == seq.num_tokens:
                 done.append(i)
         return done
@@ -364,7 +402,8 @@ class Scheduler:
             self.recompute(seq)
         kept = [i for i, s in enumerate(out.seqs) if s.seq_id not in lost]
         return dataclasses.replace(out, seqs=[out.seqs[i] for i in kept],
-                                   num_scheduled=[out.num_scheduled[i] for i in kept])
+                                   num_scheduled=[out.num_scheduled[i] for i in kept],
+                                   drafts=tuple(out.drafts[i] for i in kept) if out.drafts else ())
 
     def _requeue(self, seq: Sequence) -> None:
         """Back to the head of the queue, to be recomputed in full (then evicted again by its policy)."""

@@ -11,6 +11,7 @@ import torch
 
 from kvserve.engine.beam_search import BeamGroup
 from kvserve.engine.detokenizer import Detokenizer
+from kvserve.engine.spec_state import SpecState
 from kvserve.eviction.policy import EvictionPolicy
 from kvserve.eviction.state import EvictionState
 from kvserve.sampling_params import SamplingParams
@@ -70,6 +71,7 @@ class Sequence:
     cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
     eviction: EvictionPolicy | None = None  # which tokens its cache keeps (None: all)
     kv_state: EvictionState | None = None   # with `eviction`, once its first tokens are computed
+    spec: SpecState | None = None  # it drafts tokens to verify (speculative decoding; None: it never does)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0   # tokens whose K/V are in the pool

@@ -43,6 +43,7 @@ class SeqSpan:
     evicted: int = 0
     prompt_rows: tuple[int, int] | None = None  # positions whose logits score prompt tokens (logprobs)
     score_from: int | None = None        # first position whose query its eviction policy scores
+    draft: int = 0                       # its last `draft` positions run draft tokens (speculative decoding)
 
     @property
     def end(self) -> int:
@@ -73,14 +74,15 @@ def plan_step(batch: SchedulerOutput, bm: BlockManager, pool: KVPool | Quantized
     ends = [start + n for start, n in zip(starts, num_scheduled)]
     fill = None if pending is None else _fill(seqs, starts, num_scheduled, pending, device)
     # Taken whole from the device in the steady state of async scheduling: no list to build.
+    drafts = batch.drafts or ((),) * len(seqs)
     input_ids = [] if fill is not None and fill.rows is None else \
-        [t for s, start, end in zip(seqs, starts, ends) for t in s.tokens(start, end)]
+        [t for s, start, end, d in zip(seqs, starts, ends, drafts) for t in s.tokens(start, end - len(d)) + list(d)]
     evicted = [s.num_evicted for s in seqs]
     tables = [bm.tables_of(s.seq_id) for s in seqs]
     scored = score_from or [None] * len(seqs)
     spans = [SeqSpan(start, n, table, e, prompt_span(s, start, start + n) if s.params.prompt_logprobs is not None
-                     else None, f)
-             for s, start, n, table, e, f in zip(seqs, starts, num_scheduled, tables, evicted, scored)]
+                     else None, f, len(d))
+             for s, start, n, table, e, f, d in zip(seqs, starts, num_scheduled, tables, evicted, scored, drafts)]
     staging = None if bm.staging is None else bm.staging.plan(
         ((bm.tables[s.seq_id], start - e, end - e) for s, start, end, e in zip(seqs, starts, ends, evicted)),
         batch.block_ops.copies)

@@ -1,5 +1,6 @@
 """What a step's forward pass changes on the host: prompt logprobs, the scheduler's progress, new
-prefix-cache blocks, evictions, beams and forks, sampled tokens, stops and outputs.
+prefix-cache blocks, evictions, beams and forks, sampled tokens, verified drafts (their accepted
+tokens join the sequence, their rejected ones' slots go back: `_take_drafts`), stops and outputs.
 
 With async scheduling a plain step's tokens are sampled on the device and read one step later,
 while the next forward runs (`PendingTokens`); the sequences hold a placeholder until then.
@@ -19,6 +20,7 @@ from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.device_copy import to_device
+from kvserve.engine.draft_verifier import DraftVerifier
 from kvserve.engine.eviction_step import EvictionStep, score_from
 from kvserve.engine.forks import Forks
 from kvserve.engine.logprobs import prompt_span, token_logprobs
@@ -45,11 +47,11 @@ class StepScores:
 def is_plain(seq: Sequence) -> bool:
     """None of what acts on a sequence's new token on the host at once (beams and forks step
     there, penalties count the outputs, logprobs and forced tokens come with the token, eviction
-    ranks the step's attention): its steps skip those stages, and with async scheduling its token
-    may be read a step late."""
+    ranks the step's attention, drafts are verified): its steps skip those stages, and with async
+    scheduling its token may be read a step late."""
     p = seq.params
-    return (seq.beam is None and not seq.num_forks and seq.eviction is None and not p.penalized
-            and p.logprobs is None and p.forced_token_ids is None)
+    return (seq.beam is None and not seq.num_forks and seq.eviction is None and seq.spec is None
+            and not p.penalized and p.logprobs is None and p.forced_token_ids is None)
 
 
 def rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -75,6 +77,7 @@ class StepUpdate:
         self.counter = counter
         self.output_processor = output_processor
         self.async_scheduling = async_scheduling
+        self.verifier = DraftVerifier()
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests: their samples
         self.pending: PendingTokens | None = None  # the last step's tokens, not read yet
 
@@ -124,6 +127,10 @@ class StepUpdate:
                 seqs, tokens = ready, self.runner.sample(ready, logits).tolist()
             logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         else:
+            if any(s.spec is not None and not s.num_forks for s in ready):
+                outputs += self._take_drafts(batch, ready, logits, result.draft_logits, now)
+                keep = [i for i, s in enumerate(ready) if s.spec is None or s.num_forks]
+                logits, ready = rows_of(logits, keep), [ready[i] for i in keep]
             outputs += self.forks.step_beams(ready, logits, now, self.requests)
             seqs, tokens, logprobs = self._sample_rows(ready, logits)
         for seq, token, logprob in zip(seqs, tokens, logprobs):
@@ -150,14 +157,45 @@ class StepUpdate:
                 outputs.append(out)
         return outputs
 
+    def _take_drafts(self, batch: SchedulerOutput, ready: list[Sequence], logits: torch.Tensor,
+                     draft_logits: torch.Tensor | None, now: float) -> list[RequestOutput]:
+        """The speculating sequences' new tokens (engine/draft_verifier.py), each a computed token
+        but the last, up to a stop; then each gives back the slots past its tokens (its rejected
+        draft's: never registered, since only computed blocks are) and registers what it filled."""
+        rows = [i for i, s in enumerate(ready) if s.spec is not None and not s.num_forks]
+        seqs = [ready[i] for i in rows]
+        drafts = dict(zip(map(id, batch.seqs), batch.drafts))
+        new_tokens = self.verifier.verify(seqs, [drafts.get(id(s), ()) for s in seqs], rows_of(logits, rows),
+                                          draft_logits)
+        outputs = []
+        for seq, tokens in zip(seqs, new_tokens):
+            for j, token in enumerate(tokens):
+                seq.num_computed_tokens += int(j > 0)  # the token before this one was a draft the step ran
+                self.counter.append(seq, token, now)
+                self._append_text(seq, token)
+                if seq.out.finish_reason is not None:
+                    break
+            if (out := self._output(seq, now)) is not None:
+                outputs.append(out)
+            if not seq.finished:
+                self.block_manager.trim(seq.seq_id, seq.num_slots)
+        self._register_blocks(seqs)
+        return outputs
+
     def _emit(self, seq: Sequence, token: int, now: float) -> RequestOutput | None:
         """A sequence's output after `token` joined it: text, stop checks, and its end if it ends
         (None: a running sequence whose caller wants its final output only)."""
+        self._append_text(seq, token)
+        return self._output(seq, now)
+
+    def _append_text(self, seq: Sequence, token: int) -> None:
         try:
             self.output_processor.append_text(seq, token)
         except Exception as err:  # a fault in one request's bookkeeping ends that request only
             logger.exception("request %s failed", seq.request_id)
             seq.out.finish_reason, seq.out.error = "error", f"{type(err).__name__}: {err}"
+
+    def _output(self, seq: Sequence, now: float) -> RequestOutput | None:
         if seq.out.finish_reason is not None:
             seq.out.finish_time = now
             self.scheduler.finish(seq)

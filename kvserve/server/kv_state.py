@@ -4,14 +4,32 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvserve.cache.block_manager import BlockManager
+from kvserve.cache.blocks import on_device
 from kvserve.engine.llm_engine import LLMEngine
+
+
+def block_states(bm: BlockManager) -> tuple[str, list[str | None]]:
+    """Per device block, its state as one letter (F free, U in use, S shared, C cached, N the
+    sliding groups' null block) and the sequence whose table holds it first (None when unowned)."""
+    owners: list[str | None] = [None] * bm.num_blocks
+    for tables in bm.group_tables:
+        for seq_id, table in tables.items():
+            for block_id in table:
+                if on_device(block_id) and bm.pool.owned(block_id) and owners[block_id] is None:
+                    owners[block_id] = seq_id
+    states = "".join(("S" if b.ref_count > 1 else "U") if b.ref_count else ("C" if b.hash is not None else "F")
+                     for b in bm.blocks)
+    if bm.reserved:
+        states = "N" + states[1:]
+    return states, owners
 
 
 def kv_state(engine: LLMEngine, expose_request_ids: bool = False) -> dict[str, Any]:
     """Runs on the engine thread. Owners are indices into `sequences` (-1: none), which keeps
     the payload small for pools of thousands of blocks. Without `expose_request_ids` the
     sequences are numbered, not named: a request id is one client's business."""
-    states, owners = engine.block_manager.block_states()
+    states, owners = block_states(engine.block_manager)
     swap_owners: list[tuple[str, list[str | None]]] = []
     if engine.swap is not None:
         for tier in engine.swap.tiers:

@@ -52,6 +52,12 @@ class Metrics:
         self.remote = Counter("kvserve_kv_remote_blocks", "remote KV tier (kv_remote) blocks by event: lookups, "
                               "hits, stored, corrupt (failed checksum or foreign), errors (failed calls)",
                               ["event"], registry=r)
+        self.spec_decode = Counter("kvserve_spec_decode_tokens", "speculative decoding: drafts verified, draft "
+                                   "tokens proposed, and of those accepted", ["event"], registry=r)
+        self.spec_accepted = Counter("kvserve_spec_decode_drafts_by_accepted_length", "verified drafts by how many "
+                                     "of their tokens were accepted", ["accepted"], registry=r)
+        self._seen_spec: dict[str, int] = {}
+        self._seen_spec_lengths: dict[str, int] = {}
         self._seen_remote: dict[str, int] = {}
         self._seen_preemptions: dict[str, int] = {}
         self._seen_evicted: dict[str, int] = {}
@@ -64,6 +70,11 @@ class Metrics:
         _catch_up(self.evicted_tokens, "policy", engine.evicted_tokens, self._seen_evicted)
         if engine.remote is not None:
             _catch_up(self.remote, "event", dataclasses.asdict(engine.remote.stats), self._seen_remote)
+        spec = engine.update.verifier.stats
+        _catch_up(self.spec_decode, "event", {"drafts": spec.drafts, "draft_tokens": spec.draft_tokens,
+                                              "accepted_tokens": spec.accepted_tokens}, self._seen_spec)
+        _catch_up(self.spec_accepted, "accepted", {str(k): n for k, n in spec.accepted_lengths.items()},
+                  self._seen_spec_lengths)
         freed = engine.block_manager.evicted_blocks
         self.evicted_blocks.inc(freed - self._seen_evicted_blocks)
         self._seen_evicted_blocks = freed

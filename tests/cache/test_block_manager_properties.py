@@ -376,6 +376,42 @@ class BlockManagerMachine(RuleBasedStateMachine):
         apply_copies(self.bm, self.model)
         write(self.bm, self.model, seq_id, n - 1, n)
 
+    @rule(index=st.integers(0, 63), draft=st.lists(ALPHABET, min_size=1, max_size=5), data=st.data())
+    def speculate(self, index: int, draft: list[int], data: st.DataObject) -> None:
+        """A decode that runs draft tokens after the last token (speculative decoding, paged mode
+        only): slots for all of them, the forward writes them, the target accepts the first m and
+        adds its own token (rejected slots may hold other tokens than the sequence's), and the
+        rollback trims the tables to the sequence's tokens before its full blocks register."""
+        seq_id = self._pick(index)
+        if seq_id is None or self.reserve:
+            return
+        seq = self.model.seqs[seq_id]
+        n = len(seq.tokens)
+        if seq.written != n - 1 or seq.held is not None:
+            return
+        # As the scheduler does: the token's slot first (its block made its own), then the draft's.
+        copies = self.bm.allocate(seq_id, n, num_computed=n - 1)
+        grown = None if copies is None else self.bm.allocate(seq_id, n + len(draft), num_computed=n - 1)
+        if grown is None:
+            event("speculate: no room")
+            if copies is not None:  # the token's slot stays: the next decode would take it
+                self.model.copies += copies
+            return
+        self.model.copies += copies + grown
+        apply_copies(self.bm, self.model)
+        seq.tokens += draft
+        write(self.bm, self.model, seq_id, n - 1, n + len(draft))
+        accepted = data.draw(st.integers(0, len(draft)), label="accepted")
+        del seq.tokens[n + accepted:]
+        seq.tokens.append(data.draw(ALPHABET, label="target's token"))
+        seq.written = n + accepted
+        self.bm.trim(seq_id, len(seq.tokens))
+        # Nothing past the tokens (the target's new one may still need its block from the next decode).
+        assert self.bm.blocks_for(seq.written) <= len(self.bm.tables[seq_id]) <= self.bm.blocks_for(len(seq.tokens))
+        seq.registered = seq.written
+        self.bm.register_full_blocks(seq_id, list(seq.tokens), seq.written)
+        event(f"speculate: {accepted} of {len(draft)} accepted")
+
     @rule(index=st.integers(0, 63))
     def fork(self, index: int) -> None:
         """Forks.fork_samples: the child shares all of the parent's blocks."""

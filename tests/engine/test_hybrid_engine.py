@@ -165,3 +165,16 @@ def test_metrics_and_the_dashboard_show_the_groups(models: dict[str, Path]) -> N
     assert state["states"][0] == "N"
     while engine.has_unfinished():
         engine.step()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_speculation_over_sliding_windows(models: dict[str, Path], family: str) -> None:
+    """N-gram drafts verified and rolled back over the sliding groups (a rejected token's slot may
+    sit past a window's edge): the tokens of the same engine without them, in a tight pool too."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model=str(models[family]), **BASE).generate(PROMPTS, params, use_tqdm=False)]
+    for extra in ({}, {"num_blocks_override": 40, "max_num_seqs": 3}):
+        llm = LLM(model=str(models[family]), **{**BASE, **extra}, speculative="ngram", prompt_lookup_min=1)
+        assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+        stats = llm.engine.update.verifier.stats
+        assert 0 < stats.accepted_tokens < stats.draft_tokens, stats

@@ -44,14 +44,3 @@ def test_drafts_equal_a_brute_force_search() -> None:
         k, lo = rng.randint(1, 5), rng.randint(1, 3)
         hi = lo + rng.randint(0, 3)
         assert NgramProposer(k, lo, hi).propose(tokens) == brute_force(tokens, k, lo, hi), (tokens, k, lo, hi)
-
-
-@pytest.mark.parametrize("kwargs, field", [
-    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
-    ({"num_speculative_tokens": True}, "num_speculative_tokens"),
-])
-def test_bad_settings_name_the_field(kwargs: dict[str, int], field: str) -> None:
-    with pytest.raises(ValueError, match=f"NgramProposer.{field}"):
-        NgramProposer(**kwargs)

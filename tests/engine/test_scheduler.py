@@ -377,3 +377,35 @@ def test_carried_compactions_lead_the_next_steps_moves_once() -> None:
     out = sched.schedule()
     assert out.block_ops.compactions == (compaction,) and not sched.carries()
     assert sched.schedule().block_ops.compactions == ()
+
+
+def test_drafts_come_out_of_the_token_budget_and_never_preempt() -> None:
+    """A decoding sequence runs its draft after its token: counted against the budget, in slots
+    taken after every decode holds its own (blocks short: the draft is dropped, nobody is
+    preempted); a batch at the size limit drafts nothing."""
+    from kvserve.engine.draft_policy import DraftPolicy
+    from kvserve.engine.ngram_proposer import NgramProposer
+    from kvserve.engine.spec_state import SpecState
+
+    def decoding(budget: int, num_blocks: int, limit: int = 8, n: int = 1) -> tuple[Scheduler, SchedulerOutput]:
+        bm = BlockManager(num_blocks, 4)
+        sched = Scheduler(bm, 4, budget, chunked_prefill=True,
+                          drafts=DraftPolicy(NgramProposer(3, 1, 2), limit, max_model_len=64))
+        for i in range(n):
+            sched.add(Sequence(f"s{i}", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=20), seed=0,
+                               spec=SpecState()))
+        while not all(s.output_token_ids for s in sched.running) or sched.waiting:  # the prompts, in chunks
+            prompts = sched.schedule()
+            for i in sched.complete_step(prompts):
+                prompts.seqs[i].output_token_ids.append(2)  # [1, 2] recurs: it was followed by [3, 1, 2]
+        return sched, sched.schedule()
+
+    sched, out = decoding(budget=16, num_blocks=8)
+    assert out.drafts == ((3, 1, 2),) and out.num_scheduled == [4]
+    assert sched.block_manager.num_tokens["s0"] == 8 + 3
+    sched, out = decoding(budget=3, num_blocks=8)
+    assert out.drafts == ((3, 1),) and out.num_scheduled == [3]
+    sched, out = decoding(budget=16, num_blocks=2)  # 2 blocks: the token fits, its draft does not
+    assert out.drafts == () and out.num_scheduled == [1] and not out.preempted
+    sched, out = decoding(budget=16, num_blocks=16, limit=2, n=2)
+    assert out.drafts == () and out.num_scheduled == [1, 1]
