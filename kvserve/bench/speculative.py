@@ -12,13 +12,16 @@ read once per step, one token per step; speculation passes it by yielding severa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvserve.arg_types import at_least, folder
+from kvserve.engine.spec_state import SpecDecodeStats
 from kvserve.engine_args import add_engine_args, llm_from_args
 from kvserve.sampling_params import SamplingParams
 
@@ -106,7 +109,7 @@ def run_spec_bench(args: argparse.Namespace, out: Path) -> None:
         for name, draft in (("llama.cpp", None), ("llama.cpp + prompt lookup", LlamaPromptLookupDecoding(
                 max_ngram_size=args.prompt_lookup_max, num_pred_tokens=args.num_speculative_tokens))):
             lc = Llama(model_path=path, n_ctx=args.max_model_len, n_threads=threads, n_threads_batch=threads,
-                       draft_model=draft, verbose=False)
+                       draft_model=draft, logits_all=draft is not None, verbose=False)
             runners[name] = lambda prompt, lc=lc: (_llama_cpp_rate(lc, prompt, args.max_tokens,
                                                                    on.engine.eos_token_id)[0], [])
     for prompt in prompts.values():  # warm-up
@@ -114,45 +117,54 @@ def run_spec_bench(args: argparse.Namespace, out: Path) -> None:
             run(prompt[:64])
     rates: dict[tuple[str, str], list[float]] = {}
     outputs: dict[tuple[str, str], list[int]] = {}
+    stats = on.engine.update.verifier.stats
+    judged = {task: SpecDecodeStats() for task in prompts}  # each task's drafts, over every round
     for r in range(args.rounds):
         print(f"round {r + 1} of {args.rounds}", flush=True)
         for task, prompt in prompts.items():
             for name, run in runners.items():
+                before = dataclasses.replace(stats, accepted_lengths=Counter(stats.accepted_lengths))
                 rate, tokens = run(prompt)
                 rates.setdefault((task, name), []).append(rate)
                 outputs[(task, name)] = tokens
-    stats = on.engine.update.verifier.stats
-    mixed = _mixed_batch(on, off, list(prompts.values()), params)
+                judged[task].drafts += stats.drafts - before.drafts
+                judged[task].accepted_tokens += stats.accepted_tokens - before.accepted_tokens
+                judged[task].draft_tokens += stats.draft_tokens - before.draft_tokens
+    mixed = _mixed_batch(on, off, list(prompts.values()), params, args.rounds)
     machine = measure_machine(on.engine.config.model.torch_dtype)
-    lines = _report(args, prompts, rates, outputs, stats.mean_acceptance_length, mixed, machine,
+    lines = _report(args, prompts, rates, outputs, judged, mixed, machine,
                     lambda context: decode_step_bytes(on.engine.model_config, on.engine.config.model.torch_dtype,
                                                       context, on.engine.kv_bytes_per_token))
     (out / "spec.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def _mixed_batch(on: Any, off: Any, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
-    """Output tokens a second of 4 copies of each task at once, speculation off then on."""
+def _mixed_batch(on: Any, off: Any, prompts: list[list[int]], params: SamplingParams,
+                 rounds: int) -> dict[str, float]:
+    """Output tokens a second of 4 copies of each task at once, speculation off and on taking
+    turns for `rounds` rounds: the medians."""
     batch = [p for p in prompts for _ in range(4)]
-    rates = {}
-    for name, llm in (("off", off), ("on", on)):
-        start = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        rates[name] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
-    return rates
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for name, llm in (("off", off), ("on", on)):
+            start = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in rates.items()}
 
 
 def _report(args: argparse.Namespace, prompts: dict[str, list[int]], rates: dict[tuple[str, str], list[float]],
-            outputs: dict[tuple[str, str], list[int]], acceptance: float, mixed: dict[str, float], machine: Any,
+            outputs: dict[tuple[str, str], list[int]], judged: dict[str, SpecDecodeStats], mixed: dict[str, float],
+            machine: Any,
             step_bytes: Callable[[int], float]) -> list[str]:
     lines = ["# Speculative decoding: one stream, n-gram drafts", "",
              f"`kvserve bench spec --max-tokens {args.max_tokens} --rounds {args.rounds} --num-speculative-tokens "
              f"{args.num_speculative_tokens} --prompt-lookup-min {args.prompt_lookup_min} --prompt-lookup-max "
              f"{args.prompt_lookup_max}`, dtype {args.dtype}; decode tok/s, median of {args.rounds} rounds; memory "
              f"read {machine.read_gb_s:.1f} GB/s measured now", "",
-             "| task | prompt tokens | output tokens | kvserve | kvserve + ngram | ratio | same tokens | "
-             "one-token bandwidth limit | llama.cpp | llama.cpp + lookup | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| task | prompt tokens | output tokens | kvserve | kvserve + ngram | ratio | same tokens | drafts | "
+             "accepted / drafted | acceptance length | one-token bandwidth limit | llama.cpp | llama.cpp + lookup | "
+             "ratio |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for task, prompt in prompts.items():
         med = {name: statistics.median(v) for (t, name), v in rates.items() if t == task}
         base, spec = med["kvserve"], med["kvserve + ngram"]
@@ -160,9 +172,10 @@ def _report(args: argparse.Namespace, prompts: dict[str, list[int]], rates: dict
         limit = machine.read_gb_s * 1e9 / step_bytes(len(prompt) + n // 2)
         lc, lcs = med.get("llama.cpp"), med.get("llama.cpp + prompt lookup")
         peer = f"{lc:.1f} | {lcs:.1f} | {lcs / lc:.2f}x" if lc and lcs else "- | - | -"
+        j = judged[task]
         lines.append(f"| {task} | {len(prompt)} | {n} | {base:.1f} | {spec:.1f} | **{spec / base:.2f}x** | "
-                     f"{outputs[(task, 'kvserve')] == outputs[(task, 'kvserve + ngram')]} | {limit:.0f} | {peer} |")
-    lines += ["", f"Mean acceptance length over every kvserve draft step: {acceptance:.2f} tokens.",
-              f"Mixed batch (4 of each task at once, greedy): {mixed['off']:.1f} tok/s off, {mixed['on']:.1f} on "
+                     f"{outputs[(task, 'kvserve')] == outputs[(task, 'kvserve + ngram')]} | {j.drafts} | "
+                     f"{j.accepted_tokens} / {j.draft_tokens} | {j.mean_acceptance_length:.2f} | {limit:.0f} | {peer} |")
+    lines += ["", f"Mixed batch (4 of each task at once, greedy, median of {args.rounds}): {mixed['off']:.1f} tok/s off, {mixed['on']:.1f} on "
               f"({mixed['on'] / mixed['off']:.2f}x)."]
     return lines

@@ -103,6 +103,8 @@ class EngineConfig:
             return f"it needs cache_mode='paged', not {self.cache.cache_mode!r}"
         if self.parallel.tensor_parallel_size > 1:
             return "tensor parallelism (tensor_parallel_size > 1) is not built with it"
+        if self.scheduler.async_scheduling == "on":
+            return "a draft continues the step before's tokens, which async_scheduling='on' reads a step late"
         return None
 
     def _tensor_parallel_unsupported(self) -> str | None:

@@ -132,8 +132,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                          layer_map=groups.layer_map(cfg.num_layers) if groups.hybrid else None)
     # Where the host's step is a large share of a short device step (CUDA); on a CPU the host and
     # the model share the cores, and a step's tokens are read a step late for nothing.
+    # Speculation needs each step's tokens on the host before the next is scheduled: its drafts
+    # continue them (EngineConfig refuses async_scheduling='on' with it).
     async_scheduling = config.scheduler.async_scheduling == "on" or (
-        config.scheduler.async_scheduling == "auto" and device.type == "cuda" and tp is None)
+        config.scheduler.async_scheduling == "auto" and device.type == "cuda" and tp is None
+        and config.speculative.speculative is None)
     if async_scheduling:
         logger.info("kvserve: async scheduling: each step launches before the host reads the tokens of the one "
                     "before")

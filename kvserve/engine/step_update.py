@@ -47,11 +47,11 @@ class StepScores:
 def is_plain(seq: Sequence) -> bool:
     """None of what acts on a sequence's new token on the host at once (beams and forks step
     there, penalties count the outputs, logprobs and forced tokens come with the token, eviction
-    ranks the step's attention, drafts are verified): its steps skip those stages, and with async
-    scheduling its token may be read a step late."""
+    ranks the step's attention): its steps skip those stages, and with async scheduling its token
+    may be read a step late."""
     p = seq.params
-    return (seq.beam is None and not seq.num_forks and seq.eviction is None and seq.spec is None
-            and not p.penalized and p.logprobs is None and p.forced_token_ids is None)
+    return (seq.beam is None and not seq.num_forks and seq.eviction is None and not p.penalized
+            and p.logprobs is None and p.forced_token_ids is None)
 
 
 def rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -122,15 +122,16 @@ class StepUpdate:
             keep = [i for i, s in enumerate(ready) if not s.finished]
             logits, ready = rows_of(logits, keep), [ready[i] for i in keep]
         now = time.perf_counter()
+        if batch.drafts:  # the drafting sequences' tokens; the others' as in any step
+            drafts = {id(s): d for s, d in zip(batch.seqs, batch.drafts) if d}
+            outputs += self._take_drafts(ready, drafts, logits, result.draft_logits, now)
+            keep = [i for i, s in enumerate(ready) if id(s) not in drafts]
+            logits, ready = rows_of(logits, keep), [ready[i] for i in keep]
         if plain:
             with label("kvserve.sample"):
                 seqs, tokens = ready, self.runner.sample(ready, logits).tolist()
             logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         else:
-            if any(s.spec is not None and not s.num_forks for s in ready):
-                outputs += self._take_drafts(batch, ready, logits, result.draft_logits, now)
-                keep = [i for i, s in enumerate(ready) if s.spec is None or s.num_forks]
-                logits, ready = rows_of(logits, keep), [ready[i] for i in keep]
             outputs += self.forks.step_beams(ready, logits, now, self.requests)
             seqs, tokens, logprobs = self._sample_rows(ready, logits)
         for seq, token, logprob in zip(seqs, tokens, logprobs):
@@ -157,16 +158,15 @@ class StepUpdate:
                 outputs.append(out)
         return outputs
 
-    def _take_drafts(self, batch: SchedulerOutput, ready: list[Sequence], logits: torch.Tensor,
+    def _take_drafts(self, ready: list[Sequence], drafts: dict[int, tuple[int, ...]], logits: torch.Tensor,
                      draft_logits: torch.Tensor | None, now: float) -> list[RequestOutput]:
-        """The speculating sequences' new tokens (engine/draft_verifier.py), each a computed token
-        but the last, up to a stop; then each gives back the slots past its tokens (its rejected
-        draft's: never registered, since only computed blocks are) and registers what it filled."""
-        rows = [i for i, s in enumerate(ready) if s.spec is not None and not s.num_forks]
+        """The new tokens of the sequences that ran a draft (`drafts`, by id; engine/draft_verifier.py),
+        each a computed token but the last, up to a stop; then each gives back the slots past its
+        tokens (its rejected draft's: never registered, since only computed blocks are) and
+        registers what it filled."""
+        rows = [i for i, s in enumerate(ready) if id(s) in drafts]
         seqs = [ready[i] for i in rows]
-        drafts = dict(zip(map(id, batch.seqs), batch.drafts))
-        new_tokens = self.verifier.verify(seqs, [drafts.get(id(s), ()) for s in seqs], rows_of(logits, rows),
-                                          draft_logits)
+        new_tokens = self.verifier.verify(seqs, [drafts[id(s)] for s in seqs], rows_of(logits, rows), draft_logits)
         outputs = []
         for seq, tokens in zip(seqs, new_tokens):
             for j, token in enumerate(tokens):

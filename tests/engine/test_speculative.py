@@ -167,3 +167,23 @@ def test_drafts_skip_a_batch_at_the_size_limit(tiny_llm: Callable[..., LLM]) -> 
     llm = tiny_llm(**SPEC, speculative_disable_by_batch_size=2)
     assert tokens(llm, GREEDY, PROMPTS[:2]) == tokens(tiny_llm(), GREEDY, PROMPTS[:2])
     assert llm.engine.update.verifier.stats.drafts == 0
+
+
+def test_metrics_count_what_the_verifier_judged(tiny_llm: Callable[..., LLM]) -> None:
+    """/metrics' counters against the verifier's own totals, and the acceptance histogram against
+    the drafts it counts: every draft is in one bucket."""
+    from kvserve.server.metrics import Metrics
+
+    llm = tiny_llm(**SPEC)
+    metrics = Metrics()
+    tokens(llm, GREEDY)
+    metrics.observe_step(llm.engine)
+    text = metrics.render().decode()
+    stats = llm.engine.update.verifier.stats
+    for event, value in (("drafts", stats.drafts), ("draft_tokens", stats.draft_tokens),
+                         ("accepted_tokens", stats.accepted_tokens)):
+        assert f'kvserve_spec_decode_tokens_total{{event="{event}"}} {float(value)}' in text
+    buckets = {int(k): v for k, v in stats.accepted_lengths.items()}
+    assert sum(buckets.values()) == stats.drafts and sum(k * v for k, v in buckets.items()) == stats.accepted_tokens
+    for accepted, count in buckets.items():
+        assert f'kvserve_spec_decode_drafts_by_accepted_length_total{{accepted="{accepted}"}} {float(count)}' in text
