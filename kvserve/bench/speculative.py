@@ -12,17 +12,16 @@ read once per step, one token per step; speculation passes it by yielding severa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvserve.arg_types import at_least, folder
+from kvserve.config import DTYPES
 from kvserve.engine.spec_state import SpecDecodeStats
-from kvserve.engine_args import add_engine_args, llm_from_args
+from kvserve.engine_args import add_engine_args
 from kvserve.sampling_params import SamplingParams
 
 _PASSAGE = ("The lighthouse stood on the northern cape for more than two hundred years. Its keepers kept a log "
@@ -81,21 +80,65 @@ def _llama_cpp_rate(lc: Any, prompt: list[int], max_tokens: int, eos: int) -> tu
     return (count - 1) / (time.perf_counter() - first), count
 
 
-def run_spec_bench(args: argparse.Namespace, out: Path) -> None:
+class _EngineProcess:
+    """One kvserve configuration in a process of its own, so that both sides of a ratio are the
+    only engine of their process (a second engine in one process ran up to 10% apart from the
+    first, either way, on this machine)."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child, options), daemon=True)
+        self.process.start()
+        self.eos_token_id, self.prompts, self.model_config, self.kv_bytes_per_token = self.conn.recv()
+
+    def ask(self, kind: str, prompts: list[list[int]], params: SamplingParams
+            ) -> tuple[float, list[int], tuple[int, int, int]]:
+        """("one": decode tok/s of the first | "batch": output tok/s of all), the first's tokens,
+        and the (drafts, draft tokens, accepted tokens) they ran."""
+        self.conn.send((kind, prompts, params))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join(timeout=30)
+
+
+def _serve(conn: Any, options: dict[str, Any]) -> None:
+    """The engine process: builds the engine and the task prompts, then times what it is asked."""
+    from kvserve import LLM
     from kvserve.engine.chat_template import chat_prompt_ids
+
+    llm = LLM(**options)
+    engine = llm.engine
+    conn.send((engine.eos_token_id, {task: chat_prompt_ids(engine.tokenizer, messages)
+                                     for task, messages in task_messages().items()},
+               engine.model_config, engine.kv_bytes_per_token))
+    while (message := conn.recv()) is not None:
+        kind, prompts, params = message
+        stats = engine.update.verifier.stats
+        before = (stats.drafts, stats.draft_tokens, stats.accepted_tokens)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        judged = (stats.drafts - before[0], stats.draft_tokens - before[1], stats.accepted_tokens - before[2])
+        rate = _decode_rate(outs[0]) if kind == "one" else sum(len(o.token_ids) for o in outs) / wall
+        conn.send((rate, outs[0].token_ids, judged))
+
+
+def run_spec_bench(args: argparse.Namespace, out: Path) -> None:
+    from kvserve.engine_args import engine_kwargs
     from kvserve.measure.roofline import decode_step_bytes, measure_machine
 
-    on = llm_from_args(args)
-    off = llm_from_args(args, speculative=None)
-    tokenizer = on.engine.tokenizer
-    prompts = {task: chat_prompt_ids(tokenizer, messages) for task, messages in task_messages().items()}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    runners: dict[str, Callable[[list[int]], tuple[float, list[int]]]] = {}
-    for name, llm in (("kvserve", off), ("kvserve + ngram", on)):
-        def run(prompt: list[int], llm: Any = llm) -> tuple[float, list[int]]:
-            result = llm.generate(prompt, params, use_tqdm=False)[0]
-            return _decode_rate(result), result.token_ids
-        runners[name] = run
+    engines = {"kvserve": _EngineProcess(engine_kwargs(args, speculative=None)),
+               "kvserve + ngram": _EngineProcess(engine_kwargs(args))}
+    base = engines["kvserve"]
+    prompts = base.prompts
+    runners: dict[str, Callable[[list[int]], tuple[float, list[int], tuple[int, int, int]]]] = {
+        name: (lambda prompt, e=engine: e.ask("one", [prompt], params)) for name, engine in engines.items()}
     if not args.skip_llama_cpp:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -110,47 +153,37 @@ def run_spec_bench(args: argparse.Namespace, out: Path) -> None:
                 max_ngram_size=args.prompt_lookup_max, num_pred_tokens=args.num_speculative_tokens))):
             lc = Llama(model_path=path, n_ctx=args.max_model_len, n_threads=threads, n_threads_batch=threads,
                        draft_model=draft, logits_all=draft is not None, verbose=False)
-            runners[name] = lambda prompt, lc=lc: (_llama_cpp_rate(lc, prompt, args.max_tokens,
-                                                                   on.engine.eos_token_id)[0], [])
+            runners[name] = lambda prompt, lc=lc: (
+                _llama_cpp_rate(lc, prompt, args.max_tokens, base.eos_token_id)[0], [], (0, 0, 0))
     for prompt in prompts.values():  # warm-up
         for run in runners.values():
             run(prompt[:64])
     rates: dict[tuple[str, str], list[float]] = {}
     outputs: dict[tuple[str, str], list[int]] = {}
-    stats = on.engine.update.verifier.stats
     judged = {task: SpecDecodeStats() for task in prompts}  # each task's drafts, over every round
+    mixed: dict[str, list[float]] = {name: [] for name in engines}
+    batch = [p for p in prompts.values() for _ in range(8)]
     for r in range(args.rounds):
         print(f"round {r + 1} of {args.rounds}", flush=True)
         for task, prompt in prompts.items():
             for name, run in runners.items():
-                before = dataclasses.replace(stats, accepted_lengths=Counter(stats.accepted_lengths))
-                rate, tokens = run(prompt)
+                rate, tokens, (drafts, drafted, accepted) = run(prompt)
                 rates.setdefault((task, name), []).append(rate)
                 outputs[(task, name)] = tokens
-                judged[task].drafts += stats.drafts - before.drafts
-                judged[task].accepted_tokens += stats.accepted_tokens - before.accepted_tokens
-                judged[task].draft_tokens += stats.draft_tokens - before.draft_tokens
-    mixed = _mixed_batch(on, off, list(prompts.values()), params, args.rounds)
-    machine = measure_machine(on.engine.config.model.torch_dtype)
-    lines = _report(args, prompts, rates, outputs, judged, mixed, machine,
-                    lambda context: decode_step_bytes(on.engine.model_config, on.engine.config.model.torch_dtype,
-                                                      context, on.engine.kv_bytes_per_token))
+                judged[task].drafts += drafts
+                judged[task].draft_tokens += drafted
+                judged[task].accepted_tokens += accepted
+        for name, engine in engines.items():
+            mixed[name].append(engine.ask("batch", batch, params)[0])
+    for engine in engines.values():
+        engine.close()
+    dtype = DTYPES[args.dtype]
+    lines = _report(args, prompts, rates, outputs, judged,
+                    {"off": statistics.median(mixed["kvserve"]), "on": statistics.median(mixed["kvserve + ngram"])},
+                    measure_machine(dtype),
+                    lambda context: decode_step_bytes(base.model_config, dtype, context, base.kv_bytes_per_token))
     (out / "spec.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-def _mixed_batch(on: Any, off: Any, prompts: list[list[int]], params: SamplingParams,
-                 rounds: int) -> dict[str, float]:
-    """Output tokens a second of 4 copies of each task at once, speculation off and on taking
-    turns for `rounds` rounds: the medians."""
-    batch = [p for p in prompts for _ in range(4)]
-    rates: dict[str, list[float]] = {"off": [], "on": []}
-    for _ in range(rounds):
-        for name, llm in (("off", off), ("on", on)):
-            start = time.perf_counter()
-            outs = llm.generate(batch, params, use_tqdm=False)
-            rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start))
-    return {name: statistics.median(values) for name, values in rates.items()}
 
 
 def _report(args: argparse.Namespace, prompts: dict[str, list[int]], rates: dict[tuple[str, str], list[float]],
@@ -176,6 +209,6 @@ def _report(args: argparse.Namespace, prompts: dict[str, list[int]], rates: dict
         lines.append(f"| {task} | {len(prompt)} | {n} | {base:.1f} | {spec:.1f} | **{spec / base:.2f}x** | "
                      f"{outputs[(task, 'kvserve')] == outputs[(task, 'kvserve + ngram')]} | {j.drafts} | "
                      f"{j.accepted_tokens} / {j.draft_tokens} | {j.mean_acceptance_length:.2f} | {limit:.0f} | {peer} |")
-    lines += ["", f"Mixed batch (4 of each task at once, greedy, median of {args.rounds}): {mixed['off']:.1f} tok/s off, {mixed['on']:.1f} on "
-              f"({mixed['on'] / mixed['off']:.2f}x)."]
+    lines += ["", f"Mixed batch (8 of each task at once, greedy, median of {args.rounds}): {mixed['off']:.1f} tok/s "
+                  f"off, {mixed['on']:.1f} on ({mixed['on'] / mixed['off']:.2f}x)."]
     return lines

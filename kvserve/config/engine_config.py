@@ -93,10 +93,13 @@ class EngineConfig:
 
     def _speculation_unsupported(self, formats: list[FormatPair] | None) -> str | None:
         """What speculative decoding is not built with yet: a draft's rejected tokens must leave no
-        trace, which these would need more than a released slot for."""
-        if formats is not None:
-            return (f"compressed KV formats (kv_cache_dtype={self.kv_format.kv_cache_dtype!r}) would seal or stage "
-                    f"rejected tokens; use kv_cache_dtype='auto' with it")
+        trace, which these would need more than a released slot for (pages coded token by token
+        need no more: a rejected token's codes sit past the context until overwritten)."""
+        if not self._pages_whole(formats):
+            return (f"kv_cache_dtype={self.kv_format.kv_cache_dtype!r} with kv_residual={self.residual_tokens} "
+                    f"stages tokens in a full-precision window or encodes a block at a time (kivi), which would "
+                    f"seal rejected draft tokens; use a format coded token by token (fp8, int8, int4) with "
+                    f"kv_residual=0, or dense pages")
         if self.eviction.kv_eviction != "none":
             return "token eviction (kv_eviction) would score rejected tokens' attention"
         if self.cache.cache_mode != "paged":

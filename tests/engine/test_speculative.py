@@ -43,7 +43,12 @@ def assert_drafts_judged(llm: LLM) -> None:
     {"max_num_batched_tokens": 6, "max_num_seqs": 3},  # drafts cut to what the token budget leaves
     {"block_size": 4},                      # drafts span blocks; rollback frees whole ones
     {"num_speculative_tokens": 1},
-], ids=["default", "no-prefix-cache", "whole-prefill", "small-budget", "block-4", "one-token-drafts"])
+    {"kv_cache_dtype": "int8", "kv_residual": 0},   # codes written token by token, as dense pages
+    {"kv_cache_dtype": "fp8_e4m3", "kv_fp8_scales": "head"},
+    {"kv_cache_dtype": "int4", "kv_residual": 0, "kv_group_size": 16, "block_size": 4},
+    {"offload_memory": "1MiB", "kv_cache_memory": "64KiB", "max_model_len": 256},
+], ids=["default", "no-prefix-cache", "whole-prefill", "small-budget", "block-4", "one-token-drafts", "int8", "fp8-head",
+        "int4", "offload"])
 def test_same_tokens_as_without_speculation(tiny_llm: Callable[..., LLM], params: SamplingParams,
                                             options: dict[str, Any]) -> None:
     reference = tokens(tiny_llm(**{k: v for k, v in options.items() if k not in SPEC}), params)
@@ -77,12 +82,15 @@ def test_preemption_by_swap(tiny_llm: Callable[..., LLM]) -> None:
 
 
 def test_requests_that_cannot_speculate_decode_beside_those_that_do(tiny_llm: Callable[..., LLM]) -> None:
-    """Logprobs, penalties and beams take the ordinary path in the same steps."""
+    """Logprobs, penalties, beams and a request's own eviction policy take the ordinary path in the
+    same steps."""
     others = [SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3, ignore_eos=True)]
+              SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0, beam_width=2, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0, kv_eviction="window", kv_budget=24, ignore_eos=True)]
 
     def run(llm: LLM) -> list[list[int]]:
-        return [o.token_ids for o in llm.generate(PROMPTS[:2] + PROMPTS[:2], [GREEDY, GREEDY, *others],
+        return [o.token_ids for o in llm.generate(PROMPTS[:2] + PROMPTS[:2] + PROMPTS[1:], [GREEDY, GREEDY, *others],
                                                   use_tqdm=False)]
 
     reference = run(tiny_llm())
@@ -103,13 +111,14 @@ def test_stops_inside_an_accepted_draft(tiny_llm: Callable[..., LLM]) -> None:
 
 
 @pytest.mark.roomy
-def test_a_rejected_token_leaves_no_trace(tiny_llm: Callable[..., LLM]) -> None:
+@pytest.mark.parametrize("pages", [{}, {"kv_cache_dtype": "int8", "kv_residual": 0}], ids=["dense", "int8"])
+def test_a_rejected_token_leaves_no_trace(tiny_llm: Callable[..., LLM], pages: dict[str, Any]) -> None:
     """Step by step: each sequence's tables hold exactly its tokens' blocks (rejected slots given
     back), nothing else is in use; afterwards every prefix-cache block holds tokens of the final
     outputs, and its pages equal those the run without speculation cached under the same hash."""
-    plain = tiny_llm(block_size=4)
+    plain = tiny_llm(block_size=4, **pages)
     plain.generate(PROMPTS, GREEDY, use_tqdm=False)
-    llm = tiny_llm(block_size=4, **SPEC)
+    llm = tiny_llm(block_size=4, **SPEC, **pages)
     engine, bm = llm.engine, llm.engine.block_manager
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     final: dict[str, list[int]] = {}
@@ -150,7 +159,8 @@ def test_the_remote_tier_sees_accepted_blocks_only(tiny_llm: Callable[..., LLM],
 
 
 @pytest.mark.parametrize("options, field", [
-    ({"kv_cache_dtype": "int8"}, "speculative"),
+    ({"kv_cache_dtype": "kivi4"}, "speculative"),
+    ({"kv_cache_dtype": "int8", "kv_residual": 16}, "speculative"),
     ({"kv_eviction": "window", "kv_budget": 64}, "speculative"),
     ({"cache_mode": "contiguous"}, "speculative"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
