@@ -32,6 +32,7 @@ class Forks:
                          eviction=parent.eviction, spec=None if parent.spec is None else SpecState(),
                          kv_state=None if parent.kv_state is None else parent.kv_state.clone(),
                          output_token_ids=list(parent.output_token_ids), num_computed_tokens=parent.num_computed_tokens,
+                         num_cached_tokens=parent.num_cached_tokens,
                          arrival_time=parent.arrival_time, first_scheduled_time=parent.first_scheduled_time,
                          # Its text starts over from every output id.
                          out=OutputState(self.detokenizer(), output_logprobs=list(parent.out.output_logprobs),

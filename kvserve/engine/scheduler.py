@@ -234,6 +234,8 @@ class Scheduler:
                 break
             for seq, grant in zip(group, grants):
                 seq.num_computed_tokens = grant.cached
+                if seq.num_cached_tokens is None:  # what a preempted one finds again is not the request's
+                    seq.num_cached_tokens = grant.cached
                 loads += grant.loads
                 budget -= seq.num_runnable
                 slots -= 1 + seq.num_forks

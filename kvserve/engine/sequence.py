@@ -76,6 +76,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0   # tokens whose K/V are in the pool
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found cached, any tier
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None  # queue time ends here
     out: OutputState = field(default_factory=OutputState)
@@ -174,6 +175,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None  # one per token of token_ids, when asked for
     prompt_logprobs: list[TokenLogprobs | None] | None  # one per prompt token (None for the first)
     beam_score: float | None = None  # beam search: the hypothesis' sum of log-probs / length ** penalty
+    num_cached_tokens: int = 0  # prompt tokens served from a cache (device, host or remote tier)
 
     @classmethod
     def of(cls, seq: Sequence, text: str, delta_text: str) -> "RequestOutput":
@@ -185,4 +187,5 @@ class RequestOutput:
                    out.error, seq.arrival_time, seq.first_scheduled_time, out.first_token_time, out.finish_time,
                    seq.num_preemptions,
                    None if seq.params.logprobs is None else list(out.output_logprobs),
-                   None if seq.params.prompt_logprobs is None else list(out.prompt_logprobs))
+                   None if seq.params.prompt_logprobs is None else list(out.prompt_logprobs),
+                   num_cached_tokens=seq.num_cached_tokens or 0)

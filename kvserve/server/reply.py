@@ -26,6 +26,7 @@ class Reply:
         # Per choice, its tokens so far: a request cut short (its replica died) still used them.
         self.completion_tokens: dict[int, int] = {}
         self.prompt_tokens: dict[str, int] = {}
+        self.cached_tokens: dict[str, int] = {}  # per prompt, its tokens served from a cache
         self.error: str | None = None
         self.shutdown = False  # the error is the server shutting down, not a fault
 
@@ -41,6 +42,7 @@ class Reply:
             self.shutdown = isinstance(item, Draining)
         else:
             self.prompt_tokens[item.request_id] = len(item.prompt_token_ids)
+            self.cached_tokens[item.request_id] = item.num_cached_tokens
             if item.finish_reason == "error":
                 self.error = f"internal error in request {item.request_id}: {item.error}"
                 return
@@ -51,10 +53,12 @@ class Reply:
     def index(self, out: RequestOutput) -> int:
         return self.prompt_index[out.request_id] * self.n + out.index
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage, with the prompt tokens a cache served (any tier) in its details."""
         prompt = sum(self.prompt_tokens.values())
         completion = 0 if self.rendering.score_only else sum(self.completion_tokens.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
     def chunk_base(self) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

@@ -327,3 +327,17 @@ def test_cache_salt_keeps_tenants_prefix_hits_apart(tiny_llm: Callable[..., LLM]
         with pytest.raises(ValueError, match="cache_salt"):
             engine.add_request(prompt, SamplingParams(max_tokens=2), cache_salt=bad)
     assert not engine.has_unfinished() and cached_by("tenant-a") == 64
+
+
+@pytest.mark.roomy
+def test_outputs_count_the_prompt_tokens_a_cache_served(tiny_llm: Callable[..., LLM]) -> None:
+    """num_cached_tokens: a prompt's full blocks the prefix cache held at its first admission (the
+    last prompt token is always computed); every sample of the request reports its own prompt's."""
+    llm = tiny_llm(block_size=16)
+    prompt = [(3 * i + 1) % 120 + 4 for i in range(50)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+    again = llm.generate(prompt + [9], SamplingParams(max_tokens=4, temperature=0.5, n=2, seed=1),
+                         use_tqdm=False)
+    assert [o.num_cached_tokens for o in again] == [48, 48]  # 3 full blocks of the 50 tokens run before
+    assert llm.generate(prompt[:20], params, use_tqdm=False)[0].num_cached_tokens == 16

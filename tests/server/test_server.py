@@ -301,3 +301,17 @@ def test_sigterm_finishes_running_requests_then_exits(make_server) -> None:  # t
     assert srv.proc.wait(60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{srv.url}/health", timeout=2)
+
+
+def test_usage_counts_the_prompt_tokens_the_cache_served(client: openai.OpenAI, server: ServerProcess) -> None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: none on a prompt's first visit, its full
+    blocks (16 tokens each; the last token is always computed) on the second, streamed too."""
+    prompt = "A ledger of unusual weather, kept by a lighthouse: " + ", ".join(f"day {i} fog" for i in range(40))
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
