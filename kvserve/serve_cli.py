@@ -57,8 +57,10 @@ def add_parser(sub: Any) -> None:
                         "in this process (default)")
     p.add_argument("--router", default="prefix", choices=ROUTERS,
                    help="with --replicas: prefix sends a request to the replica holding the longest run of its "
-                        "prompt's blocks, balanced against queue length; power-of-two is Ray Serve's default; "
-                        "round-robin reads no state (default: prefix)")
+                        "prompt's blocks (as each replica's periodic report says), balanced against queue length; "
+                        "prefix-events the same, following each replica's KV events, so a block it evicted stops "
+                        "attracting requests at once; power-of-two is Ray Serve's default; round-robin reads no "
+                        "state (default: prefix)")
     p.add_argument("--router-stats-period", type=number(above=0), default=1.0,
                    help="with --replicas: seconds between each replica's report of its cached blocks and queue "
                         "to the router (default 1)")

@@ -145,10 +145,16 @@ def run_replicas_bench(args: argparse.Namespace, out: Path) -> None:
             runs.append(run_config(config, prompts, router, url, args.replicas, args.max_tokens, args.concurrency,
                                    args.router_stats_period))
             print(format_runs(runs[-1:]).splitlines()[-1], flush=True)
+    # By hand: each system prompt is computed once, every later request using it hits its full blocks.
+    bs = config.cache.block_size
+    limit = (len(prompts) - len({tuple(p[:args.system_len]) for p in prompts})) * (args.system_len // bs * bs)
+    total = sum(map(len, prompts))
     text = (f"{args.replicas} replicas (Ray Serve, one machine of {torch.get_num_threads()} threads shared), "
             f"{args.num_requests} requests sharing {args.num_system_prompts} system prompts of {args.system_len} "
             f"tokens (+{args.user_len} own), {args.max_tokens} tokens out, {args.concurrency} in flight; text {name}; "
-            f"dtype {args.dtype}\n\n" + format_runs(runs))
+            f"dtype {args.dtype}\n\n" + format_runs(runs) +
+            f"\n\nHand limit (every repeat of a system prompt served from a cache, pools of any size): {limit:,} "
+            f"of {total:,} prompt tokens cached ({limit / total:.1%}), {total - limit:,} computed.")
     print(text)
     (out / "replicas.md").write_text(text + "\n")
     (out / "replicas.json").write_text(json.dumps([asdict(r) for r in runs], indent=2))

@@ -22,25 +22,26 @@ from kvserve.cache.blocks import (BlockUsage, HostBlock, PrefixStats, PromptGran
                                   salt_root)
 from kvserve.cache.compaction import Compaction
 from kvserve.cache.kv_groups import NULL_BLOCK, KVSpec
-from kvserve.cache.kv_remote import RemoteKVTier
+from kvserve.cache.block_tier import BlockTier
 from kvserve.cache.staging_slots import StagingSlots
 from kvserve.cache.table_widths import TableWidths
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0, remote: RemoteKVTier | None = None,
+                 num_host_blocks: int = 0, remote: BlockTier | None = None,
                  specs: tuple[KVSpec, ...] = (KVSpec(),), step_tokens: int | None = None, staging_slots: int = 0,
-                 residual: int = 0) -> None:
+                 residual: int = 0, events_medium: str | None = None) -> None:
         """`remote`: a shared tier asked for the full blocks after a prompt's local prefix hit
         (cache/kv_remote.py); what it serves is loaded into new blocks before the step runs.
         `specs`: each KV cache group's spec (one full group: a plain paged cache). `step_tokens`:
         the most tokens a step runs of one sequence (chunked prefill), so a sliding group holds
         blocks only that far past the computed tokens; None: a prompt runs whole. `staging_slots`
-        and `residual`: a compressed pool's full-precision slots and window (staging_slots.py)."""
+        and `residual`: a compressed pool's full-precision slots and window (staging_slots.py).
+        `events_medium`: record KV events (cache/kv_events.py) under this medium name."""
         self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
         self.specs, self.widths = specs, TableWidths(specs, block_size, step_tokens)
-        self.pool = BlockPool(num_blocks, len(specs), any(spec.window is not None for spec in specs))
+        self.pool = BlockPool(num_blocks, len(specs), any(spec.window is not None for spec in specs), events_medium)
         self.blocks = self.pool.blocks
         self.staging = StagingSlots(staging_slots, block_size, residual, self.blocks) if staging_slots else None
         self.group_tables: list[dict[str, list[int]]] = [{} for _ in specs]
@@ -192,11 +193,9 @@ class BlockManager:
         loads = []
         for block_id, (h, chunk), payload in zip(fresh, wanted, payloads):
             loads.append((block_id, payload))
-            hashes.append(h)
             if h not in self.cache:
-                block = self.blocks[block_id]
-                block.hash, block.token_ids = h, chunk
-                self.cache[h] = block_id
+                self.pool.register(0, block_id, h, chunk, hashes[-1] if hashes else None)
+            hashes.append(h)
         return tuple(loads)
 
     def roll_back(self, granted: list[tuple[str, int, PromptGrant]]) -> None:
@@ -387,12 +386,13 @@ class BlockManager:
         for i in range(len(hashes), num_computed // self.block_size):
             chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = block_hash(hashes[-1] if hashes else self._roots.get(seq_id), chunk)
+            parent = hashes[-1] if hashes else None  # a salt's root names no block
             hashes.append(h)
             for g, tables in enumerate(self.group_tables):
                 block_id = tables[seq_id][i]
                 # Offloaded: registered before it left the device; NULL: out of its group's window.
                 if on_device(block_id) and self.pool.owned(block_id) and \
-                        self.pool.register(g, block_id, h, chunk) and g == 0:
+                        self.pool.register(g, block_id, h, chunk, parent) and g == 0:
                     joined.append((block_id, h))
         return joined
 

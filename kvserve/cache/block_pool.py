@@ -4,19 +4,26 @@ eviction order, each KV cache group's prefix cache, and the sliding groups' null
 A block that held nothing worth keeping goes to the front of the free queue, to be reused first;
 a full block whose last user finished keeps its contents and its prefix hash and goes to the
 back, so cached blocks are evicted least recently used first.
+
+With `medium` set, every block that joins or leaves a prefix cache is recorded as a KV event
+(cache/kv_events.py) until `take_events` drains them.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from kvserve.cache.blocks import Block
+from kvserve.cache.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from kvserve.cache.kv_groups import NULL_BLOCK
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, num_groups: int, reserve_null: bool) -> None:
+    def __init__(self, num_blocks: int, num_groups: int, reserve_null: bool, medium: str | None = None) -> None:
         """`reserve_null`: a sliding group points its dropped table entries at `NULL_BLOCK`, which
-        is then never handed out (reference count 1 for good)."""
+        is then never handed out (reference count 1 for good). `medium`: the events' name for
+        this pool's memory (None: no events recorded)."""
+        self.medium = medium
+        self.events: list[KVCacheEvent] = []
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.caches: list[dict[bytes, int]] = [{} for _ in range(num_groups)]
@@ -40,7 +47,16 @@ class BlockPool:
 
     def uncache(self, block: Block) -> None:
         del self.caches[block.group][block.hash]
+        if self.medium is not None:
+            self.events.append(BlockRemoved([block.hash], self.medium, self._group_idx(block.group)))
         block.hash, block.token_ids = None, ()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def _group_idx(self, group: int) -> int | None:
+        return group if len(self.caches) > 1 else None
 
     def forget(self, block_id: int) -> None:
         """Drop an unowned block from the prefix cache; it is then reused before cached ones."""
@@ -75,9 +91,9 @@ class BlockPool:
         block_id = self.caches[group].get(h)
         return None if block_id is None or self.blocks[block_id].token_ids != chunk else block_id
 
-    def register(self, group: int, block_id: int, h: bytes, chunk: tuple[int, ...]) -> bool:
-        """Caches the block under `h` in `group`, unless it or a live twin already is; returns
-        whether it joined."""
+    def register(self, group: int, block_id: int, h: bytes, chunk: tuple[int, ...], parent: bytes | None) -> bool:
+        """Caches the block under `h` (whose parent block is cached under `parent`) in `group`,
+        unless it or a live twin already is; returns whether it joined."""
         block = self.blocks[block_id]
         if block.hash is not None:
             return False
@@ -92,4 +108,6 @@ class BlockPool:
             return False
         block.hash, block.token_ids, block.group = h, chunk, group
         cache[h] = block_id
+        if self.medium is not None:
+            self.events.append(BlockStored([h], parent, list(chunk), len(chunk), self.medium, self._group_idx(group)))
         return True

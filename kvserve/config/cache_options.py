@@ -1,5 +1,5 @@
 """The cache part of the configuration: the KV pool's size and blocks, the prefix cache, and the
-tiers below the pool (swap, offload, a remote Redis tier)."""
+tiers below the pool (swap, offload, a remote Redis tier, a disk tier that survives restarts)."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,7 @@ CACHE_MODES = ("paged", "contiguous", "no-cache")
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 # Byte sizes given as strings only: a bare number is ambiguous (vLLM's swap_space counts GiB,
 # kv_cache_memory takes a fraction of free memory).
-_SIZE_FIELDS = ("host_swap_memory", "disk_swap_memory", "offload_memory")
+_SIZE_FIELDS = ("host_swap_memory", "disk_swap_memory", "offload_memory", "kv_disk_memory")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,12 @@ class CacheOptions(Options):
         "a secret shared by the engines of one kv_remote: each value then carries a keyed BLAKE2b MAC of its key "
         "and pages, so values written without it (by anyone else who can write to the Redis server) are refused, "
         "and engines with another secret share nothing (on the command line it shows in the process list)")})
+
+    kv_disk_dir: str | None = opt(None, "a directory holding full prefix blocks across restarts: blocks are "
+                                        "written as they join the prefix cache and read on a prefix miss, by this "
+                                        "engine or the next one started on the same directory")
+    kv_disk_memory: str = opt("4GiB", "the most bytes kv_disk_dir holds; the least recently used blocks go first",
+                              size=True)
 
     def _check(self) -> None:
         self._one_of("cache_mode", CACHE_MODES)
@@ -77,9 +83,20 @@ class CacheOptions(Options):
         if self.kv_remote_secret is not None and (self.kv_remote is None or not self.kv_remote_secret):
             raise FieldError("kv_remote_secret",
                              "CacheOptions.kv_remote_secret must be a non-empty string, used with kv_remote")
+        if self.kv_disk_dir is not None:
+            if self.kv_remote is not None:
+                raise FieldError("kv_disk_dir", "CacheOptions.kv_disk_dir: one lower tier at a time for now; drop "
+                                                "kv_remote or kv_disk_dir")
+            if self.cache_mode != "paged" or not self.enable_prefix_caching:
+                raise FieldError("kv_disk_dir", "CacheOptions.kv_disk_dir: the disk tier extends the prefix cache: "
+                                                "it needs cache_mode='paged' and enable_prefix_caching")
         if not self.kv_remote_timeout > 0:  # NaN too
             raise FieldError("kv_remote_timeout", f"CacheOptions.kv_remote_timeout must be a number of seconds "
                                                   f"> 0, got {self.kv_remote_timeout!r}")
+
+    @property
+    def disk_tier_bytes(self) -> int:
+        return parse_bytes(self.kv_disk_memory, "kv_disk_memory")
 
     @property
     def offload_bytes(self) -> int:

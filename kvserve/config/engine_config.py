@@ -1,7 +1,7 @@
-"""The engine's configuration: its parts (model, cache, KV format, eviction, scheduler,
-speculative, parallel, runtime), each validated on its own construction, and the checks that span parts, run when they
-are put together. `EngineConfig.of(**options)` takes every option by its flat name, as `LLM(...)`
-and the command line give them."""
+"""The engine's configuration: its parts (model, cache, KV format, KV events, eviction,
+scheduler, speculative, parallel, runtime), each validated on its own construction, and the
+checks that span parts, run when they are put together. `EngineConfig.of(**options)` takes every
+option by its flat name, as `LLM(...)` and the command line give them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,6 +12,7 @@ from kvserve.cache.kv_sizes import KVSizes
 from kvserve.config.cache_options import CacheOptions
 from kvserve.config.eviction_options import EvictionOptions
 from kvserve.config.format_options import FormatPair, KVFormatOptions
+from kvserve.config.kv_events_options import KVEventsOptions
 from kvserve.config.model_options import ModelOptions
 from kvserve.config.options import Options, option_fields
 from kvserve.config.runtime_options import ParallelOptions, RuntimeOptions
@@ -23,7 +24,8 @@ from kvserve.validate import FieldError
 
 # The parts, in the order the command line shows them, each an attribute of EngineConfig.
 PARTS: dict[str, type[Options]] = {
-    "model": ModelOptions, "cache": CacheOptions, "kv_format": KVFormatOptions, "eviction": EvictionOptions,
+    "model": ModelOptions, "cache": CacheOptions, "kv_format": KVFormatOptions, "kv_events": KVEventsOptions,
+    "eviction": EvictionOptions,
     "scheduler": SchedulerOptions, "speculative": SpeculativeOptions, "parallel": ParallelOptions, "runtime": RuntimeOptions}
 # Each option's part, by its flat name (a name belongs to one part: tests/test_config.py checks it).
 PART_OF: dict[str, str] = {f.name: part for part, cls in PARTS.items() for f in option_fields(cls)}
@@ -34,6 +36,7 @@ class EngineConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
     cache: CacheOptions = field(default_factory=CacheOptions)
     kv_format: KVFormatOptions = field(default_factory=KVFormatOptions)
+    kv_events: KVEventsOptions = field(default_factory=KVEventsOptions)
     eviction: EvictionOptions = field(default_factory=EvictionOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
@@ -72,10 +75,11 @@ class EngineConfig:
             if cache.offload_bytes:
                 raise FieldError("offload_memory", "EngineConfig.offload_memory: offload needs dense pages; use "
                                                    "kv_cache_dtype='auto' with it")
-        if cache.kv_remote is not None and not self._pages_whole(formats):
-            raise FieldError("kv_remote", "EngineConfig.kv_remote: blocks are shared as their pages: formats with "
-                                          "a full-precision window or encoded a block at a time (kivi, "
-                                          "kv_residual > 0) keep part of a block outside them")
+        tier = "kv_remote" if cache.kv_remote is not None else "kv_disk_dir" if cache.kv_disk_dir is not None else None
+        if tier is not None and not self._pages_whole(formats):
+            raise FieldError(tier, f"EngineConfig.{tier}: blocks are kept as their pages: formats with a "
+                                   f"full-precision window or encoded a block at a time (kivi, kv_residual > 0) "
+                                   f"keep part of a block outside them")
         if self.parallel.tensor_parallel_size > 1:
             reason = self._tensor_parallel_unsupported()
             if reason:
@@ -120,8 +124,8 @@ class EngineConfig:
             return "needs cache_mode='paged', preemption_mode='recompute' and no offload_memory"
         if self.eviction.kv_eviction != "none":
             return "token eviction (kv_eviction) is not split across ranks yet"
-        if self.cache.kv_remote is not None:
-            return "kv_remote is not split across ranks yet"
+        if self.cache.kv_remote is not None or self.cache.kv_disk_dir is not None:
+            return "kv_remote and kv_disk_dir are not split across ranks yet"
         if self.scheduler.async_scheduling == "on":
             return "async_scheduling='on' is not built for ranks (peers would need the device's sampled tokens)"
         return None
@@ -219,6 +223,7 @@ class EngineConfig:
             ("preemption_mode", self.scheduler.preemption_mode != "recompute" and "preemption by swap"),
             ("offload_memory", self.cache.offload_bytes > 0 and "offload to host blocks"),
             ("kv_remote", self.cache.kv_remote is not None and "the remote tier"),
+            ("kv_disk_dir", self.cache.kv_disk_dir is not None and "the disk tier"),
             ("tensor_parallel_size", self.parallel.tensor_parallel_size > 1 and "tensor parallelism"),
             ("cache_mode", self.cache.cache_mode != "paged" and f"cache_mode={self.cache.cache_mode!r}")) if why]
         if refused:

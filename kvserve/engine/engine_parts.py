@@ -21,6 +21,8 @@ from kvserve.cache.block_bytes import block_nbytes
 from kvserve.cache.block_manager import BlockManager
 from kvserve.cache.kv_groups import KVGroups
 from kvserve.cache.kv_pool import KVPool
+from kvserve.cache.block_tier import BlockTier
+from kvserve.cache.kv_disk import DiskKVTier
 from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.kv_sizes import KVSizes
 from kvserve.cache.quantized_pool import QuantizedKVPool
@@ -29,6 +31,7 @@ from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import shard_config, shard_model, shard_of
 from kvserve.distributed.tp_group import TPGroup
 from kvserve.engine.draft_policy import DraftPolicy
+from kvserve.engine.kv_event_publisher import ZmqEventPublisher
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.ngram_proposer import NgramProposer
 from kvserve.engine.preemption_cost import PreemptionCost
@@ -58,7 +61,7 @@ class EngineParts:
     kv_bytes_per_token: float  # K/V of one token in every layer (a hybrid block holds a group's layers)
     kv_groups: KVGroups
     pool: KVPool | QuantizedKVPool
-    remote: RemoteKVTier | None
+    remote: BlockTier | None  # the tier below the prefix cache: Redis (kv_remote) or disk (kv_disk_dir)
     block_manager: BlockManager
     swap: SwapSpace | None
     scheduler: Scheduler
@@ -66,6 +69,7 @@ class EngineParts:
     tp: TPGroup | None
     runner: ModelRunner
     async_scheduling: bool
+    kv_events: ZmqEventPublisher | None
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -100,15 +104,21 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     num_host_blocks = config.cache.offload_bytes // sizes.block_bytes if config.cache.cache_mode == "paged" else 0
     pool = make_pool(config, pool_cfg, num_blocks, formats, sizes.staging_slots, num_host_blocks, device,
                      groups.layers_per_block)
-    remote = None if config.cache.kv_remote is None else RemoteKVTier(
-        config.cache.kv_remote, remote_namespace(model, config, formats), block_nbytes(pool.block_tensors),
-        timeout_s=config.cache.kv_remote_timeout, secret=config.cache.kv_remote_secret)
+    remote: BlockTier | None = None
+    if config.cache.kv_remote is not None:
+        remote = RemoteKVTier(config.cache.kv_remote, remote_namespace(model, config, formats),
+                              block_nbytes(pool.block_tensors), timeout_s=config.cache.kv_remote_timeout,
+                              secret=config.cache.kv_remote_secret)
+    elif config.cache.kv_disk_dir is not None:
+        remote = DiskKVTier(config.cache.kv_disk_dir, remote_namespace(model, config, formats),
+                            block_nbytes(pool.block_tensors), config.cache.disk_tier_bytes)
     # The baselines stand for engines without sharing: no prefix cache for them.
     block_manager = BlockManager(num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching and config.cache.cache_mode == "paged",
                                  num_host_blocks, remote, tuple(g.spec for g in groups.groups),
                                  max_num_batched_tokens if chunked_prefill else None,
-                                 sizes.staging_slots, config.residual_tokens)
+                                 sizes.staging_slots, config.residual_tokens,
+                                 events_medium=_event_medium(config, device))
     swap = None
     if config.scheduler.preemption_mode != "recompute" and config.cache.cache_mode == "paged":
         swap = _swap_space(config, pool, sizes.block_bytes)
@@ -145,7 +155,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id,
                        max_model_len, max_num_batched_tokens,
                        sizes.block_bytes * cfg.num_layers / (groups.layers_per_block * config.cache.block_size), groups,
-                       pool, remote, block_manager, swap, scheduler, backend, tp, runner, async_scheduling)
+                       pool, remote, block_manager, swap, scheduler, backend, tp, runner, async_scheduling,
+                       _event_publisher(config))
 
 
 def _step_budget(config: EngineConfig, max_model_len: int, chunked_prefill: bool) -> int:
@@ -206,3 +217,18 @@ def draft_policy(config: EngineConfig, max_model_len: int) -> DraftPolicy | None
         return None
     return DraftPolicy(NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max),
                        spec.speculative_disable_by_batch_size, max_model_len)
+
+
+def _event_medium(config: EngineConfig, device: torch.device) -> str | None:
+    """The KV events' name for the device pool (vLLM's "GPU"), or None when none are published."""
+    if config.kv_events.kv_events_publisher == "null":
+        return None
+    return "GPU" if device.type == "cuda" else device.type.upper()
+
+
+def _event_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
+    events = config.kv_events
+    if events.kv_events_publisher == "null":
+        return None
+    return ZmqEventPublisher(events.kv_events_endpoint, events.kv_events_replay_endpoint,
+                             events.kv_events_buffer_steps, events.kv_events_topic)

@@ -42,6 +42,7 @@ class LLMEngine:
         self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
         self.attention_backend, self.runner, self.tp = parts.attention_backend, parts.runner, parts.tp
         self.async_scheduling = parts.async_scheduling
+        self.kv_events = parts.kv_events
         self.intake = RequestIntake(config, parts.tokenizer, parts.model_config, parts.max_model_len,
                                     parts.block_manager, parts.eos_token_id)
         self.counter = TokenCounter()
@@ -72,9 +73,15 @@ class LLMEngine:
         return None
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers, if any (an engine without them holds no process)."""
+        """Stops the tensor-parallel workers and the KV event publisher, and gives up the tier below
+        the prefix cache, if any (an engine without them holds no process, socket or directory)."""
         if self.tp is not None:
             self.tp.close()
+        if self.remote is not None:
+            self.remote.close()
+        if self.kv_events is not None:
+            self._publish_events()
+            self.kv_events.close()
 
     # -- requests ---------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -107,6 +114,7 @@ class LLMEngine:
                 seq.out.finish_time = time.perf_counter()
                 self.scheduler.finish(seq)
         self._settle()
+        self._publish_events()
 
     def is_active(self, request_id: str) -> bool:
         """Whether the request still has samples queued or running."""
@@ -144,7 +152,13 @@ class LLMEngine:
                     raise
             outputs = self.update.apply(batch, scores, result, pending)
         self._settle()
+        self._publish_events()
         return outputs
+
+    def _publish_events(self) -> None:
+        """What joined and left the prefix cache since the last call, as one batch (cache/kv_events.py)."""
+        if self.kv_events is not None and (events := self.block_manager.pool.take_events()):
+            self.kv_events.publish(events)
 
     def _plan(self, batch: SchedulerOutput, score_from: list[int | None] | None,
               pending: PendingTokens | None) -> StepPlan:

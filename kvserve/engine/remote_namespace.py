@@ -9,7 +9,7 @@ import hashlib
 import torch
 
 from kvserve.cache.formats import KVFormat
-from kvserve.cache.kv_remote import LAYOUT_VERSION
+from kvserve.cache.block_tier import LAYOUT_VERSION
 from kvserve.cache.quantized_pool import LayerFormats
 from kvserve.config import EngineConfig
 

@@ -17,7 +17,7 @@ from kvserve.cache.block_bytes import read_blocks
 from kvserve.cache.block_manager import BlockManager
 from kvserve.cache.block_ops import BlockOps
 from kvserve.cache.kv_pool import KVPool
-from kvserve.cache.kv_remote import RemoteKVTier
+from kvserve.cache.block_tier import BlockTier
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.device_copy import to_device
 from kvserve.engine.draft_verifier import DraftVerifier
@@ -64,7 +64,7 @@ def rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 class StepUpdate:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, block_manager: BlockManager,
-                 pool: KVPool | QuantizedKVPool, remote: RemoteKVTier | None, forks: Forks,
+                 pool: KVPool | QuantizedKVPool, remote: BlockTier | None, forks: Forks,
                  eviction: EvictionStep, counter: TokenCounter, output_processor: OutputProcessor,
                  async_scheduling: bool) -> None:
         self.scheduler = scheduler

@@ -64,7 +64,8 @@ class ReplicaFront:
             request_router_config=RequestRouterConfig(
                 request_router_class=ROUTER_CLASSES[settings.router],
                 request_routing_stats_period_s=settings.stats_period_s))
-        handle = serve.run(deployment.bind(config, max_waiting, threads), name=APP_NAME, route_prefix=None)
+        handle = serve.run(deployment.bind(config, max_waiting, threads, settings.router == "prefix-events"),
+                           name=APP_NAME, route_prefix=None)
         return cls(handle, handle.describe.remote().result())
 
     @staticmethod

@@ -40,10 +40,16 @@ class ReplicaDescription:
 
 
 def routing_view(engine: LLMEngine) -> dict[str, Any]:
-    """Runs on the engine thread: the blocks a new prompt could hit here, and the queue."""
+    """Runs on the engine thread: the blocks a new prompt could hit here, the queue, and where its
+    KV events are published (the `prefix-events` router follows them)."""
     sched = engine.scheduler
-    return {"blocks": [block_key(h) for h in engine.block_manager.cache],
-            "queue": len(sched.running) + len(sched.waiting)}
+    view: dict[str, Any] = {"blocks": [block_key(h) for h in engine.block_manager.cache],
+                            "queue": len(sched.running) + len(sched.waiting)}
+    events = engine.config.kv_events
+    if events.kv_events_publisher == "zmq":
+        view["events"] = {"topic": events.kv_events_topic, "endpoint": events.kv_events_endpoint,
+                          "replay": events.kv_events_replay_endpoint}
+    return view
 
 
 def _bind_serve_grpc_to_node_address() -> None:
@@ -61,16 +67,31 @@ def _bind_serve_grpc_to_node_address() -> None:
         server, address if wanted == "[::]:0" else wanted)
 
 
+def with_kv_events(config: EngineConfig, replica_id: str) -> EngineConfig:
+    """The replica's config publishing its KV events under its id, on ports of its own at the Ray
+    node's address (loopback when kvserve keeps Ray there)."""
+    import ray
+
+    from kvserve.net import free_loopback_port
+
+    host = ray.util.get_node_ip_address()
+    pub, replay = (f"tcp://{host if host.startswith('127.') else '*'}:{free_loopback_port()}" for _ in range(2))
+    return config.replace(kv_events_publisher="zmq", kv_events_endpoint=pub, kv_events_replay_endpoint=replay,
+                          kv_events_topic=replica_id)
+
+
 class EngineReplica:
-    def __init__(self, config: EngineConfig, max_waiting: int, threads: int) -> None:
+    def __init__(self, config: EngineConfig, max_waiting: int, threads: int, kv_events: bool = False) -> None:
+        """`kv_events`: publish this replica's KV events for the `prefix-events` router."""
         from ray import serve
 
         _bind_serve_grpc_to_node_address()  # before Serve starts it, once this returns
         torch.set_num_threads(threads)  # replicas share the machine's cores
-        self.engine = LLMEngine(config)
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self.engine = LLMEngine(with_kv_events(config, replica_id) if kv_events else config)
         self.aengine = AsyncEngine(self.engine, Metrics(), max_waiting)
         self.aengine.start()
-        self.tag = Accepted(serve.get_replica_context().replica_id.unique_id, os.getpid())
+        self.tag = Accepted(replica_id, os.getpid())
 
     def describe(self, pin: str | None = None) -> ReplicaDescription:
         e = self.engine

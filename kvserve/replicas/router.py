@@ -8,6 +8,11 @@ meet. A request goes to the replica holding the longest run of its prompt's bloc
 queues are out of balance by more than `imbalance` requests, or no replica holds at least
 `min_match` of them: then to the shortest queue, a random one of equals (so requests with
 nothing cached spread). Equal matches go to the shorter queue.
+
+`EventPrefixRouter` (`prefix-events`) reads what each replica holds from its KV events
+(event_index.py) instead: a block evicted between two snapshots stops attracting requests at
+once. Its guesses for routed blocks last until the events say the replica stored them; a replica
+whose stream is not synced is judged by its snapshot.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import random
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from kvserve.replicas.block_keys import matched_blocks
+from kvserve.replicas.event_index import EventIndex
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -62,3 +68,23 @@ class PrefixAwareRouter(RequestRouter):
         keys = pending_request.kwargs.get("block_keys")
         if keys:
             self._routed.setdefault(replica_id, set()).update(keys)
+
+
+class EventPrefixRouter(PrefixAwareRouter):
+    def initialize_state(self, imbalance: int = 8, min_match: float = 0.1) -> None:
+        super().initialize_state(imbalance, min_match)
+        self.events = EventIndex()
+
+    def _held(self, replica: RunningReplica) -> set[str]:
+        snapshot = super()._held(replica)  # also forgets guesses older than the last snapshot
+        feed = (replica.routing_stats or {}).get("events")
+        if not feed:
+            return snapshot
+        topic = feed["topic"]
+        self.events.watch(topic, feed["endpoint"], feed["replay"])
+        held = self.events.held(topic)
+        if held is None:
+            return snapshot
+        routed = self._routed.setdefault(replica.replica_id, set())
+        routed -= self.events.stored(topic)  # stored since: the events say whether it still holds them
+        return held | routed

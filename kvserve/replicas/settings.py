@@ -4,8 +4,9 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-ROUTERS = ("prefix", "power-of-two", "round-robin")
+ROUTERS = ("prefix", "prefix-events", "power-of-two", "round-robin")
 ROUTER_CLASSES = {"prefix": "kvserve.replicas.router:PrefixAwareRouter",
+                  "prefix-events": "kvserve.replicas.router:EventPrefixRouter",
                   "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
                   "round-robin": "kvserve.replicas.round_robin:RoundRobinRouter"}
 
@@ -13,7 +14,8 @@ ROUTER_CLASSES = {"prefix": "kvserve.replicas.router:PrefixAwareRouter",
 @dataclass(frozen=True)
 class ReplicaSettings:
     num_replicas: int = 2
-    router: str = "prefix"              # one of ROUTERS; power-of-two is Ray Serve's default
+    router: str = "prefix"              # one of ROUTERS; power-of-two is Ray Serve's default; prefix-events
+    #                                     follows each replica's KV events (its snapshots the fallback)
     stats_period_s: float = 1.0         # how often replicas publish their blocks to the router
     threads_per_replica: int | None = None  # torch threads each (default: the cores / replicas)
     # The address the HTTP server binds: a local Ray cluster takes it as its node's address, so a

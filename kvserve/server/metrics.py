@@ -49,8 +49,9 @@ class Metrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.engine_info = Gauge("kvserve_engine_info", "the engine's kernel choices (value 1)",
                                  ["attention_backend", "linear", "chunked_prefill", "async_scheduling"], registry=r)
-        self.remote = Counter("kvserve_kv_remote_blocks", "remote KV tier (kv_remote) blocks by event: lookups, "
-                              "hits, stored, corrupt (failed checksum or foreign), errors (failed calls)",
+        self.remote = Counter("kvserve_kv_remote_blocks", "the KV tier below the prefix cache (kv_remote or "
+                              "kv_disk_dir) by event: lookups, hits, stored, corrupt (failed check: flipped, "
+                              "truncated or foreign), errors (failed calls, a full disk), bytes_read, bytes_written",
                               ["event"], registry=r)
         self.spec_decode = Counter("kvserve_spec_decode_tokens", "speculative decoding: drafts verified, draft "
                                    "tokens proposed, and of those accepted", ["event"], registry=r)

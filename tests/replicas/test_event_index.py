@@ -1,0 +1,107 @@
+"""The router's event index against a real publisher (no Ray): a replica joined late is caught up
+through the replay socket, then followed live; one whose replay buffer no longer reaches back is
+not trusted (the router falls back to snapshots)."""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from kvserve.cache.blocks import block_hash
+from kvserve.cache.kv_events import BlockRemoved, BlockStored
+from kvserve.engine.kv_event_publisher import ZmqEventPublisher
+from kvserve.net import free_loopback_port
+from kvserve.replicas.block_keys import block_key
+from kvserve.replicas.event_index import EventIndex
+
+HASHES = [block_hash(None, (i,)) for i in range(6)]
+KEYS = [block_key(h) for h in HASHES]
+
+
+def publisher(buffer_steps: int = 100) -> tuple[ZmqEventPublisher, str, str]:
+    pub, replay = f"tcp://127.0.0.1:{free_loopback_port()}", f"tcp://127.0.0.1:{free_loopback_port()}"
+    return ZmqEventPublisher(pub, replay, buffer_steps, "r1"), pub, replay
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def stored(i: int) -> BlockStored:
+    return BlockStored([HASHES[i]], None, [i], 1, "CPU")
+
+
+def test_a_replica_joined_late_is_caught_up_then_followed() -> None:
+    pub, endpoint, replay = publisher()
+    index = EventIndex()
+    try:
+        pub.publish([stored(0), stored(1)])
+        pub.publish([BlockRemoved([HASHES[0]], "CPU")])
+        time.sleep(0.2)  # sent before anyone listens: only the replay has them
+        index.watch("r1", endpoint, replay)
+        assert eventually(lambda: index.held("r1") == {KEYS[1]})
+        time.sleep(0.3)  # the subscription reaches the publisher
+        pub.publish([stored(2), BlockRemoved([HASHES[1]], "CPU")])
+        assert eventually(lambda: index.held("r1") == {KEYS[2]})
+        assert index.stored("r1") == {KEYS[0], KEYS[1], KEYS[2]}
+        assert index.held("r2") is None  # a replica never seen: no stream to trust
+    finally:
+        index.close()
+        pub.close()
+
+
+def test_a_replay_that_no_longer_reaches_back_is_not_trusted() -> None:
+    pub, endpoint, replay = publisher(buffer_steps=2)
+    index = EventIndex()
+    try:
+        for i in range(4):  # batches 0 (AllBlocksCleared) .. 4: only the last two are kept
+            pub.publish([stored(i)])
+        time.sleep(0.2)
+        index.watch("r1", endpoint, replay)
+        time.sleep(1.0)
+        assert index.held("r1") is None
+    finally:
+        index.close()
+        pub.close()
+
+
+def test_the_event_router_forgets_an_evicted_block_before_the_next_snapshot() -> None:
+    """A replica's stale snapshot names a block it evicted since; the events router does not, and
+    its guess for a routed prompt lasts until the events say the block was stored, then follows them."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import pytest
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray[serve] is not installed (pip install 'kvserve[ray]')")
+    # Importing the router imports Ray, which reads this once: as replicas.front sets it for a
+    # loopback cluster, so a later test in this process can still start one (test_replicas.py).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from kvserve.replicas.router import EventPrefixRouter
+
+    pub, endpoint, replay = publisher()
+    router = EventPrefixRouter.__new__(EventPrefixRouter)  # the state alone: Serve's plumbing is not needed
+    router.initialize_state()
+    stale = {"blocks": [KEYS[0], KEYS[1]], "queue": 0}
+    replica = SimpleNamespace(replica_id="A", routing_stats={**stale, "events": {"topic": "r1", "endpoint": endpoint,
+                                                                                 "replay": replay}})
+    try:
+        pub.publish([stored(0), stored(1), BlockRemoved([HASHES[0]], "CPU")])
+        assert eventually(lambda: router._held(replica) == {KEYS[1]})  # not the snapshot's KEYS[0]
+        router.on_request_routed(SimpleNamespace(kwargs={"block_keys": [KEYS[3]]}), "A", None)
+        assert router._held(replica) == {KEYS[1], KEYS[3]}  # routed there: held once its prompt runs
+        pub.publish([stored(3)])
+        assert eventually(lambda: router._held(replica) == {KEYS[1], KEYS[3]} and
+                          KEYS[3] in router.events.stored("r1"))
+        pub.publish([BlockRemoved([HASHES[3]], "CPU")])
+        assert eventually(lambda: router._held(replica) == {KEYS[1]})  # evicted: the guess is gone too
+        unsynced = SimpleNamespace(replica_id="B", routing_stats=stale)  # no events: its snapshot
+        assert router._held(unsynced) == {KEYS[0], KEYS[1]}
+    finally:
+        router.events.close()
+        pub.close()
