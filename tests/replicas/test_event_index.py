@@ -105,3 +105,30 @@ def test_the_event_router_forgets_an_evicted_block_before_the_next_snapshot() ->
     finally:
         router.events.close()
         pub.close()
+
+
+def test_a_prefix_nobody_holds_goes_back_where_it_last_went() -> None:
+    """Affinity: once both replicas report they hold nothing of a prompt, it goes to the replica its
+    first block was last routed to, whichever queue is shorter (within the balance limit)."""
+    import asyncio
+    import importlib.util
+    from types import SimpleNamespace
+
+    import pytest
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray[serve] is not installed (pip install 'kvserve[ray]')")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # as in the test above
+    from kvserve.replicas.router import PrefixAwareRouter
+
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)
+    router.initialize_state()
+    router._replica_queue_len_cache = {}
+    a = SimpleNamespace(replica_id="A", routing_stats={"blocks": [], "queue": 3})
+    b = SimpleNamespace(replica_id="B", routing_stats={"blocks": [], "queue": 0})
+    request = SimpleNamespace(kwargs={"block_keys": KEYS[:3]})
+    router.on_request_routed(request, "A", None)
+    a.routing_stats = {"blocks": [], "queue": 3}  # a new report: A evicted it, nobody holds it
+    ranked = asyncio.run(router.choose_replicas([a, b], request))
+    assert [r[0].replica_id for r in ranked] == ["A", "B"] and router.decisions["affinity"] == 1
+    fresh = SimpleNamespace(kwargs={"block_keys": KEYS[3:5]})  # never routed: the shorter queue
+    assert asyncio.run(router.choose_replicas([a, b], fresh))[0][0].replica_id == "B"
