@@ -4,7 +4,7 @@ the router's index for `prefix-events` routing (router.py).
 One SUB socket follows every replica, each under its own topic (its replica id). A replica first
 seen is caught up through its replay socket from batch 0 (its `AllBlocksCleared`), then followed
 live; a gap in a topic's sequence numbers (a dropped message, a slow subscriber) is filled the
-same way. A replica whose replay no longer reaches back to where the index needs it (its buffer
+same way, once the next message shows it (a lost last batch waits for the replica's next one). A replica whose replay no longer reaches back to where the index needs it (its buffer
 wrapped) is not synced, and `held` returns None: the router then falls back to the snapshots the
 replicas publish. One thread owns the sockets; the router reads copies under a lock.
 """

@@ -132,3 +132,36 @@ def test_a_prefix_nobody_holds_goes_back_where_it_last_went() -> None:
     assert [r[0].replica_id for r in ranked] == ["A", "B"] and router.decisions["affinity"] == 1
     fresh = SimpleNamespace(kwargs={"block_keys": KEYS[3:5]})  # never routed: the shorter queue
     assert asyncio.run(router.choose_replicas([a, b], fresh))[0][0].replica_id == "B"
+
+
+def test_messages_the_subscriber_missed_are_filled_from_replay() -> None:
+    """Batches lost on the way (every fifth, after the first ten, never reaches the subscriber but
+    stays in the replay buffer): the sequence numbers show the gaps, the replay socket fills them,
+    and the index ends as the publisher's history says."""
+    pub, endpoint, replay = publisher(buffer_steps=1000)
+    send = pub._pub.send_multipart
+
+    def lossy(frames: tuple[bytes, bytes, bytes]) -> None:
+        seq = int.from_bytes(frames[1], "big")
+        if seq < 10 or seq % 5:
+            send(frames)
+
+    pub._pub.send_multipart = lossy
+    index = EventIndex()
+    catch_ups: list[int] = []  # where each replay request started
+    replay_from = index._catch_up
+    index._catch_up = lambda context, topic, start: (catch_ups.append(start), replay_from(context, topic, start))
+    try:
+        index.watch("r1", endpoint, replay)
+        assert eventually(lambda: index.held("r1") == set())
+        time.sleep(0.3)
+        for i in range(60):  # store and remove blocks 0..5 over and over: the last word is the state
+            pub.publish([stored(i % 6)] if i % 4 else [BlockRemoved([HASHES[i % 6]], "CPU")])
+        want: set[str] = set()
+        for i in range(60):
+            (want.add if i % 4 else want.discard)(KEYS[i % 6])
+        assert eventually(lambda: index.held("r1") == want, timeout_s=10)
+        assert catch_ups[0] == 0 and len(catch_ups) > 1  # joined from batch 0, then filled the gaps
+    finally:
+        index.close()
+        pub.close()
