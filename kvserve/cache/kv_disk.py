@@ -21,7 +21,7 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
-from kvserve.cache.block_tier import BlockTier
+from kvserve.cache.block_tier import HEADER, BlockTier
 from kvserve.validate import FieldError
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,10 @@ class DiskKVTier(BlockTier):
             self._lock.close()
             raise FieldError("kv_disk_dir", f"kv_disk_dir: {self.dir} is in use by another engine of the same "
                                             f"model and formats; give each engine a directory of its own") from None
+        if capacity < HEADER + block_bytes:
+            self._lock.close()
+            raise FieldError("kv_disk_memory", f"kv_disk_memory ({capacity} bytes) holds no block "
+                                               f"({HEADER + block_bytes} bytes each for this model and format)")
         self.capacity = capacity
         for leftover in self.dir.glob("*.tmp"):
             leftover.unlink(missing_ok=True)
@@ -94,8 +98,6 @@ class DiskKVTier(BlockTier):
             if name in self._files:
                 continue
             value = self.pack(block_hash, payload)
-            if len(value) > self.capacity:
-                return
             self._make_room(len(value))
             tmp = self.dir / f"{name}.{os.getpid()}.tmp"
             try:

@@ -181,7 +181,9 @@ class Scheduler:
         drafts: list[tuple[int, ...]] = []
         copies: list[tuple[int, int]] = []
         for seq in decoding:
-            draft = self.drafts.draft(seq, budget) if seq.num_new_tokens == 1 else ()
+            # Not a request whose samples fork when its first token is sampled (a prompt's last
+            # token can run as a decode): the fork takes the ordinary path.
+            draft = self.drafts.draft(seq, budget) if seq.num_new_tokens == 1 and not seq.num_forks else ()
             if draft:
                 grown = self.block_manager.allocate(seq.seq_id, seq.num_slots_to_run + len(draft),
                                                     num_computed=seq.num_computed_tokens)

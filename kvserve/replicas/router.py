@@ -6,10 +6,10 @@ router adds the blocks of every request it routes since (the replica will hold t
 prompt runs), so two requests with a new shared prefix sent before the next publication still
 meet. A request goes to the replica holding the longest run of its prompt's blocks, unless the
 queues are out of balance by more than `imbalance` requests, or no replica holds at least
-`min_match` of them: then to the replica its first block was last routed to (a prefix every
-replica evicted comes back where it was, rather than to both), else to the shortest queue, a
-random one of equals (so requests with nothing cached spread). Equal matches go to the shorter
-queue.
+`min_match` of them: then to the replica where the longest routed run of its blocks last went,
+if that run covers `min_match` of them (a prefix every replica evicted comes back where it was,
+rather than to both), else to the shortest queue, a random one of equals (so requests with
+nothing cached spread). Equal matches go to the shorter queue.
 
 `EventPrefixRouter` (`prefix-events`) reads what each replica holds from its KV events
 (event_index.py) instead: a block evicted between two snapshots stops attracting requests at
@@ -26,7 +26,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from kvserve.replicas.block_keys import matched_blocks
 from kvserve.replicas.event_index import EventIndex
 
-_AFFINITY_KEPT = 65_536  # first blocks whose last replica is remembered
+_AFFINITY_KEPT = 65_536  # routed block keys whose last replica is remembered
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -34,7 +34,7 @@ class PrefixAwareRouter(RequestRouter):
         self.imbalance, self.min_match = imbalance, min_match
         self._routed: dict[ReplicaID, set[str]] = {}       # keys sent there since its last publication
         self._published: dict[ReplicaID, list[str]] = {}   # its last published keys, to spot a new one
-        self._last: OrderedDict[str, ReplicaID] = OrderedDict()  # first block key -> where it last went
+        self._last: OrderedDict[str, ReplicaID] = OrderedDict()  # routed block key -> where it last went
         self.decisions = {"prefix": 0, "affinity": 0, "balance": 0, "pinned": 0}
 
     def _held(self, replica: RunningReplica) -> set[str]:
@@ -66,7 +66,9 @@ class PrefixAwareRouter(RequestRouter):
                 self.decisions["prefix"] += 1
                 ranked = sorted(candidate_replicas, key=lambda r: (-match[r.replica_id], queues[r.replica_id]))
                 return [[r] for r in ranked]
-            last = self._last.get(keys[0])
+            # Keys are chain hashes: the deepest one routed before names the longest routed run.
+            depth = next((i for i in range(len(keys) - 1, -1, -1) if keys[i] in self._last), -1)
+            last = self._last[keys[depth]] if depth + 1 >= max(1, self.min_match * len(keys)) else None
             if last in queues:
                 self.decisions["affinity"] += 1
                 return [[r] for r in sorted(by_queue, key=lambda r: r.replica_id != last)]
@@ -78,9 +80,10 @@ class PrefixAwareRouter(RequestRouter):
         keys = pending_request.kwargs.get("block_keys")
         if keys:
             self._routed.setdefault(replica_id, set()).update(keys)
-            self._last[keys[0]] = replica_id
-            self._last.move_to_end(keys[0])
-            if len(self._last) > _AFFINITY_KEPT:
+            for key in keys:
+                self._last[key] = replica_id
+                self._last.move_to_end(key)
+            while len(self._last) > _AFFINITY_KEPT:
                 self._last.popitem(last=False)
 
 

@@ -80,6 +80,13 @@ def test_the_size_bound_holds_least_recently_used_first(tmp_path: Path) -> None:
     assert t.bytes_held == 3 * size == sum(p.stat().st_size for p in t.dir.glob("*.kvb"))
 
 
+def test_a_bound_below_one_block_is_refused_naming_the_field(tmp_path: Path) -> None:
+    with pytest.raises(FieldError, match="kv_disk_memory") as err:
+        tier(tmp_path, capacity=120)
+    assert err.value.field == "kv_disk_memory"
+    tier(tmp_path).close()  # and the directory is free again
+
+
 def test_one_engine_per_directory(tmp_path: Path) -> None:
     t = tier(tmp_path)
     with pytest.raises(FieldError, match="kv_disk_dir") as err:

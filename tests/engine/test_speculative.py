@@ -81,6 +81,24 @@ def test_preemption_by_swap(tiny_llm: Callable[..., LLM]) -> None:
     assert_drafts_judged(llm)
 
 
+@pytest.mark.roomy
+def test_a_request_with_n_samples_forks_before_it_drafts(tiny_llm: Callable[..., LLM]) -> None:
+    """A prompt whose last token runs alone (a chunk boundary) is scheduled as a decode; a request
+    with n samples forks when that token's output is sampled, so it must not draft then (found by
+    review: the samples copied the parent's first token, or were never made)."""
+    found = [21, 76, 112, 106, 101, 12, 36, 19, 67, 101, 61, 64, 87, 52, 104, 30, 16, 22, 16]
+    prompts = [list(range(30, 44)), found]
+    params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.9, seed=1, n=3, ignore_eos=True)]
+    for options, ps in (({"max_num_batched_tokens": 32}, params),
+                        ({"max_num_batched_tokens": 3, "max_num_seqs": 3},
+                         [SamplingParams(max_tokens=2, temperature=0, n=3, ignore_eos=True)])):
+        batch = prompts if len(ps) == 2 else prompts[1:]
+        want = [o.token_ids for o in tiny_llm(**options).generate(batch, ps, use_tqdm=False)]
+        got = [o.token_ids for o in tiny_llm(**options, **SPEC).generate(batch, ps, use_tqdm=False)]
+        assert got == want
+
+
 def test_requests_that_cannot_speculate_decode_beside_those_that_do(tiny_llm: Callable[..., LLM]) -> None:
     """Logprobs, penalties, beams and a request's own eviction policy take the ordinary path in the
     same steps."""

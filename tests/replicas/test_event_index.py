@@ -132,6 +132,10 @@ def test_a_prefix_nobody_holds_goes_back_where_it_last_went() -> None:
     assert [r[0].replica_id for r in ranked] == ["A", "B"] and router.decisions["affinity"] == 1
     fresh = SimpleNamespace(kwargs={"block_keys": KEYS[3:5]})  # never routed: the shorter queue
     assert asyncio.run(router.choose_replicas([a, b], fresh))[0][0].replica_id == "B"
+    # Sharing only a first block (a chat template's preamble) is under min_match: no affinity.
+    long_keys = [KEYS[0]] + [f"{i:016x}" for i in range(19)]
+    assert asyncio.run(router.choose_replicas([a, b], SimpleNamespace(kwargs={"block_keys": long_keys})))[0][0] \
+        .replica_id == "B"
 
 
 def test_messages_the_subscriber_missed_are_filled_from_replay() -> None:
