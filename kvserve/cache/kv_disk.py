@@ -58,7 +58,8 @@ class DiskKVTier(BlockTier):
 
     @property
     def available(self) -> bool:
-        return True
+        """Until `close`: a closed tier's directory may belong to another engine already."""
+        return not self._lock.closed
 
     @property
     def bytes_held(self) -> int:
@@ -69,6 +70,8 @@ class DiskKVTier(BlockTier):
 
     def fetch(self, hashes: list[bytes]) -> list[bytes]:
         """Payloads of the longest run of `hashes`, from the first, held intact."""
+        if not self.available:
+            return []
         self.stats.lookups += len(hashes)
         out = []
         for block_hash in hashes:
@@ -93,6 +96,8 @@ class DiskKVTier(BlockTier):
 
     def store(self, blocks: list[tuple[bytes, bytes]]) -> None:
         """(chain hash, payload) pairs; a block already held is left as it is (same name, same content)."""
+        if not self.available:
+            return
         for block_hash, payload in blocks:
             name = block_hash.hex() + _SUFFIX
             if name in self._files:

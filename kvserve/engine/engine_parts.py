@@ -73,6 +73,16 @@ class EngineParts:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
+    opened: list[BlockTier] = []  # what holds a resource (the disk tier's directory lock) once made
+    try:
+        return _build_engine_parts(config, opened)
+    except BaseException:
+        for tier in opened:  # a failed start gives them up now, not when collected
+            tier.close()
+        raise
+
+
+def _build_engine_parts(config: EngineConfig, opened: list[BlockTier]) -> EngineParts:
     device = config.model.torch_device
     if device.type == "cpu":
         fit_torch_threads()
@@ -112,6 +122,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     elif config.cache.kv_disk_dir is not None:
         remote = DiskKVTier(config.cache.kv_disk_dir, remote_namespace(model, config, formats),
                             block_nbytes(pool.block_tensors), config.cache.disk_tier_bytes)
+        opened.append(remote)
     # The baselines stand for engines without sharing: no prefix cache for them.
     block_manager = BlockManager(num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching and config.cache.cache_mode == "paged",

@@ -95,3 +95,11 @@ def test_one_engine_per_directory(tmp_path: Path) -> None:
     tier(tmp_path, "model-b").close()  # another namespace has a directory of its own
     t.close()
     tier(tmp_path).close()
+
+
+def test_a_closed_tier_neither_reads_nor_writes(tmp_path: Path) -> None:
+    t = tier(tmp_path)
+    t.store([(HASHES[0], PAYLOADS[0])])
+    t.close()
+    t.store([(HASHES[1], PAYLOADS[1])])
+    assert t.fetch(HASHES[:1]) == [] and not file_of(t, 1).exists()

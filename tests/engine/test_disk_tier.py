@@ -67,3 +67,22 @@ def test_two_engines_cannot_share_a_directory(tiny_llm: Callable[..., LLM], tmp_
     with pytest.raises(ValueError, match="kv_disk_dir"):
         tiny_llm(kv_disk_dir=str(tmp_path))
     first.engine.close()
+
+
+def test_a_failed_start_gives_the_directory_up(tiny_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    """An engine whose construction fails after its disk tier was made (here: the KV events port
+    is taken) releases the directory at once, not when the tier is collected."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        with pytest.raises(Exception) as failed:  # its traceback keeps the failed start's frames alive
+            tiny_llm(kv_disk_dir=str(tmp_path), kv_events_publisher="zmq",
+                     kv_events_endpoint=f"tcp://127.0.0.1:{taken.getsockname()[1]}")
+    finally:
+        taken.close()
+    tiny_llm(kv_disk_dir=str(tmp_path)).engine.close()  # the lock is free all the same
+    assert failed.traceback
+
