@@ -4,9 +4,10 @@ the router's index for `prefix-events` routing (router.py).
 One SUB socket follows every replica, each under its own topic (its replica id). A replica first
 seen is caught up through its replay socket from batch 0 (its `AllBlocksCleared`), then followed
 live; a gap in a topic's sequence numbers (a dropped message, a slow subscriber) is filled the
-same way, once the next message shows it (a lost last batch waits for the replica's next one). A replica whose replay no longer reaches back to where the index needs it (its buffer
-wrapped) is not synced, and `held` returns None: the router then falls back to the snapshots the
-replicas publish. One thread owns the sockets; the router reads copies under a lock.
+same way, once the next message shows it (a lost last batch waits for the replica's next one).
+A replica whose replay no longer reaches back to where the index needs it (its buffer wrapped)
+is not synced, and `held` returns None: the router then falls back to the snapshots the replicas
+publish. One thread owns the sockets; the router reads copies under a lock.
 """
 from __future__ import annotations
 
@@ -45,9 +46,11 @@ class EventIndex:
         with self._lock:
             return set(self._held[topic]) if topic in self._synced else None
 
-    def stored(self, topic: str) -> set[str]:
+    def stored(self, topic: str, keys: set[str]) -> set[str]:
+        """Those of `keys` the replica has stored at some point (the router's guesses settle on
+        them): the size of `keys` in time, not of the replica's history, on every routing call."""
         with self._lock:
-            return set(self._stored.get(topic, ()))
+            return keys & self._stored.get(topic, set())
 
     def close(self) -> None:
         self._watches.put(None)

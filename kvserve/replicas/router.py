@@ -103,5 +103,5 @@ class EventPrefixRouter(PrefixAwareRouter):
         if held is None:
             return snapshot
         routed = self._routed.setdefault(replica.replica_id, set())
-        routed -= self.events.stored(topic)  # stored since: the events say whether it still holds them
+        routed -= self.events.stored(topic, routed)  # stored since: the events say whether it still holds them
         return held | routed

@@ -48,7 +48,7 @@ def test_a_replica_joined_late_is_caught_up_then_followed() -> None:
         time.sleep(0.3)  # the subscription reaches the publisher
         pub.publish([stored(2), BlockRemoved([HASHES[1]], "CPU")])
         assert eventually(lambda: index.held("r1") == {KEYS[2]})
-        assert index.stored("r1") == {KEYS[0], KEYS[1], KEYS[2]}
+        assert index.stored("r1", set(KEYS)) == {KEYS[0], KEYS[1], KEYS[2]}
         assert index.held("r2") is None  # a replica never seen: no stream to trust
     finally:
         index.close()
@@ -97,7 +97,7 @@ def test_the_event_router_forgets_an_evicted_block_before_the_next_snapshot() ->
         assert router._held(replica) == {KEYS[1], KEYS[3]}  # routed there: held once its prompt runs
         pub.publish([stored(3)])
         assert eventually(lambda: router._held(replica) == {KEYS[1], KEYS[3]} and
-                          KEYS[3] in router.events.stored("r1"))
+                          router.events.stored("r1", {KEYS[3]}) == {KEYS[3]})
         pub.publish([BlockRemoved([HASHES[3]], "CPU")])
         assert eventually(lambda: router._held(replica) == {KEYS[1]})  # evicted: the guess is gone too
         unsynced = SimpleNamespace(replica_id="B", routing_stats=stale)  # no events: its snapshot
