@@ -12,6 +12,7 @@ import torch
 from kvserve.arg_types import at_least, folder
 from kvserve.bench.format_lists import attention_formats, kv_formats_defaults
 from kvserve.bench.metrics import format_table, ratio, same_budget_table
+from kvserve.bench.peer_weights import hf_dtype, peer_source
 from kvserve.bench.serving import add_load_args
 from kvserve.bench.serving_workloads import WORKLOADS
 from kvserve.bench.speculative import add_spec_parser, run_spec_bench
@@ -160,19 +161,13 @@ def _rounds_arg(p: argparse.ArgumentParser) -> None:
 
 def _hf_dtype_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-dtype", choices=sorted(DTYPES), default=None,
-                   help="dtype HF transformers runs in (default: --dtype). On a CPU without AVX512-BF16 "
-                        "its bf16 matmuls are emulated, several times slower than float32: there float32 "
-                        "is HF's fastest, the fair peer of kvserve in bf16")
-
-
-def _peer_source(model: str | None) -> str:
-    """The file or directory the peers (HF, llama.cpp) load: random weights have none."""
-    from kvserve.model.loader import model_path
-    return "" if (model or "").startswith("random:") else str(model_path(model))
+                   help="dtype HF transformers runs in (default: --dtype, but float32 for bf16 on a CPU without "
+                        "AVX512-BF16 or AMX, where its bf16 matmuls are emulated, several times slower: there "
+                        "float32 is HF's fastest, the fair peer of kvserve in bf16)")
 
 
 def _hf_dtype(args: argparse.Namespace) -> torch.dtype:
-    return DTYPES[args.hf_dtype or args.dtype]
+    return hf_dtype(args.hf_dtype, args.dtype, args.device)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -227,7 +222,7 @@ def run_throughput(args: argparse.Namespace, out: Path) -> None:
         del llm
         summaries.append(run_kvserve(llm_from_args(args, "contiguous"), prompts, params,
                                      "kvserve-contiguous"))
-    source = _peer_source(args.model)
+    source = peer_source(args.model)
     if not args.skip_hf:
         from kvserve.bench.hf_process import HFProcess
 
@@ -279,7 +274,7 @@ def run_scaling(args: argparse.Namespace, out: Path) -> None:
     model_config, kv_bytes, backend = engine.model_config, engine.kv_bytes_per_token, engine.attention_backend.name
     # The series a round times, in turn; each was warmed up once.
     timers: dict[str, Callable[[], list[float]]] = {ours: lambda: time_per_token(llm, prompt, args.num_tokens, ours)}
-    source = _peer_source(args.model)
+    source = peer_source(args.model)
     hf = None
     if not args.skip_hf:
         from kvserve.bench.hf_process import HFProcess

@@ -60,12 +60,17 @@ def load_hf_dir(directory: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, P
     return model, tokenizer
 
 
-def load_hf_bench_model(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """HF transformers on exactly the weights kvserve runs: a GGUF goes through kvserve's own
+def hf_bench_dir(source: str) -> Path:
+    """The HF directory of exactly the weights kvserve runs: a GGUF goes through kvserve's own
     one-time conversion to an HF directory (dequantized), so both engines multiply the same bf16
     tensors; transformers' GGUF loader would keep them packed and dequantize in every matmul.
     (The parity tests load the GGUF with HF's loader instead, to check that conversion.)"""
-    return load_hf_dir(convert_gguf(Path(source)) if source.endswith(".gguf") else Path(source), dtype)
+    return convert_gguf(Path(source)) if source.endswith(".gguf") else Path(source)
+
+
+def load_hf_bench_model(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """HF transformers on the dense weights of `hf_bench_dir`."""
+    return load_hf_dir(hf_bench_dir(source), dtype)
 
 
 class _StepClock(StoppingCriteria):
