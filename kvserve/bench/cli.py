@@ -13,6 +13,7 @@ from kvserve.arg_types import at_least, folder
 from kvserve.bench.format_lists import attention_formats, kv_formats_defaults
 from kvserve.bench.metrics import format_table, ratio, same_budget_table
 from kvserve.bench.peer_weights import hf_dtype, peer_source
+from kvserve.bench.serve_peers import add_peer_args
 from kvserve.bench.serving import add_load_args
 from kvserve.bench.serving_workloads import WORKLOADS
 from kvserve.bench.speculative import add_spec_parser, run_spec_bench
@@ -63,9 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mem.set_defaults(func=run, max_model_len=2048, max_num_seqs=8)
 
     sv = kinds.add_parser("serve", help="streaming load on `kvserve serve` (TTFT, TPOT, ITL, goodput) vs offline "
-                                        "generate")
+                                        "generate, llama-server and transformers serve")
     _workload_args(sv, num_requests=200, prompt_median=128, output_median=64)
     add_load_args(sv)
+    add_peer_args(sv)
+    _hf_dtype_arg(sv)
+    _rounds_arg(sv)
     sv.add_argument("--workload", choices=WORKLOADS, default="random",
                     help="random (lognormal lengths, --num-requests and the medians), shared-prefix, multi-turn or "
                          "long-context (their shapes: bench/serving_workloads.py; the report prints them)")

@@ -10,8 +10,9 @@ vLLM's definitions:
   ttft:MS tpot:MS e2el:MS`), over the run's duration (first send to last completion).
 
 Percentiles are numpy's (linear interpolation), as vLLM reports them. The client is the same for
-any OpenAI-compatible server (`/v1/completions`, streaming, `ignore_eos`), so a peer's numbers are
-measured the same way.
+any OpenAI-compatible server (`/v1/completions`, streaming, EOS ignored), so a peer's numbers are
+measured the same way; only the prompt's fields may differ (`PromptFields`: token ids and
+`ignore_eos` as vLLM takes them, or what a server that takes neither needs, bench/serve_peers.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import numpy as np
@@ -30,6 +33,14 @@ from kvserve.bench.workload import WorkloadRequest
 
 SLO_NAMES = ("ttft", "tpot", "e2el")
 PERCENTILES = (50, 90, 99)
+
+# A request's prompt and EOS fields in the body a server takes.
+PromptFields = Callable[[WorkloadRequest], dict[str, Any]]
+
+
+def token_id_prompt(request: WorkloadRequest) -> dict[str, Any]:
+    """vLLM's fields, which kvserve and llama-server take: the prompt as token ids, EOS ignored."""
+    return {"prompt": request.prompt_token_ids, "ignore_eos": True}
 
 
 @dataclass(frozen=True)
@@ -123,10 +134,8 @@ def send_times(n: int, request_rate: float, burstiness: float, seed: int) -> lis
     return np.concatenate([[0.0], np.cumsum(gaps[:-1])]).tolist()
 
 
-async def _stream(client: httpx.AsyncClient, url: str, model: str | None, request: WorkloadRequest) -> StreamRecord:
-    body = {"prompt": request.prompt_token_ids, "max_tokens": request.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            **({"model": model} if model else {})}
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], request: WorkloadRequest
+                  ) -> StreamRecord:
     sent = time.perf_counter()
     times: list[float] = []
     tokens, error, pending = 0, None, b""
@@ -160,32 +169,42 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str | None, reques
     return StreamRecord(sent, tuple(times), len(request.prompt_token_ids), tokens, error)
 
 
+def _body(request: WorkloadRequest, model: str | None, prompt_fields: PromptFields) -> dict[str, Any]:
+    return {**prompt_fields(request), "max_tokens": request.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
+
+
 async def _load(url: str, model: str | None, sessions: list[list[WorkloadRequest]], sends: list[float],
-                max_concurrency: int | None) -> tuple[list[StreamRecord], float]:
+                max_concurrency: int | None, prompt_fields: PromptFields) -> tuple[list[StreamRecord], float]:
     most = max_concurrency or sum(map(len, sessions))
     gate = asyncio.Semaphore(most)
+    # Bodies made before the clock starts: a prompt decoded to text costs the client, not the server.
+    bodies = [[_body(r, model, prompt_fields) for r in session] for session in sessions]
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=httpx.Limits(max_connections=most + 8)) as client:
         start = time.perf_counter()
 
-        async def one(session: list[WorkloadRequest], at: float) -> list[StreamRecord]:
+        async def one(session: list[WorkloadRequest], session_bodies: list[dict[str, Any]], at: float
+                      ) -> list[StreamRecord]:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             records = []
-            for request in session:  # a chat's next turn waits for the answer to the last
+            # A chat's next turn waits for the answer to the last.
+            for request, body in zip(session, session_bodies):
                 async with gate:
-                    records.append(await _stream(client, url, model, request))
+                    records.append(await _stream(client, url, body, request))
             return records
-        done = await asyncio.gather(*(one(s, at) for s, at in zip(sessions, sends)))
+        done = await asyncio.gather(*(one(s, b, at) for s, b, at in zip(sessions, bodies, sends)))
         return [r for records in done for r in records], time.perf_counter() - start
 
 
 def run_load(url: str, sessions: list[list[WorkloadRequest]], request_rate: float = math.inf,
              burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-             model: str | None = None) -> tuple[list[StreamRecord], float]:
+             model: str | None = None, prompt_fields: PromptFields = token_id_prompt
+             ) -> tuple[list[StreamRecord], float]:
     """Starts each session at `send_times` (the rate counts sessions: a single-request session
     per request, or a chat), its requests one after another, at most `max_concurrency` requests in
     flight; returns every request's record, session by session, and the run's duration."""
     sends = send_times(len(sessions), request_rate, burstiness, seed)
-    return asyncio.run(_load(url, model, sessions, sends, max_concurrency))
+    return asyncio.run(_load(url, model, sessions, sends, max_concurrency, prompt_fields))
 
 
 def _rate(text: str) -> float:

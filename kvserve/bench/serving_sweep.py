@@ -21,20 +21,22 @@ def sweep_table(rows: list[tuple[float, ServingSummary]]) -> list[str]:
     return lines
 
 
-def plot_sweep(name: str, rows: list[tuple[float, ServingSummary]], path: Path) -> None:
-    """p99 TTFT and p99 TPOT against output tok/s, a point per rate, labelled with the rate."""
+def plot_sweep(curves: dict[str, list[tuple[float, ServingSummary]]], path: Path) -> None:
+    """p99 TTFT and p99 TPOT against output tok/s, a point per rate labelled with it, a curve per
+    server."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    x = [s.output_tok_s for _, s in rows]
     for ax, metric in zip(axes, ("ttft", "tpot")):
-        y = [s.ms[metric]["p99"] for _, s in rows]
-        ax.plot(x, y, marker="o", label=name)
-        for rate, xi, yi in zip((r for r, _ in rows), x, y):
-            ax.annotate("inf" if math.isinf(rate) else f"{rate:g}/s", (xi, yi), fontsize=8,
-                        textcoords="offset points", xytext=(4, 4))
+        for name, rows in curves.items():
+            x = [s.output_tok_s for _, s in rows]
+            y = [s.ms[metric]["p99"] for _, s in rows]
+            ax.plot(x, y, marker="o", label=name)
+            for rate, xi, yi in zip((r for r, _ in rows), x, y):
+                ax.annotate("inf" if math.isinf(rate) else f"{rate:g}/s", (xi, yi), fontsize=8,
+                            textcoords="offset points", xytext=(4, 4))
         ax.set(xlabel="output tok/s", ylabel=f"p99 {metric.upper()} (ms)",
                title=f"p99 {metric.upper()} against throughput, one point per request rate")
         ax.grid(alpha=0.3)

@@ -11,7 +11,7 @@ from kvserve.bench.cli import _hf_dtype
 from kvserve.cli import build_parser
 
 
-@pytest.mark.parametrize("bench", ["throughput", "scaling"])
+@pytest.mark.parametrize("bench", ["throughput", "scaling", "serve"])
 @pytest.mark.parametrize(("argv", "want"), [
     ([], torch.bfloat16),
     (["--dtype", "bf16"], torch.bfloat16),
