@@ -9,12 +9,17 @@ another length, or under another key than the one it was written for (another bl
 namespace's, a torn or flipped write), fails the check, is counted in `stats.corrupt` and is
 treated as a miss. Without a secret the tag is a checksum; with one it is a keyed BLAKE2b (a MAC),
 and the namespace's digest is keyed too.
+
+With `events` (kv_events.TierEvents), a tier records the blocks it gains and drops, for the KV
+event publisher (engine/kv_event_publisher.py); each subclass says how much of that it can know.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 from dataclasses import dataclass
+
+from kvserve.cache.kv_events import TierEvents
 
 LAYOUT_VERSION = 2
 _MAGIC = b"KVS2"
@@ -35,11 +40,13 @@ class TierStats:
 
 
 class BlockTier:
-    def __init__(self, namespace: str, block_bytes: int, secret: str | None = None) -> None:
+    def __init__(self, namespace: str, block_bytes: int, secret: str | None = None,
+                 events: TierEvents | None = None) -> None:
         """`block_bytes`: a block's pages (block_bytes.block_nbytes); a value of another length is
         corrupt, whatever its tag says. `secret`: makes the tag a MAC (kept here only as the
-        BLAKE2b key derived from it, never logged)."""
-        self.namespace, self.block_bytes = namespace, block_bytes
+        BLAKE2b key derived from it, never logged). `events`: where to record KV events (None:
+        none recorded)."""
+        self.namespace, self.block_bytes, self.events = namespace, block_bytes, events
         # blake2b takes a key of at most 64 bytes: a digest of the secret fits any secret. An empty
         # key is plain (unkeyed) BLAKE2b.
         self._mac_key = b"" if secret is None else hashlib.blake2b(secret.encode(), digest_size=32).digest()
@@ -65,6 +72,14 @@ class BlockTier:
 
     def close(self) -> None:
         """Releases what the tier holds open (nothing, unless a subclass says)."""
+
+    def _stored(self, hashes: list[bytes]) -> None:
+        if self.events is not None:
+            self.events.stored(hashes)
+
+    def _removed(self, hashes: list[bytes]) -> None:
+        if self.events is not None:
+            self.events.removed(hashes)
 
     def _tag(self, block_hash: bytes, payload: bytes) -> bytes:
         """Over the key (the namespace's digest and the chain hash: a fixed length, so the two

@@ -12,6 +12,13 @@ The directory holds at most `capacity` bytes, the least recently used files goin
 engine at a time owns a namespace's directory (an exclusive lock, refused naming the field), so
 two servers cannot interleave its bookkeeping. A write that fails (a full disk) is counted in
 `stats.errors`, logged, and the block is computed next time instead.
+
+Its KV events (medium `DISK`, kv_events.py) are exact, since the tier alone changes its
+directory: at start a `BlockStored` names every block found there (after the engine's
+`AllBlocksCleared`, a router learns what survived the restart), then one follows each file
+written, and a `BlockRemoved` each file deleted (the size bound's eviction, a file that failed its
+check or could not be read). Files are not removed when the tier closes: the next engine's start
+announces them again.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from kvserve.cache.block_tier import HEADER, BlockTier
+from kvserve.cache.kv_events import TierEvents
 from kvserve.validate import FieldError
 
 logger = logging.getLogger(__name__)
@@ -30,7 +38,8 @@ _SUFFIX = ".kvb"
 
 class DiskKVTier(BlockTier):
     def __init__(self, root: str | Path, namespace: str, block_bytes: int, capacity: int,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, events: TierEvents | None = None) -> None:
+        # No events until the start's sweep is done: it removes files nobody was told of.
         super().__init__(namespace, block_bytes, secret)
         self.dir = Path(root) / self.namespace_digest
         try:
@@ -49,12 +58,16 @@ class DiskKVTier(BlockTier):
             raise FieldError("kv_disk_memory", f"kv_disk_memory ({capacity} bytes) holds no block "
                                                f"({HEADER + block_bytes} bytes each for this model and format)")
         self.capacity = capacity
-        for leftover in self.dir.glob("*.tmp"):
+        # Leftovers of a crash, and block files no chain hash names (never read: only taking room).
+        unnamed = [p for p in self.dir.glob("*" + _SUFFIX) if not _names_a_block(p.name)]
+        for leftover in [*self.dir.glob("*.tmp"), *unnamed]:
             leftover.unlink(missing_ok=True)
         files = sorted(self.dir.glob("*" + _SUFFIX), key=lambda p: p.stat().st_mtime)
         self._files: OrderedDict[str, int] = OrderedDict((p.name, p.stat().st_size) for p in files)  # LRU first
         self._bytes = sum(self._files.values())
         self._make_room(0)
+        self.events = events
+        self._stored([_hash_of(name) for name in self._files])
 
     @property
     def available(self) -> bool:
@@ -119,6 +132,7 @@ class DiskKVTier(BlockTier):
             self._bytes += len(value)
             self.stats.stored += 1
             self.stats.bytes_written += len(payload)
+            self._stored([block_hash])  # one by one: a later block of the call may evict an earlier
 
     def close(self) -> None:
         """Gives the directory up (its lock) for the next engine."""
@@ -131,3 +145,17 @@ class DiskKVTier(BlockTier):
     def _drop(self, name: str) -> None:
         self._bytes -= self._files.pop(name)
         (self.dir / name).unlink(missing_ok=True)
+        self._removed([_hash_of(name)])
+
+
+def _hash_of(name: str) -> bytes:
+    """The chain hash a block file is named by (ValueError for a name no block is written under)."""
+    return bytes.fromhex(name.removesuffix(_SUFFIX))
+
+
+def _names_a_block(name: str) -> bool:
+    try:
+        _hash_of(name)
+    except ValueError:
+        return False
+    return True

@@ -14,6 +14,14 @@ share no key at all.
 The tier never fails a request: a connection error or a reply slower than `timeout_s` logs a
 warning, counts in `stats.errors`, and turns the tier off for `retry_after_s` (every lookup a
 miss, every store dropped), after which it tries again. What it would have served is computed.
+
+Its KV events (medium `REDIS`, kv_events.py) say only what this engine knows: a `BlockStored` for
+each block of a store the server acknowledged (written now, or already there from another engine).
+No `BlockRemoved` ever follows: Redis drops keys on its own (maxmemory eviction, a flush, another
+client's delete, a restart without persistence) and tells no one, and a lookup's miss cannot tell
+a dropped block from one never stored without keeping every key announced. So a consumer reads
+REDIS events as "written at some point", an upper bound of what the server holds; since every
+engine on the server reads it, the router does not route by them (kv_events.SHARED_MEDIA).
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ import time
 from urllib.parse import urlsplit, urlunsplit
 
 from kvserve.cache.block_tier import BlockTier
+from kvserve.cache.kv_events import TierEvents
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +50,11 @@ class RemoteKVTier(BlockTier):
     """Blocks as bytes in Redis, through redis-py."""
 
     def __init__(self, url: str, namespace: str, block_bytes: int, timeout_s: float = 0.25,
-                 retry_after_s: float = 10.0, secret: str | None = None) -> None:
-        """`block_bytes`, `secret`: as BlockTier's."""
+                 retry_after_s: float = 10.0, secret: str | None = None, events: TierEvents | None = None) -> None:
+        """`block_bytes`, `secret`, `events`: as BlockTier's."""
         import redis  # only engines with a tier need it
 
-        super().__init__(namespace, block_bytes, secret)
+        super().__init__(namespace, block_bytes, secret, events)
         self.url = shown_url(url)
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         self._down_until = 0.0
@@ -99,3 +108,4 @@ class RemoteKVTier(BlockTier):
             return
         self.stats.stored += len(blocks)
         self.stats.bytes_written += sum(len(payload) for _, payload in blocks)
+        self._stored([block_hash for block_hash, _ in blocks])

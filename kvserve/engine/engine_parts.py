@@ -23,6 +23,7 @@ from kvserve.cache.kv_groups import KVGroups
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.block_tier import BlockTier
 from kvserve.cache.kv_disk import DiskKVTier
+from kvserve.cache.kv_events import DISK, REDIS, TierEvents
 from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.kv_sizes import KVSizes
 from kvserve.cache.quantized_pool import QuantizedKVPool
@@ -118,10 +119,11 @@ def _build_engine_parts(config: EngineConfig, opened: list[BlockTier]) -> Engine
     if config.cache.kv_remote is not None:
         remote = RemoteKVTier(config.cache.kv_remote, remote_namespace(model, config, formats),
                               block_nbytes(pool.block_tensors), timeout_s=config.cache.kv_remote_timeout,
-                              secret=config.cache.kv_remote_secret)
+                              secret=config.cache.kv_remote_secret, events=_tier_events(config, REDIS))
     elif config.cache.kv_disk_dir is not None:
         remote = DiskKVTier(config.cache.kv_disk_dir, remote_namespace(model, config, formats),
-                            block_nbytes(pool.block_tensors), config.cache.disk_tier_bytes)
+                            block_nbytes(pool.block_tensors), config.cache.disk_tier_bytes,
+                            events=_tier_events(config, DISK))
         opened.append(remote)
     # The baselines stand for engines without sharing: no prefix cache for them.
     block_manager = BlockManager(num_blocks, config.cache.block_size,
@@ -167,7 +169,7 @@ def _build_engine_parts(config: EngineConfig, opened: list[BlockTier]) -> Engine
                        max_model_len, max_num_batched_tokens,
                        sizes.block_bytes * cfg.num_layers / (groups.layers_per_block * config.cache.block_size), groups,
                        pool, remote, block_manager, swap, scheduler, backend, tp, runner, async_scheduling,
-                       _event_publisher(config))
+                       _event_publisher(config, remote))
 
 
 def _step_budget(config: EngineConfig, max_model_len: int, chunked_prefill: bool) -> int:
@@ -237,9 +239,21 @@ def _event_medium(config: EngineConfig, device: torch.device) -> str | None:
     return "GPU" if device.type == "cuda" else device.type.upper()
 
 
-def _event_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
+def _tier_events(config: EngineConfig, medium: str) -> TierEvents | None:
+    """Where a lower tier records its KV events, or None when none are published."""
+    if config.kv_events.kv_events_publisher == "null":
+        return None
+    return TierEvents(medium, config.cache.block_size)
+
+
+def _event_publisher(config: EngineConfig, tier: BlockTier | None) -> ZmqEventPublisher | None:
     events = config.kv_events
     if events.kv_events_publisher == "null":
         return None
-    return ZmqEventPublisher(events.kv_events_endpoint, events.kv_events_replay_endpoint,
-                             events.kv_events_buffer_steps, events.kv_events_topic)
+    publisher = ZmqEventPublisher(events.kv_events_endpoint, events.kv_events_replay_endpoint,
+                                  events.kv_events_buffer_steps, events.kv_events_topic)
+    # What the tier holds from before this engine (a disk tier's files), right after the first
+    # batch's AllBlocksCleared, so a router knows it before any request runs.
+    if tier is not None and tier.events is not None and (found := tier.events.take()):
+        publisher.publish(found)
+    return publisher

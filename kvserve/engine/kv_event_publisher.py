@@ -1,5 +1,5 @@
-"""Publishes the prefix cache's KV events (cache/kv_events.py) as vLLM's `ZmqEventPublisher` does,
-so that a client written against vLLM's event schema reads ours.
+"""Publishes the KV events of the prefix cache and the tier below it (cache/kv_events.py) as vLLM's
+`ZmqEventPublisher` does, so that a client written against vLLM's event schema reads ours.
 
 Each step's events go out as one batch: a ZeroMQ multipart message (topic, sequence number as 8
 bytes big-endian, payload), the payload a msgpack map `{ts, events, data_parallel_rank}` whose

@@ -156,8 +156,14 @@ class LLMEngine:
         return outputs
 
     def _publish_events(self) -> None:
-        """What joined and left the prefix cache since the last call, as one batch (cache/kv_events.py)."""
-        if self.kv_events is not None and (events := self.block_manager.pool.take_events()):
+        """What joined and left the prefix cache and the tier below it since the last call, as one
+        batch (cache/kv_events.py)."""
+        if self.kv_events is None:
+            return
+        events = self.block_manager.pool.take_events()
+        if self.remote is not None and self.remote.events is not None:
+            events += self.remote.events.take()
+        if events:
             self.kv_events.publish(events)
 
     def _plan(self, batch: SchedulerOutput, score_from: list[int | None] | None,

@@ -1,6 +1,6 @@
 """The disk tier of prefix blocks against worked cases: a round trip, every kind of bad file
-counted and skipped (flipped, truncated, foreign), a full disk, the size bound, and one engine per
-directory."""
+counted and skipped (flipped, truncated, foreign), a full disk, the size bound, one engine per
+directory, and KV events that follow the directory's files."""
 from __future__ import annotations
 
 import errno
@@ -11,6 +11,7 @@ import pytest
 
 from kvserve.cache.blocks import block_hash
 from kvserve.cache.kv_disk import DiskKVTier
+from kvserve.cache.kv_events import DISK, BlockRemoved, BlockStored, TierEvents
 from kvserve.validate import FieldError
 
 HASHES = [block_hash(None, (i,)) for i in range(6)]
@@ -103,3 +104,47 @@ def test_a_closed_tier_neither_reads_nor_writes(tmp_path: Path) -> None:
     t.close()
     t.store([(HASHES[1], PAYLOADS[1])])
     assert t.fetch(HASHES[:1]) == [] and not file_of(t, 1).exists()
+
+
+def held_files(t: DiskKVTier) -> set[bytes]:
+    return {bytes.fromhex(p.name.removesuffix(".kvb")) for p in t.dir.glob("*.kvb")}
+
+
+def replay(events: TierEvents, held: set[bytes]) -> set[bytes]:
+    """Applies the events taken from `events` to `held` as a consumer would; returns it."""
+    for event in events.take():
+        assert event.medium == DISK
+        if isinstance(event, BlockStored):
+            assert (event.parent_block_hash, event.token_ids, event.block_size) == (None, [], 16)
+            held.update(event.block_hashes)
+        else:
+            assert isinstance(event, BlockRemoved) and set(event.block_hashes) <= held, "removed, never stored"
+            held.difference_update(event.block_hashes)
+    return held
+
+
+def test_events_follow_the_files_through_writes_evictions_skips_and_a_restart(tmp_path: Path) -> None:
+    size = len(tier(tmp_path / "probe").pack(HASHES[0], PAYLOADS[0]))
+    events = TierEvents(DISK, 16)
+    t = DiskKVTier(tmp_path, "model-a", 100, 3 * size, events=events)
+    held: set[bytes] = set()
+    assert replay(events, held) == set()  # an empty directory announces nothing
+    t.store(list(zip(HASHES[:3], PAYLOADS[:3])))
+    assert replay(events, held) == held_files(t) == set(HASHES[:3])
+    t.store(list(zip(HASHES[3:5], PAYLOADS[3:5])))  # the size bound evicts blocks 0 and 1
+    assert replay(events, held) == held_files(t) == {HASHES[2], HASHES[3], HASHES[4]}
+    data = bytearray(file_of(t, 3).read_bytes())
+    data[-1] ^= 1
+    file_of(t, 3).write_bytes(bytes(data))
+    assert t.fetch(HASHES[3:4]) == [] and t.stats.corrupt == 1  # skipped and deleted: removed
+    assert replay(events, held) == held_files(t) == {HASHES[2], HASHES[4]}
+    t.store([(HASHES[1], PAYLOADS[1])])
+    t.close()
+    assert replay(events, held) == held_files(t) == {HASHES[1], HASHES[2], HASHES[4]}
+    (t.dir / "not-a-hash.kvb").write_bytes(b"junk")  # a file no block is named by: swept, never announced
+    restarted = TierEvents(DISK, 16)
+    again = DiskKVTier(tmp_path, "model-a", 100, 2 * size, events=restarted)  # a smaller bound: one file goes first
+    found = restarted.take()
+    assert len(found) == 1 and isinstance(found[0], BlockStored)  # the start's sweep says nothing of what it drops
+    assert set(found[0].block_hashes) == held_files(again) and len(held_files(again)) == 2
+    again.close()

@@ -11,6 +11,7 @@ import torch
 
 from kvserve.cache.block_bytes import read_blocks, write_blocks
 from kvserve.cache.formats import make_format
+from kvserve.cache.kv_events import REDIS, BlockStored, TierEvents
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.kv_remote import RemoteKVTier
 from kvserve.cache.quantized_pool import QuantizedKVPool
@@ -26,6 +27,21 @@ def test_stored_blocks_come_back_in_order_up_to_the_first_miss(redis_server: Red
     assert tier.fetch(HASHES) == PAYLOADS[:2]  # the third is missing: the fourth cannot extend a prefix
     assert (tier.stats.lookups, tier.stats.hits, tier.stats.stored) == (4, 2, 3)
     assert RemoteKVTier(redis_server.url, "model-b", 100).fetch(HASHES) == []  # another namespace, other keys
+
+
+def test_events_announce_what_the_server_acknowledged(redis_server: RedisServer) -> None:
+    """Every block of an acknowledged store, the ones another engine wrote first included; nothing
+    for a store the server never took, and no removal (Redis does not say what it drops)."""
+    events = TierEvents(REDIS, 16)
+    tier = RemoteKVTier(redis_server.url, "model-a", 100, events=events)
+    RemoteKVTier(redis_server.url, "model-a", 100).store([(HASHES[0], PAYLOADS[0])])  # another engine's
+    tier.store(list(zip(HASHES[:2], PAYLOADS[:2])))
+    assert events.take() == [BlockStored(HASHES[:2], None, [], 16, REDIS)]
+    redis_server.client.flushdb()
+    assert tier.fetch(HASHES[:2]) == [] and events.take() == []
+    redis_server.stop()
+    tier.store([(HASHES[2], PAYLOADS[2])])
+    assert tier.stats.errors == 1 and events.take() == []
 
 
 def test_a_corrupted_or_foreign_entry_is_ignored_and_counted(redis_server: RedisServer) -> None:
