@@ -8,25 +8,36 @@ same way, once the next message shows it (a lost last batch waits for the replic
 A replica whose replay no longer reaches back to where the index needs it (its buffer wrapped)
 is not synced, and `held` returns None: the router then falls back to the snapshots the replicas
 publish. One thread owns the sockets; the router reads copies under a lock.
+
+A replica holds a block while any of its own media does (its device pool, or its disk tier, read
+back much faster than a prefill); a shared medium (Redis, kv_events.SHARED_MEDIA) is ignored,
+since every replica reads it alike. What the index keeps is bounded: a removed key leaves the
+held sets at once, so they hold what the replicas' caches hold, and joins a list of the last
+`removed_kept` keys each replica dropped, which only settles the router's guesses (`stored`: a
+block stored and evicted between two routing calls was stored all the same).
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from typing import Any
 
+from kvserve.cache.kv_events import SHARED_MEDIA
 from kvserve.replicas.block_keys import block_key
 
 logger = logging.getLogger(__name__)
 _REPLAY_TIMEOUT_MS = 2000
+_REMOVED_KEPT = 65_536  # per replica: as many as the router's affinity keeps of routed keys
 
 
 class EventIndex:
-    def __init__(self) -> None:
+    def __init__(self, removed_kept: int = _REMOVED_KEPT) -> None:
         self._lock = threading.Lock()
-        self._held: dict[str, set[str]] = {}    # topic -> keys of the blocks its replica holds
-        self._stored: dict[str, set[str]] = {}  # topic -> keys it ever stored (the router's guesses settle)
+        self._held: dict[str, dict[str | None, set[str]]] = {}  # topic -> medium -> keys of the blocks there
+        self._removed: dict[str, OrderedDict[str, None]] = {}  # topic -> keys none of its media holds, newest last
+        self._removed_kept = removed_kept
         self._synced: set[str] = set()
         self._next: dict[str, int] = {}         # topic -> the sequence number it expects next
         self._replay: dict[str, str] = {}
@@ -44,13 +55,15 @@ class EventIndex:
     def held(self, topic: str) -> set[str] | None:
         """The keys of the blocks the replica holds, or None while its stream is not synced."""
         with self._lock:
-            return set(self._held[topic]) if topic in self._synced else None
+            return set().union(*self._held.get(topic, {}).values()) if topic in self._synced else None
 
     def stored(self, topic: str, keys: set[str]) -> set[str]:
-        """Those of `keys` the replica has stored at some point (the router's guesses settle on
-        them): the size of `keys` in time, not of the replica's history, on every routing call."""
+        """Those of `keys` the replica holds or dropped lately (among the last `removed_kept`): the
+        router's guesses settle on them. Costs the size of `keys`, on every routing call."""
         with self._lock:
-            return keys & self._stored.get(topic, set())
+            media = self._held.get(topic, {}).values()
+            removed = self._removed.get(topic, {})
+            return {key for key in keys if key in removed or any(key in held for held in media)}
 
     def close(self) -> None:
         self._watches.put(None)
@@ -118,17 +131,31 @@ class EventIndex:
     def _apply(self, topic: str, seq: int, payload: bytes) -> None:
         batch = self._unpack(payload, raw=False)
         with self._lock:
-            held = self._held.setdefault(topic, set())
-            stored = self._stored.setdefault(topic, set())
+            media = self._held.setdefault(topic, {})
+            removed = self._removed.setdefault(topic, OrderedDict())
             for event in batch["events"]:
                 kind = event["type"]
                 if kind == "AllBlocksCleared":
-                    held.clear()
-                elif event.get("group_idx") in (None, 0):  # the full-attention group is what a hit needs
+                    for held in media.values():
+                        self._forget(removed, held)
+                    media.clear()
+                elif event.get("group_idx") in (None, 0) and event.get("medium") not in SHARED_MEDIA:
+                    # The full-attention group is what a hit needs.
                     keys = {block_key(h) for h in event["block_hashes"]}
+                    held = media.setdefault(event.get("medium"), set())
                     if kind == "BlockStored":
                         held |= keys
-                        stored |= keys
+                        for key in keys:
+                            removed.pop(key, None)
                     elif kind == "BlockRemoved":
                         held -= keys
+                        self._forget(removed, {key for key in keys if not any(key in h for h in media.values())})
         self._next[topic] = seq + 1
+
+    def _forget(self, removed: OrderedDict[str, None], keys: set[str]) -> None:
+        """Keys no medium of the replica holds any more: kept a while for `stored`, the oldest going."""
+        for key in keys:
+            removed[key] = None
+            removed.move_to_end(key)
+        while len(removed) > self._removed_kept:
+            removed.popitem(last=False)

@@ -1,6 +1,7 @@
 """The router's event index against a real publisher (no Ray): a replica joined late is caught up
 through the replay socket, then followed live; one whose replay buffer no longer reaches back is
-not trusted (the router falls back to snapshots)."""
+not trusted (the router falls back to snapshots); a block is held while one of the replica's own
+media holds it; removed keys are forgotten, all but a bounded few kept to settle guesses."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from kvserve.cache.blocks import block_hash
-from kvserve.cache.kv_events import BlockRemoved, BlockStored
+from kvserve.cache.kv_events import DISK, REDIS, AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.engine.kv_event_publisher import ZmqEventPublisher
 from kvserve.net import free_loopback_port
 from kvserve.replicas.block_keys import block_key
@@ -32,8 +33,8 @@ def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     return False
 
 
-def stored(i: int) -> BlockStored:
-    return BlockStored([HASHES[i]], None, [i], 1, "CPU")
+def stored(i: int, medium: str = "CPU") -> BlockStored:
+    return BlockStored([HASHES[i]], None, [i], 1, medium)
 
 
 def test_a_replica_joined_late_is_caught_up_then_followed() -> None:
@@ -50,6 +51,51 @@ def test_a_replica_joined_late_is_caught_up_then_followed() -> None:
         assert eventually(lambda: index.held("r1") == {KEYS[2]})
         assert index.stored("r1", set(KEYS)) == {KEYS[0], KEYS[1], KEYS[2]}
         assert index.held("r2") is None  # a replica never seen: no stream to trust
+    finally:
+        index.close()
+        pub.close()
+
+
+def test_removed_keys_are_forgotten_all_but_the_last_few() -> None:
+    """Stored then removed, over and over: the held set follows, and of the removed keys only the
+    last `removed_kept` still settle a guess; a key stored again leaves that list."""
+    pub, endpoint, replay = publisher()
+    index = EventIndex(removed_kept=2)
+    try:
+        index.watch("r1", endpoint, replay)
+        assert eventually(lambda: index.held("r1") == set())
+        time.sleep(0.3)
+        pub.publish([stored(i) for i in range(6)])
+        pub.publish([BlockRemoved([HASHES[i]], "CPU") for i in range(5)])
+        assert eventually(lambda: index.held("r1") == {KEYS[5]})
+        assert index.stored("r1", set(KEYS)) == {KEYS[3], KEYS[4], KEYS[5]}  # 0..2 forgotten
+        pub.publish([stored(3), BlockRemoved([HASHES[0]], "CPU")])  # 0 was forgotten: a removal is news still
+        assert eventually(lambda: index.held("r1") == {KEYS[3], KEYS[5]})
+        assert index.stored("r1", set(KEYS)) == {KEYS[0], KEYS[3], KEYS[4], KEYS[5]}
+        pub.publish([AllBlocksCleared()])  # a restart: everything removed, the last two kept
+        assert eventually(lambda: index.held("r1") == set())
+        assert len(index.stored("r1", set(KEYS))) == 2
+    finally:
+        index.close()
+        pub.close()
+
+
+def test_a_block_is_held_while_one_of_the_replicas_own_media_holds_it() -> None:
+    """On the device and the disk: held until both dropped it. In Redis alone: not held (every
+    replica reads Redis alike), nor stored."""
+    pub, endpoint, replay = publisher()
+    index = EventIndex()
+    try:
+        index.watch("r1", endpoint, replay)
+        assert eventually(lambda: index.held("r1") == set())
+        time.sleep(0.3)
+        pub.publish([stored(0), stored(0, DISK), stored(1), stored(2, REDIS)])
+        assert eventually(lambda: index.held("r1") == {KEYS[0], KEYS[1]})
+        pub.publish([BlockRemoved([HASHES[0]], "CPU"), BlockRemoved([HASHES[1]], "CPU")])
+        assert eventually(lambda: index.held("r1") == {KEYS[0]})  # still on disk
+        pub.publish([BlockRemoved([HASHES[0]], DISK)])
+        assert eventually(lambda: index.held("r1") == set())
+        assert index.stored("r1", set(KEYS)) == {KEYS[0], KEYS[1]}
     finally:
         index.close()
         pub.close()
