@@ -10,8 +10,10 @@ sums a row's products in an order that depends on how many rows the call has. Th
   (decode steps) go through our kernel (VDPBF16PS, AMX tiles, or fp32 FMAs on widened weights),
   which reads each weight once per call and is bound by memory bandwidth, 1.2-3x faster than
   oneDNN at these sizes; larger batches (prefill) through oneDNN, where its blocking wins and the
-  on-the-fly reorder is amortised; except on AVX2, where oneDNN has no bf16 matmul faster than our
-  kernel and every batch goes through the kernel.
+  on-the-fly reorder is amortised, in row chunks on the kernels' thread pool (`linear_rows`: on a
+  busy machine torch's OpenMP team waits for a descheduled thread at every matmul); except on
+  AVX2, where oneDNN has no bf16 matmul faster than our kernel and every batch goes through the
+  kernel.
 - `PackedLinear` otherwise: the weight prepacked once for oneDNN (about 1.5x over `F.linear`),
   where oneDNN can prepack the dtype on this CPU.
 See BENCHMARKS.md for the measurements.
@@ -22,7 +24,6 @@ from types import ModuleType
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 SMALL_BATCH = 32  # rows up to which our kernel beats oneDNN (measured per shape, BENCHMARKS.md)
@@ -81,7 +82,7 @@ class SmallBatchLinear(nn.Module):
         # emulated, and an fp32 one on weights widened per call was 1.3-3x slower at 33-128 rows and
         # no faster above (BENCHMARKS.md). A row's bits then never depend on its batch.
         if x.shape[0] > SMALL_BATCH and not self.interleaved:
-            return onednn_rows(x, lambda rows: F.linear(rows, self.weight, self.bias))
+            return self.kernels.linear_rows(x, self.weight, self.bias)
         out = self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
         return out[:, :self.out_features].contiguous() if self.padded else out
 

@@ -44,16 +44,17 @@ def test_a_region_runs_every_chunk_once_on_the_pool() -> None:
 
 
 @pytest.mark.parametrize("dtype,rows", [(torch.bfloat16, SMALL_BATCH + 1), (torch.bfloat16, SMALL_BATCH),
-                                        (torch.float32, 64), (torch.float16, 64)])
-def test_a_prefill_sized_region_runs_on_torchs_threads(dtype: torch.dtype, rows: int) -> None:
-    """A step whose linears oneDNN runs on torch's threads (bf16 / fp16 over SMALL_BATCH rows, except
-    bf16 on the AVX2 kernel, which takes every batch) runs its other regions there too (one team per
-    step); decode-sized and fp32 steps (our linears) on the pool. Either way one thread's result."""
+                                        (torch.float32, 64), (torch.float16, 64), (torch.float16, SMALL_BATCH)])
+def test_only_a_step_of_packed_onednn_linears_runs_its_regions_on_torchs_threads(dtype: torch.dtype,
+                                                                                rows: int) -> None:
+    """A step whose linears run as packed oneDNN matmuls on torch's threads (fp16 over SMALL_BATCH
+    rows) runs its other regions there too (one team per step); every other step, bf16 prefills
+    included (linear_rows), on the pool. Either way one thread's result."""
     x, w = rand(rows, 256, seed=11).to(dtype), rand(256, seed=12).to(dtype)
     with torch_threads(1):
         want = kernels.rms_norm(x, w, 1e-6, None)
-    onednn = dtype == torch.float16 or (dtype == torch.bfloat16 and not kernels.interleaves_bf16_weights())
-    on_torch = onednn and rows > SMALL_BATCH
+    packed = dtype == torch.float16 or (dtype == torch.bfloat16 and not kernels.has_bf16_gemm())
+    on_torch = packed and rows > SMALL_BATCH
     before = kernels.thread_pool_stats()
     with torch_threads(2):
         got = kernels.rms_norm(x, w, 1e-6, None)
@@ -61,6 +62,26 @@ def test_a_prefill_sized_region_runs_on_torchs_threads(dtype: torch.dtype, rows:
     assert torch.equal(got, want)
     assert after["torch_regions"] - before["torch_regions"] == int(on_torch)
     assert after["parallel_regions"] - before["parallel_regions"] == int(not on_torch)
+
+
+@pytest.mark.parametrize("rows", [SMALL_BATCH + 1, 100, 130])  # 100, 130: 64-row bulk and a remainder
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_rows_gives_f_linears_rows_as_one_region_of_the_pool(rows: int, bias: bool) -> None:
+    """A prefill's bf16 linear in column chunks on the pool, each one oneDNN call on one thread: every
+    output column written (100 columns, not a multiple of the chunks' 16), F.linear's values, inside
+    inference mode as the engine calls it (the pool's threads take the caller's mode), and no
+    region of torch's."""
+    x, w = rand(rows, 64, seed=21).bfloat16(), rand(100, 64, seed=22).bfloat16()
+    b = rand(100, seed=23).bfloat16() if bias else None
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    before = kernels.thread_pool_stats()
+    with torch_threads(2), torch.inference_mode():
+        got = kernels.linear_rows(x, w, b)
+    after = kernels.thread_pool_stats()
+    assert got.shape == (rows, 100)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
+    assert after["parallel_regions"] - before["parallel_regions"] == 1
+    assert after["torch_regions"] == before["torch_regions"]
 
 
 def test_an_idle_worker_sleeps_and_is_counted() -> None:

@@ -38,5 +38,9 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
 // out [M, 16 * w.size(0)].
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 
+// linear_onednn.cpp: x @ w^T (+ bias) for a prefill's rows, w [N, K] as nn.Linear holds it: the
+// rows split in chunks over the kernels' pool, each one oneDNN matmul on one thread.
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+
 // Registers DecoderStack (decoder_stack.cpp) on the extension module.
 void bind_decoder_stack(pybind11::module& m);

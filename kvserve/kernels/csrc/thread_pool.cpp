@@ -36,8 +36,8 @@ constexpr auto kCallerSpin = std::chrono::microseconds(200);
 // leaves half its share to the others. Four cost a quiet decode 6%: a memory-bound linear's
 // weights then stream in shorter runs.
 constexpr int64_t kChunksPerThread = 2;
-// Rows up to which model/cpu_linear.py runs a bf16 linear on our kernel (SMALL_BATCH); above, oneDNN
-// on torch's threads (team_for).
+// Rows up to which model/cpu_linear.py runs a linear on our kernels (SMALL_BATCH); above, a packed
+// fp16 one runs on torch's threads (team_for).
 constexpr int64_t kSmallBatch = 32;
 
 // The claim word: generation (24 bits) | next chunk (20 bits) | chunk count (20 bits). One word,
@@ -253,13 +253,13 @@ void count_torch_region() { pool().count_torch_region(); }
 }  // namespace detail
 
 Team team_for(int64_t rows, c10::ScalarType dtype) {
-#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
-  constexpr bool onednn_bf16 = false;  // linear_avx2 (interleaves_bf16_weights) takes every bf16 batch
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+  constexpr bool packed_bf16 = false;  // SmallBatchLinear: linear_bf16, or linear_rows on the pool
 #else
-  constexpr bool onednn_bf16 = true;
+  constexpr bool packed_bf16 = true;
 #endif
-  const bool onednn = dtype == at::kHalf || (dtype == at::kBFloat16 && onednn_bf16);
-  return onednn && rows > detail::kSmallBatch ? Team::torch : Team::pool;
+  const bool packed = dtype == at::kHalf || (dtype == at::kBFloat16 && packed_bf16);
+  return packed && rows > detail::kSmallBatch ? Team::torch : Team::pool;
 }
 
 PoolStats pool_stats() { return detail::pool().stats(); }

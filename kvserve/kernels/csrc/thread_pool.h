@@ -26,12 +26,12 @@ namespace kvserve {
 enum class Team { pool, torch };
 
 // The team for a region of a step of `rows` token rows in `dtype`: torch's where oneDNN runs that
-// step's linears on torch's threads (model/cpu_linear.py: bf16 and fp16 batches over SMALL_BATCH =
-// 32 rows, except bf16 on the AVX2 kernel, which takes every batch), so a prefill's regions and its
-// matmuls share one team; the pool's otherwise (decode steps and fp32, whose linears are the
-// pool's). Two teams on two cores took turns: the pool's worker spun through the matmul after each
-// of its regions on the core torch's worker needed, and a 2-thread prefill lost a third of its
-// speed (BENCHMARKS.md, issue 38). fp16 decode steps, whose linears oneDNN runs at every size,
+// step's linears on torch's threads (model/cpu_linear.py, PackedLinear: fp16, and bf16 on a CPU
+// without our bf16 kernels, over SMALL_BATCH = 32 rows), so its regions and its matmuls share one
+// team; the pool's otherwise, prefills included (a bf16 prefill's linears run on the pool too,
+// linear_rows). Two teams on two cores took turns: the pool's worker spun through the matmul after
+// each of its regions on the core torch's worker needed, and a 2-thread prefill lost a third of
+// its speed (BENCHMARKS.md, issue 38). fp16 decode steps, whose linears oneDNN runs at every size,
 // still use both.
 Team team_for(int64_t rows, c10::ScalarType dtype);
 
