@@ -162,8 +162,9 @@ def _transformers(args: argparse.Namespace, source: str) -> Peer | Skipped:
     def describe(requests: list[WorkloadRequest]) -> str:
         # What it computes is what its tokenizer reads from the text, as its server encodes a prompt.
         same = sum(tokenizer(decode(r.prompt_token_ids))["input_ids"] == r.prompt_token_ids for r in requests)
-        return (f"{_shown(command)}, OMP_NUM_THREADS={threads}; prompts sent as text: {same} of {len(requests)} "
-                f"read back by its tokenizer to exactly the ids the other servers get")
+        return (f"{_shown(command)}, OMP_NUM_THREADS={threads}; no limit on sequences at once (none to set); "
+                f"prompts sent as text: {same} of {len(requests)} read back by its tokenizer to exactly the ids the "
+                f"other servers get")
 
     return Peer(name, command, text_prompts(decode), describe,
                 env={"GOMP_SPINCOUNT": OPENMP_DEFAULT_SPINCOUNT, "OMP_NUM_THREADS": threads})
