@@ -1,7 +1,8 @@
 """Start-up calibration: per-head fp8 scales (`kv_fp8_scales="head"`: the largest |K| and |V|
 each layer's KV heads store) and the KIVI key channels that get a bit more
 (`kv_key_wide_channels`: those with the largest E[q_d^2] * E[range_d^2], a channel's share of
-the q.k error when its quantization step is proportional to its range), measured once by
+the q.k error when its quantization step is proportional to its range) and the fitted fp8 keys'
+offset and weight (each KV head's key mean and its queries' second moment), measured once by
 running the model over the first `kv_calibration_tokens` tokens of `kv_calibration_data`.
 
 The model runs as it will serve (same attention path, RoPE and rotation) into a small dense pool
@@ -22,6 +23,7 @@ from kvserve.attention.rotation import KVRotation
 from kvserve.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
 from kvserve.cache.formats import KVFormat
 from kvserve.cache.formats.absmax import HeadScaleFormat
+from kvserve.cache.formats.fitted_fp8 import FittedFP8Format
 from kvserve.cache.formats.kivi import ChannelFormat
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import LayerFormats
@@ -48,22 +50,26 @@ class KVStats:
     """What start-up calibration measures, per layer and KV head."""
     amax: torch.Tensor  # [layers, 2 (K, V), kv_heads]: max |x| over the tokens and channels stored
     key_importance: torch.Tensor  # [layers, kv_heads, D]: E[q_d^2] over the head's queries * E[range_d^2]
+    key_mean: torch.Tensor  # [layers, kv_heads, D]: E[k_d] over the tokens stored
+    query_moment: torch.Tensor  # [layers, kv_heads, D, D]: E[q q^T] over the head's queries
 
     def heads(self, kv_heads: list[int]) -> "KVStats":
-        return KVStats(self.amax[:, :, kv_heads], self.key_importance[:, kv_heads])
+        return KVStats(self.amax[:, :, kv_heads], self.key_importance[:, kv_heads], self.key_mean[:, kv_heads],
+                       self.query_moment[:, kv_heads])
 
 
 class _QueryEnergy(TorchSDPABackend):
-    """The reference backend, noting each layer's sum of q_d^2 over tokens [heads, D] as it passes
-    (in the basis the keys are stored in): the one thing calibration needs that no page holds."""
+    """The reference backend, noting each layer's sum of q q^T over tokens [heads, D, D] as it
+    passes (in the basis the keys are stored in): the one thing calibration needs that no page holds."""
 
     def __init__(self, pool: KVPool, num_heads: int) -> None:
         super().__init__(pool, num_heads)
-        self.energy: dict[int, torch.Tensor] = {}
+        self.moment: dict[int, torch.Tensor] = {}
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SDPAMetadata,
                 scale: float) -> torch.Tensor:
-        self.energy[layer] = q.float().square().sum(0)
+        q32 = q.float()  # [tokens, heads, D]
+        self.moment[layer] = torch.einsum("nhd,nhe->hde", q32, q32)
         return super().forward(layer, q, k, v, meta, scale)
 
 
@@ -92,27 +98,34 @@ def measure_kv_stats(model: LlamaForCausalLM, ops: Ops, token_ids: list[int], ro
     model(torch.tensor(token_ids, device=device), attention, torch.tensor([n - 1], device=device), ops)
     pages = [[p.flatten(0, 1)[:n].float() for p in layer] for layer in pool.layers]
     amax = torch.stack([torch.stack([p.abs().amax((0, 2)) for p in layer]) for layer in pages])
-    importance = torch.stack([
-        (probe.energy[i] / n).unflatten(0, (cfg.num_kv_heads, -1)).mean(1) * _range_energy(k, block_size, exact_sink)
-        for i, (k, _) in enumerate(pages)])
-    return KVStats(amax.cpu(), importance.cpu())
+    # Each KV head's queries: the query heads of its GQA group together.
+    moment = torch.stack([(probe.moment[i] / n).unflatten(0, (cfg.num_kv_heads, -1)).mean(1)
+                          for i in range(len(pages))])
+    energy = moment.diagonal(dim1=-2, dim2=-1)
+    importance = torch.stack([energy[i] * _range_energy(k, block_size, exact_sink) for i, (k, _) in enumerate(pages)])
+    key_mean = torch.stack([k.mean(0) for k, _ in pages])
+    return KVStats(amax.cpu(), importance.cpu(), key_mean.cpu(), moment.cpu())
 
 
-def _calibrated(fmt: KVFormat, amax: torch.Tensor, importance: torch.Tensor) -> KVFormat:
+def _calibrated(fmt: KVFormat, stats: KVStats, layer: int, role: int) -> KVFormat:
     if isinstance(fmt, HeadScaleFormat):
-        return fmt.calibrated(amax)
+        return fmt.calibrated(stats.amax[layer, role])
     if isinstance(fmt, ChannelFormat) and fmt.wide:
-        return fmt.calibrated(importance)
+        return fmt.calibrated(stats.key_importance[layer])
+    if isinstance(fmt, FittedFP8Format) and fmt.calibrate:
+        return fmt.calibrated(stats.key_mean[layer], stats.query_moment[layer])
     return fmt
 
 
 def calibrate_formats(formats: list[LayerFormats], stats: KVStats) -> list[LayerFormats]:
-    """Each layer's per-head fp8 formats given that layer's maxima, and its KIVI keys with wide
-    channels given its key importance; other formats unchanged."""
-    return [(_calibrated(k, a[0], imp), _calibrated(v, a[1], imp))
-            for (k, v), a, imp in zip(formats, stats.amax, stats.key_importance)]
+    """Each layer's per-head fp8 formats given that layer's maxima, its KIVI keys with wide
+    channels given its key importance, and its fitted fp8 keys given its key mean and query
+    moment; other formats unchanged."""
+    return [(_calibrated(k, stats, layer, 0), _calibrated(v, stats, layer, 1))
+            for layer, (k, v) in enumerate(formats)]
 
 
 def needs_calibration(formats: list[LayerFormats] | None) -> bool:
     return formats is not None and any(isinstance(f, HeadScaleFormat) or (isinstance(f, ChannelFormat) and f.wide)
+                                       or (isinstance(f, FittedFP8Format) and f.calibrate)
                                        for pair in formats for f in pair)

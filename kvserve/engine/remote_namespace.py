@@ -33,10 +33,11 @@ def _layout(fmt: KVFormat) -> str:
 def remote_namespace(model: torch.nn.Module, config: EngineConfig, formats: list[LayerFormats] | None,
                      rank: int = 0, world_size: int = 1) -> str:
     pages = "dense" if formats is None else ";".join(f"{_layout(k)}/{_layout(v)}" for k, v in formats)
-    # Per-head fp8 scales and wide key channels are calibrated, so blocks encoded with others
-    # decode wrongly: their values are part of the name.
+    # Per-head fp8 scales, wide key channels and fitted fp8 keys' offsets and weights are
+    # calibrated, so blocks encoded with others decode (or encode) otherwise: their values are part of the name.
+    tables = ("head_scale", "wide_channels", "offset", "weight")
     calibrated = [t.float().flatten() for pair in formats or [] for f in pair
-                  for t in (getattr(f, "head_scale", None), getattr(f, "wide_channels", None)) if t is not None]
+                  for t in (getattr(f, name, None) for name in tables) if t is not None]
     if calibrated:
         pages += "@" + hashlib.sha256(torch.cat(calibrated).cpu().numpy().tobytes()).hexdigest()[:16]
     rotation, fmt = "none", config.kv_format

@@ -5,6 +5,7 @@ import torch
 
 from kvserve.cache.formats.absmax import AbsMaxFormat, HeadScaleFormat
 from kvserve.cache.formats.base import KVFormat
+from kvserve.cache.formats.fitted_fp8 import FittedFP8Format
 from kvserve.cache.formats.grouped import GroupFormat
 from kvserve.cache.formats.kivi import ChannelFormat
 from kvserve.cache.formats.options import FormatOptions, Role
@@ -42,6 +43,9 @@ register("fp16", _plain("fp16", torch.float16))
 register("fp32", _plain("fp32", torch.float32))
 register("fp8_e4m3", _fp8("fp8_e4m3", torch.float8_e4m3fn), default_in=("eval", "tune"))
 register("fp8_e5m2", _fp8("fp8_e5m2", torch.float8_e5m2), default_in=("eval",))
+# Fitted scales, keys after a calibrated offset (fitted_fp8.py): fp8 at fp8_e4m3's 8.25 bits, its
+# error where queries do not look.
+register("fp8_e4m3_fit", lambda role, options: FittedFP8Format("fp8_e4m3_fit", calibrate=role == "k"))
 # int8 keeps a scale per token whatever kv_fp8_scales says: its per-head scales are not built.
 register("int8", lambda role, options: AbsMaxFormat("int8", torch.int8), default_in=("eval", "tune", "bench"))
 register("int4", lambda role, options: GroupFormat("int4", 4, options.group_size),
