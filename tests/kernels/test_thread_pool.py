@@ -84,6 +84,29 @@ def test_linear_rows_gives_f_linears_rows_as_one_region_of_the_pool(rows: int, b
     assert after["torch_regions"] == before["torch_regions"]
 
 
+def test_linear_rows_lets_other_python_threads_run() -> None:
+    """linear_rows replaced F.linear, which releases the GIL: a prefill's matmul must not stall the
+    server's other Python threads (its event loop) for the whole call. Another thread keeps ticking
+    while one long call runs (holding the GIL, it ticked at most once or twice)."""
+    x, w = rand(1024, 2048, seed=31).bfloat16(), rand(8192, 2048, seed=32).bfloat16()
+    inside, done, ticks = threading.Event(), threading.Event(), []
+
+    def tick() -> None:
+        inside.wait()
+        while not done.is_set():
+            time.sleep(0.001)
+            ticks.append(done.is_set())
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    with torch_threads(1), torch.inference_mode():
+        inside.set()
+        kernels.linear_rows(x, w, None)
+        done.set()
+    ticker.join()
+    assert ticks.count(False) >= 10
+
+
 def test_an_idle_worker_sleeps_and_is_counted() -> None:
     """A region wakes the worker (or finds it spinning); with no region after it the worker spins
     about 1 ms and sleeps, and the pool counts that sleep (polled: on a busy machine the worker may
