@@ -177,6 +177,9 @@ MIXED = [(40, 40), (257, 1), (3, 3), (64, 1), (20, 5)]
 # Decodes past 512 keys, which the cpu kernel cuts into pieces of 512 and merges (513: one key
 # over; 1300: a short last piece), beside one that stays whole and a prefill.
 LONG_DECODE = [(1300, 1), (513, 1), (512, 1), (40, 40), (1100, 1)]
+# A few new tokens past 512 keys (a speculative draft's verification): cut into pieces as a decode
+# token is, up to 8 tokens (9 stays whole), each row seeing the keys up to its own position.
+LONG_VERIFY = [(1300, 5), (600, 8), (513, 2), (700, 9), (40, 40)]
 
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
@@ -185,10 +188,11 @@ LONG_DECODE = [(1300, 1), (513, 1), (512, 1), (40, 40), (1100, 1)]
 @pytest.mark.parametrize("shapes", [pytest.param(PREFILL, id="prefill"),
                                     pytest.param(DECODE, id="decode"),
                                     pytest.param(MIXED, id="mixed"),
-                                    pytest.param(LONG_DECODE, id="long-decode")])
+                                    pytest.param(LONG_DECODE, id="long-decode"),
+                                    pytest.param(LONG_VERIFY, id="long-verify")])
 def test_paged_matches_dense(backend: str, shapes: list[tuple[int, int]], block_size: int, heads: int,
                              kv_heads: int) -> None:
-    if backend == "triton" and shapes is LONG_DECODE:
+    if backend == "triton" and (shapes is LONG_DECODE or shapes is LONG_VERIFY):
         pytest.skip("~40 s a case in the Triton interpreter; its context split runs in the decode cases")
     run_step(backend, shapes, heads, kv_heads, block_size, seed=block_size * 31 + heads * 7 + kv_heads)
 

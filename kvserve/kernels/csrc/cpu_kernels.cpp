@@ -526,16 +526,21 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const int64_t sc_b = first ? scores.stride(0) : 0, sc_h = first ? scores.stride(1) : 0;
 
   // An item reads blocks [bi0, bi1) of its sequence; part >= 0: a piece of a split context, whose
-  // running max, sum and weighted values go to part storage for merging after.
+  // rows' running max, sum and weighted values go to part storage from that row on, for merging
+  // after.
   struct Item { int64_t b, h, q0, q1, cost, bi0, bi1, part; };
-  // One decode token's keys in pieces of this many blocks (about 512 keys): a long context is
-  // several items, so one long sequence keeps every thread busy (one stream: as many items as
-  // KV heads). Where a context is cut depends only on its length, never on the batch.
+  // A decode token's keys, or a few tokens' (a speculative draft's verification), in pieces of
+  // this many blocks (about 512 keys): a long context is several items, so one long sequence
+  // keeps every thread busy (one stream: as many items as KV heads). Unsplit, a 5-token
+  // verification was 3 items on 2 threads, and its attention took 1.7x a decode token's (issue
+  // 44). Where a context is cut depends only on its length and the tokens' count, never on the batch.
   const int64_t split_blocks = std::max<int64_t>(1, 512 / block_size);
-  struct Split { int64_t h, q0, part0, parts; };
+  constexpr int64_t kSplitTokens = 8;
+  // A split's pieces: rows each ((q1 - q0) * G), stored one piece after another from row0.
+  struct Split { int64_t h, q0, q1, row0, parts; };
   std::vector<Item> items;
   std::vector<Split> splits;
-  int64_t num_parts = 0;
+  int64_t num_part_rows = 0;
   for (int64_t b = 0; b < B; ++b) {
     const bool scored = first && first[b] >= 0;
     const int64_t tile = scored ? std::max<int64_t>(1, qs[b + 1] - qs[b]) : q_tile;
@@ -545,22 +550,22 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         const int64_t keys = ctx[b] - (qs[b + 1] - q1);  // what the item's last row sees
         const int64_t nblocks = (keys - 1) / block_size + 1;
         const int64_t lo = first_key(ctx[b] - (qs[b + 1] - q0)) / block_size;
-        if (q1 - q0 == 1 && !scored && nblocks - lo > split_blocks) {
-          const int64_t parts = (nblocks - lo + split_blocks - 1) / split_blocks;
-          splits.push_back({h, q0, num_parts, parts});
+        if (q1 - q0 <= kSplitTokens && !scored && nblocks - lo > split_blocks) {
+          const int64_t parts = (nblocks - lo + split_blocks - 1) / split_blocks, rows = (q1 - q0) * G;
+          splits.push_back({h, q0, q1, num_part_rows, parts});
           for (int64_t i = 0; i < parts; ++i) {
             const int64_t bi0 = lo + i * split_blocks, bi1 = std::min(nblocks, bi0 + split_blocks);
-            items.push_back({b, h, q0, q1, (bi1 - bi0) * block_size, bi0, bi1, num_parts + i});
+            items.push_back({b, h, q0, q1, (q1 - q0) * (bi1 - bi0) * block_size, bi0, bi1, num_part_rows + i * rows});
           }
-          num_parts += parts;
+          num_part_rows += parts * rows;
           continue;
         }
         // Rows times the keys it reads: a 2,000-token context costs 100 times a 20.
         items.push_back({b, h, q0, q1, (q1 - q0) * (keys - lo * block_size), lo, nblocks, -1});
       }
   }
-  // The pieces' running max and sum per row [part, G] and weighted values [part, G, D].
-  std::vector<float> part_m(num_parts * G), part_l(num_parts * G), part_acc(num_parts * G * D);
+  // The pieces' running max and sum per row and weighted values per row [.., D].
+  std::vector<float> part_m(num_part_rows), part_l(num_part_rows), part_acc(num_part_rows * D);
   // Items are handed out one at a time, longest first: split statically, the thread that drew
   // the long contexts ran alone while the other spun at the barrier (14% of a mixed step).
   std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -702,10 +707,10 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           }
         }
       }
-      if (w.part >= 0) {  // a piece: its rows (one token's G) are merged below
-        std::copy(m.begin(), m.end(), part_m.begin() + w.part * G);
-        std::copy(l.begin(), l.end(), part_l.begin() + w.part * G);
-        std::copy(acc.begin(), acc.end(), part_acc.begin() + w.part * G * D);
+      if (w.part >= 0) {  // a piece: its rows are merged below
+        std::copy(m.begin(), m.end(), part_m.begin() + w.part);
+        std::copy(l.begin(), l.end(), part_l.begin() + w.part);
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + w.part * D);
         continue;
       }
       for (int64_t i = 0; i < w.q1 - w.q0; ++i)
@@ -723,18 +728,22 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
     std::vector<float> sum(D);
     for (int64_t i = begin; i < end; ++i) {
       const Split& sp = splits[i];
-      for (int64_t g = 0; g < G; ++g) {
+      const int64_t rows = (sp.q1 - sp.q0) * G;
+      for (int64_t r = 0; r < rows; ++r) {
+        // A row that sees none of a piece's keys (a later piece, past its position) left it at
+        // max -inf and sum 0: weight exp(-inf) = 0.
         float mx = neg_inf;
-        for (int64_t p = sp.part0; p < sp.part0 + sp.parts; ++p) mx = std::max(mx, part_m[p * G + g]);
+        for (int64_t p = 0; p < sp.parts; ++p) mx = std::max(mx, part_m[sp.row0 + p * rows + r]);
         float total = 0.f;
         std::fill(sum.begin(), sum.end(), 0.f);
-        for (int64_t p = sp.part0; p < sp.part0 + sp.parts; ++p) {
-          const float c = std::exp(part_m[p * G + g] - mx);
-          total += part_l[p * G + g] * c;
-          const float* a = part_acc.data() + (p * G + g) * D;
+        for (int64_t p = 0; p < sp.parts; ++p) {
+          const int64_t at = sp.row0 + p * rows + r;
+          const float c = std::exp(part_m[at] - mx);
+          total += part_l[at] * c;
+          const float* a = part_acc.data() + at * D;
           for (int64_t d = 0; d < D; ++d) sum[d] += a[d] * c;
         }
-        T* dst = od + sp.q0 * o_tok + (sp.h * G + g) * o_head;
+        T* dst = od + (sp.q0 + r / G) * o_tok + (sp.h * G + r % G) * o_head;
         const float inv = 1.f / total;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(sum[d] * inv);
       }
