@@ -10,10 +10,10 @@ sums a row's products in an order that depends on how many rows the call has. Th
   (decode steps) go through our kernel (VDPBF16PS, AMX tiles, or fp32 FMAs on widened weights),
   which reads each weight once per call and is bound by memory bandwidth, 1.2-3x faster than
   oneDNN at these sizes; larger batches (prefill) through oneDNN, where its blocking wins and the
-  on-the-fly reorder is amortised, in row chunks on the kernels' thread pool (`linear_rows`: on a
-  busy machine torch's OpenMP team waits for a descheduled thread at every matmul); except on
-  AVX2, where oneDNN has no bf16 matmul faster than our kernel and every batch goes through the
-  kernel.
+  on-the-fly reorder is amortised, in output-column chunks on the kernels' thread pool
+  (`linear_rows`: on a busy machine torch's OpenMP team waits for a descheduled thread at every
+  matmul); except on AVX2, where oneDNN has no bf16 matmul faster than our kernel and every batch
+  goes through the kernel.
 - `PackedLinear` otherwise: the weight prepacked once for oneDNN (about 1.5x over `F.linear`),
   where oneDNN can prepack the dtype on this CPU.
 See BENCHMARKS.md for the measurements.

@@ -39,7 +39,7 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 
 // linear_onednn.cpp: x @ w^T (+ bias) for a prefill's rows, w [N, K] as nn.Linear holds it: the
-// rows split in chunks over the kernels' pool, each one oneDNN matmul on one thread.
+// output columns split in chunks over the kernels' pool, each one oneDNN matmul on one thread.
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 
 // Registers DecoderStack (decoder_stack.cpp) on the extension module.

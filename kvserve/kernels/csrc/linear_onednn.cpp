@@ -1,5 +1,5 @@
-// A prefill's linear (bf16 or fp16, more rows than linear_bf16 takes) on the kernels' pool: the rows
-// in chunks, each chunk one oneDNN matmul on the one thread that claimed it.
+// A prefill's linear (more rows than linear_bf16 takes) on the kernels' pool: the output columns in
+// chunks, each chunk one oneDNN matmul on the one thread that claimed it.
 //
 // oneDNN runs a matmul on torch's OpenMP team, and each call ends at a barrier that waits for
 // every thread of it. On a machine shared with other work one of the team is often off its core,
