@@ -18,6 +18,7 @@ import httpx
 import torch
 
 from kvserve.bench.serve_peers import START_TIMEOUT_S, Peer, Skipped, resolve_peers
+from kvserve.bench.serve_steps import read_step_totals, steps_line
 from kvserve.bench.serve_rounds import comparison_table, each_round, median_summary, round_order
 from kvserve.bench.server_process import ChildServer
 from kvserve.bench.serving import ServingSummary, format_summary, run_load, summarize, token_id_prompt
@@ -100,7 +101,10 @@ def run_serve_bench(args: argparse.Namespace, llm: LLM, out: Path) -> None:
         model = args.served_model_name if name == args.url else None
         try:
             run_load(args.url if server is None else server.url, warm_up, model=model, prompt_fields=fields)
+            # kvserve's own step timers, read around each run: where the server's wall time went.
+            steps_url = server.url if isinstance(server, ServerProcess) else None
             for i, (rate, sessions) in enumerate(zip(args.request_rate, draws)):
+                before = read_step_totals(steps_url) if steps_url else None
                 records, wall = run_load(args.url if server is None else server.url, sessions, rate,
                                          args.burstiness, args.max_concurrency, args.seed, model, fields)
                 summary = summarize(records, wall, args.goodput)
@@ -108,6 +112,8 @@ def run_serve_bench(args: argparse.Namespace, llm: LLM, out: Path) -> None:
                 errors.setdefault(name, []).extend(rec.error for rec in records if rec.error)
                 label = f"{name} at {rate} req/s" + (f", round {r + 1}" if args.rounds > 1 else "")
                 blocks += [*format_summary(label, summary), ""]
+                if steps_url and before:
+                    blocks += [steps_line(before, read_step_totals(steps_url), wall), ""]
                 print(f"  {rate} req/s: output {summary.output_tok_s:.1f} tok/s, {summary.failed} failed", flush=True)
             if isinstance(server, ServerProcess):
                 state = server.kv_state()

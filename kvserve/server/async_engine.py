@@ -217,6 +217,7 @@ class AsyncEngine:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            started = time.perf_counter()
             try:
                 outputs = engine.step()
             except Exception:
@@ -234,7 +235,7 @@ class AsyncEngine:
                 logger.exception("engine step failed; aborting the batch")
                 self._fail_running("internal error in the engine step")
                 continue
-            self._dispatch(outputs)
+            self._dispatch(outputs, time.perf_counter() - started)
         self._run_inbox()
         for rid in list(self._sinks):
             self._end(rid, "abort")
@@ -256,7 +257,7 @@ class AsyncEngine:
                 if future is not None:
                     future.set_result(result)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], seconds: float) -> None:
         # One wake-up of each event loop per step, however many outputs it gets.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for out in outputs:
@@ -264,6 +265,7 @@ class AsyncEngine:
                 batches.setdefault(target[0], []).append((target[1], out))
             if out.finished:
                 self.metrics.observe_finished(out)
+        self.metrics.observe_step_cost(self.engine, seconds, len(outputs))
         self.metrics.observe_step(self.engine)
         # After every output of the step: the samples of one request may finish together.
         for rid in {o.request_id for o in outputs if o.finished}:

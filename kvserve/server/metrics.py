@@ -11,6 +11,11 @@ from kvserve.engine.sequence import RequestOutput
 
 # Seconds; from one decode step of a small model on CPU to a long request.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Seconds of one engine step: a decode step of a small model on CPU to a long prefill chunk.
+_STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# A step's kind: "decode" when it ran one token per sequence and sampled each (its cost is the
+# weights' read and attention), "prefill" when it also ran prompt chunks or draft tokens.
+STEP_KINDS = ("decode", "prefill")
 
 
 class Metrics:
@@ -57,13 +62,27 @@ class Metrics:
                                    "tokens proposed, and of those accepted", ["event"], registry=r)
         self.spec_accepted = Counter("kvserve_spec_decode_drafts_by_accepted_length", "verified drafts by how many "
                                      "of their tokens were accepted", ["accepted"], registry=r)
+        self.step_seconds = Histogram("kvserve_engine_step_seconds", "wall time of one engine step, by kind: decode "
+                                      "(one token per sequence, each sampled) or prefill (prompt chunks or draft "
+                                      "tokens ran too)", ["kind"], buckets=_STEP_BUCKETS, registry=r)
+        self.step_tokens = Counter("kvserve_engine_step_tokens", "tokens computed by engine steps, by kind",
+                                   ["kind"], registry=r)
         self._seen_spec: dict[str, int] = {}
         self._seen_spec_lengths: dict[str, int] = {}
         self._seen_remote: dict[str, int] = {}
         self._seen_preemptions: dict[str, int] = {}
         self._seen_evicted: dict[str, int] = {}
         self._seen_generated = 0
+        self._seen_computed = 0
         self._seen_evicted_blocks = 0
+
+    def observe_step_cost(self, engine: LLMEngine, seconds: float, outputs: int) -> None:
+        """The step just run: `seconds` of wall time, `outputs` sequences' tokens read."""
+        tokens = engine.tokens_computed - self._seen_computed
+        self._seen_computed = engine.tokens_computed
+        kind = "decode" if tokens == outputs else "prefill"
+        self.step_seconds.labels(kind=kind).observe(seconds)
+        self.step_tokens.labels(kind=kind).inc(tokens)
 
     def observe_step(self, engine: LLMEngine) -> None:
         """Counters that the engine keeps as running totals; cheap enough for every step."""

@@ -107,5 +107,6 @@ def test_bench_serve_runs_every_peer_in_turn(tmp_path: Path) -> None:
           "--peers", "llama-server,transformers", "--rounds", "2", "--out", str(tmp_path)])
     report = (tmp_path / "serve_load.md").read_text()
     assert report.count("4 completed, 0 failed") >= 4  # kvserve and transformers, both rounds
+    assert report.count("engine steps: ") == 2  # kvserve's own step timers, each round
     assert "| kvserve serve / transformers |" in report and "4 of 4 read back by its tokenizer" in report
     assert "| kvserve serve / llama-server |" in report or "| llama-server | skipped: " in report

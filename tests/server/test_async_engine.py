@@ -165,3 +165,37 @@ def test_serve_start_redis_gives_a_working_server() -> None:
     client = redis.Redis.from_url(start_local_redis())
     assert client.ping() and client.config_get("save") == {"save": ""}
     client.shutdown(nosave=True)
+
+
+def test_step_timers_split_prefill_and_decode_steps(aengine: Callable[..., AsyncEngine]) -> None:
+    """Two prompts of 3 and 5 tokens admitted together, 6 tokens each: one step runs both prompts
+    (8 tokens, 2 outputs), then 5 decode steps of 2 tokens; a decode step is one whose tokens
+    equal its outputs. Every step's time is counted, and no other."""
+    a = aengine()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    gate = threading.Event()
+
+    async def run() -> None:
+        a.call_soon(lambda e: gate.wait())  # both prompts reach the inbox before the first step
+        try:
+            submitted = asyncio.ensure_future(a.submit([[1, 2, 3], [4, 5, 6, 7, 8]], params, "r"))
+            await asyncio.sleep(0.1)
+        finally:
+            gate.set()
+        ids, sink = await submitted
+        await collect(sink, len(ids))
+
+    asyncio.run(run())
+    m = a.metrics
+
+    def count(kind: str) -> float:
+        return m.registry.get_sample_value("kvserve_engine_step_seconds_count", {"kind": kind})
+
+    def tokens(kind: str) -> float:
+        return m.registry.get_sample_value("kvserve_engine_step_tokens_total", {"kind": kind})
+
+    assert (count("prefill"), tokens("prefill")) == (1, 8)
+    assert (count("decode"), tokens("decode")) == (5, 10)
+    seconds = sum(m.registry.get_sample_value("kvserve_engine_step_seconds_sum", {"kind": k})
+                  for k in ("prefill", "decode"))
+    assert 0 < seconds
