@@ -72,6 +72,7 @@ def head_kl(q: torch.Tensor, k: torch.Tensor, decoded: torch.Tensor) -> torch.Te
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="kvserve's --model (default: the engine's default model)")
     p.add_argument("--data", default="python-docs", help="the text (kvserve eval's --data)")
     p.add_argument("--formats", default="fp8_e4m3,int8,fp8_e4m3_fit", help="comma-separated key formats")
     p.add_argument("--tokens", type=int, default=512, help="prompt length from the text's start (default 512)")
@@ -83,7 +84,7 @@ def main() -> None:
     if unknown := [n for n in names if n not in FORMAT_CHOICES]:
         raise SystemExit(f"--formats: unknown {', '.join(unknown)}")
     # The fused C++ ops are left out: this is an offline probe, their speed buys nothing here.
-    llm = LLM(kv_cache_dtype="auto", cpu_kernels=False, enable_prefix_caching=False, kv_cache_memory="64MiB",
+    llm = LLM(args.model, kv_cache_dtype="auto", cpu_kernels=False, enable_prefix_caching=False, kv_cache_memory="64MiB",
               max_model_len=max(2048, args.tokens))
     tok, model = llm.tokenizer, llm.engine.model
     ids = tok.encode(load_text(args.data).text[:40 * args.tokens], add_special_tokens=False)[:args.tokens]

@@ -1,9 +1,10 @@
 """Start-up calibration: per-head fp8 scales (`kv_fp8_scales="head"`: the largest |K| and |V|
 each layer's KV heads store) and the KIVI key channels that get a bit more
 (`kv_key_wide_channels`: those with the largest E[q_d^2] * E[range_d^2], a channel's share of
-the q.k error when its quantization step is proportional to its range) and the fitted fp8 keys'
-offset and weight (each KV head's key mean and its queries' second moment), measured once by
-running the model over the first `kv_calibration_tokens` tokens of `kv_calibration_data`.
+the q.k error when its quantization step is proportional to its range) and the fitted (fp8,
+int8) keys' offset, weight and spread (each KV head's key mean, its queries' second moment and
+its keys' largest deviation from that mean per channel), measured once by running the model over
+the first `kv_calibration_tokens` tokens of `kv_calibration_data`.
 
 The model runs as it will serve (same attention path, RoPE and rotation) into a small dense pool
 of its own, and the maxima are read from those pages, so the scales cover exactly what the
@@ -23,7 +24,7 @@ from kvserve.attention.rotation import KVRotation
 from kvserve.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
 from kvserve.cache.formats import KVFormat
 from kvserve.cache.formats.absmax import HeadScaleFormat
-from kvserve.cache.formats.fitted_fp8 import FittedFP8Format
+from kvserve.cache.formats.fitted import FittedFormat
 from kvserve.cache.formats.kivi import ChannelFormat
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import LayerFormats
@@ -51,11 +52,12 @@ class KVStats:
     amax: torch.Tensor  # [layers, 2 (K, V), kv_heads]: max |x| over the tokens and channels stored
     key_importance: torch.Tensor  # [layers, kv_heads, D]: E[q_d^2] over the head's queries * E[range_d^2]
     key_mean: torch.Tensor  # [layers, kv_heads, D]: E[k_d] over the tokens stored
+    key_spread: torch.Tensor  # [layers, kv_heads, D]: max |k_d - E[k_d]| over the tokens stored
     query_moment: torch.Tensor  # [layers, kv_heads, D, D]: E[q q^T] over the head's queries
 
     def heads(self, kv_heads: list[int]) -> "KVStats":
         return KVStats(self.amax[:, :, kv_heads], self.key_importance[:, kv_heads], self.key_mean[:, kv_heads],
-                       self.query_moment[:, kv_heads])
+                       self.key_spread[:, kv_heads], self.query_moment[:, kv_heads])
 
 
 class _QueryEnergy(TorchSDPABackend):
@@ -104,7 +106,8 @@ def measure_kv_stats(model: LlamaForCausalLM, ops: Ops, token_ids: list[int], ro
     energy = moment.diagonal(dim1=-2, dim2=-1)
     importance = torch.stack([energy[i] * _range_energy(k, block_size, exact_sink) for i, (k, _) in enumerate(pages)])
     key_mean = torch.stack([k.mean(0) for k, _ in pages])
-    return KVStats(amax.cpu(), importance.cpu(), key_mean.cpu(), moment.cpu())
+    key_spread = torch.stack([(k - k.mean(0)).abs().amax(0) for k, _ in pages])
+    return KVStats(amax.cpu(), importance.cpu(), key_mean.cpu(), key_spread.cpu(), moment.cpu())
 
 
 def _calibrated(fmt: KVFormat, stats: KVStats, layer: int, role: int) -> KVFormat:
@@ -112,20 +115,20 @@ def _calibrated(fmt: KVFormat, stats: KVStats, layer: int, role: int) -> KVForma
         return fmt.calibrated(stats.amax[layer, role])
     if isinstance(fmt, ChannelFormat) and fmt.wide:
         return fmt.calibrated(stats.key_importance[layer])
-    if isinstance(fmt, FittedFP8Format) and fmt.calibrate:
-        return fmt.calibrated(stats.key_mean[layer], stats.query_moment[layer])
+    if isinstance(fmt, FittedFormat) and fmt.calibrate:
+        return fmt.calibrated(stats.key_mean[layer], stats.query_moment[layer], stats.key_spread[layer])
     return fmt
 
 
 def calibrate_formats(formats: list[LayerFormats], stats: KVStats) -> list[LayerFormats]:
     """Each layer's per-head fp8 formats given that layer's maxima, its KIVI keys with wide
-    channels given its key importance, and its fitted fp8 keys given its key mean and query
-    moment; other formats unchanged."""
+    channels given its key importance, and its fitted keys given its key mean, query moment
+    and key spread; other formats unchanged."""
     return [(_calibrated(k, stats, layer, 0), _calibrated(v, stats, layer, 1))
             for layer, (k, v) in enumerate(formats)]
 
 
 def needs_calibration(formats: list[LayerFormats] | None) -> bool:
     return formats is not None and any(isinstance(f, HeadScaleFormat) or (isinstance(f, ChannelFormat) and f.wide)
-                                       or (isinstance(f, FittedFP8Format) and f.calibrate)
+                                       or (isinstance(f, FittedFormat) and f.calibrate)
                                        for pair in formats for f in pair)

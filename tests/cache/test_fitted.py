@@ -1,8 +1,10 @@
-"""Fitted fp8 keys and values (`fp8_e4m3_fit`): each token's scale is the candidate of least
-weighted error, checked against a search written out here token by token; calibrated keys
-subtract their offset and decode with it; on keys with consistent outlier channels the logits
-q.k come out closer to the dense ones than plain fp8's; and an engine calibrates the offset to the
-keys a dense engine stores."""
+"""Fitted fp8 and int8 keys and values (`fp8_e4m3_fit`, `int8_fit`): each token's scale is the
+candidate of least weighted error, checked against a search written out here token by token;
+calibrated keys subtract their offset and decode with it; on keys with consistent outlier
+channels the logits q.k come out closer to the dense ones than plain fp8's; int8_fit's equalised
+keys decode within half a step of each channel's spread and, on keys with wide channels that
+queries ignore, move logits far less than int8 or the offset alone; and an engine calibrates the
+offset to the keys a dense engine stores."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,9 +13,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.cache.formats import make_format
+from kvserve.cache.formats import KVFormat, make_format
 from kvserve.cache.formats.codes import MIN_SCALE
-from kvserve.cache.formats.fitted_fp8 import FIT_STEPS
+from kvserve.cache.formats.fitted import FIT_STEPS, FittedFormat
 from tests.conftest import TINY
 
 FP8 = torch.float8_e4m3fn
@@ -53,7 +55,7 @@ def best_by_search(row: torch.Tensor, weight: torch.Tensor) -> float:
 def test_each_scale_is_the_best_candidate_under_the_weight() -> None:
     x = outlier_keys(6, 2, 64)
     offset, weight = x.mean(0), psd(2, 64)
-    fmt = make_format("fp8_e4m3_fit", "k").calibrated(offset, weight)
+    fmt = make_format("fp8_e4m3_fit", "k").calibrated(offset, weight, torch.ones(2, 64))
     f = fmt.encode(x)
     y = fmt.decode(f, torch.float32)
     # Decoding is code times scale plus the offset, read by hand from the fields.
@@ -90,7 +92,7 @@ def test_calibrated_keys_move_logits_less_than_absmax_fp8() -> None:
     queries[..., 3] *= 4
     queries[..., 40] *= 3
     moment = torch.einsum("nhd,nhe->hde", queries, queries) / len(queries)
-    fmt = make_format("fp8_e4m3_fit", "k").calibrated(calibration.mean(0), moment)
+    fmt = make_format("fp8_e4m3_fit", "k").calibrated(calibration.mean(0), moment, torch.ones(heads, dim))
     keys = outlier_keys(128, heads, dim, seed=4)
     q = queries[:64]
 
@@ -106,26 +108,93 @@ def test_calibrated_keys_move_logits_less_than_absmax_fp8() -> None:
 
 
 def test_keys_calibrated_for_other_heads_are_refused() -> None:
-    fmt = make_format("fp8_e4m3_fit", "k").calibrated(torch.zeros(2, 64), torch.eye(64).expand(2, 64, 64))
+    fmt = make_format("fp8_e4m3_fit", "k").calibrated(torch.zeros(2, 64), torch.eye(64).expand(2, 64, 64),
+                                                   torch.ones(2, 64))
     assert fmt.bytes_per_token(2, 64, 16) == 2 * (64 + 2)
     with pytest.raises(ValueError, match="calibrated for"):
         fmt.fields(3, 64, 16)
 
 
-def test_an_engine_calibrates_the_offset_to_the_keys_a_dense_engine_stores(tiny_llm: Callable[..., LLM]) -> None:
+@pytest.mark.parametrize("name", ["fp8_e4m3_fit", "int8_fit"])
+def test_an_engine_calibrates_the_offset_to_the_keys_a_dense_engine_stores(tiny_llm: Callable[..., LLM],
+                                                                           name: str) -> None:
     from kvserve.engine.kv_calibration import calibration_tokens
 
-    llm = tiny_llm(kv_cache_dtype="fp8_e4m3_fit", kv_calibration_tokens=100)
+    llm = tiny_llm(kv_cache_dtype=name, kv_calibration_tokens=100)
     ids = calibration_tokens(None, TINY.vocab_size, 100, seed=0, data="calibration")
     dense = tiny_llm()
     dense.generate([ids], SamplingParams(max_tokens=1), use_tqdm=False)
     for layer, (k, _) in zip(llm.engine.pool.kv, dense.engine.pool.layers):
         keys, values = layer.formats
-        torch.testing.assert_close(keys.offset, k.flatten(0, 1)[:100].mean(0), rtol=1e-5, atol=1e-6)
+        stored = k.flatten(0, 1)[:100].float()
+        torch.testing.assert_close(keys.offset, stored.mean(0), rtol=1e-5, atol=1e-6)
         weight = keys.weight
         assert weight.shape == (TINY.num_kv_heads, TINY.head_dim, TINY.head_dim)
         torch.testing.assert_close(weight, weight.transpose(-1, -2))
         assert (torch.linalg.eigvalsh(weight.double()) > -1e-6).all()  # a second moment: PSD
-        assert values.offset is None and values.weight is None
+        if name == "int8_fit":  # the largest deviation from the mean, floored at the head's mean / 8
+            spread = (stored - stored.mean(0)).abs().amax(0)
+            spread = spread.maximum(spread.mean(-1, keepdim=True) / 8)
+            torch.testing.assert_close(keys.spread, spread, rtol=1e-5, atol=1e-6)
+        else:
+            assert keys.spread is None
+        assert values.offset is None and values.weight is None and values.spread is None
     out = llm.generate([ids[:40]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     assert len(out[0].token_ids) == 8
+
+
+def gemma_like_keys(n: int, heads: int, dim: int, seed: int) -> torch.Tensor:
+    """Unit noise, and as in Gemma 3's layer 11: channel 7 at about -72 +- 20 and channel 50 at
+    about 30 +- 15, whose consistent part an offset removes but whose spread it cannot."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, heads, dim, generator=g)
+    x[..., 7] = -72 + 20 * torch.randn(n, heads, generator=g)
+    x[..., 50] = 30 + 15 * torch.randn(n, heads, generator=g)
+    return x
+
+
+def test_int8_fit_decodes_within_half_a_step_of_each_channel_spread() -> None:
+    """Codes times scale, times the channel's spread, plus the offset; each entry within half of
+    scale times its spread (int8 rounding, nothing clipped); a channel constant in calibration is
+    divided by a floor of its head's mean spread / 8, not by zero."""
+    heads, dim = 2, 64
+    spread = torch.rand(heads, dim, generator=torch.Generator().manual_seed(5)) + 0.5
+    spread[0, 9] = 0.0
+    offset = torch.randn(heads, dim)
+    fmt = make_format("int8_fit", "k").calibrated(offset, torch.eye(dim).expand(heads, dim, dim), spread)
+    floored = spread.clone()
+    floored[0, 9] = spread[0].mean() / 8
+    torch.testing.assert_close(fmt.spread, floored)
+    x = gemma_like_keys(40, heads, dim, seed=6)
+    fields = fmt.encode(x)
+    y = fmt.decode(fields, torch.float32)
+    assert fields["codes"].dtype == torch.int8 and fields["codes"].abs().max() <= 127
+    scale = fields["scale"].float()[..., None]
+    torch.testing.assert_close(y, fields["codes"].float() * scale * floored + offset, rtol=1e-6, atol=1e-5)
+    assert ((y - x).abs() <= scale * floored / 2 * (1 + 1e-5) + 1e-5).all()
+
+
+def test_int8_fit_keys_move_logits_less_than_int8_and_than_fitting_without_equalising() -> None:
+    """Queries that look at the unit channels, not at the large ones (as Gemma's do): int8's step
+    is set by channel 7 for all; the offset alone leaves its spread setting it; equalised, each
+    channel's step follows its own spread."""
+    heads, dim = 2, 64
+    calibration = gemma_like_keys(512, heads, dim, seed=7)
+    g = torch.Generator().manual_seed(8)
+    queries = torch.randn(512, heads, dim, generator=g)
+    queries[..., 7] *= 0.05
+    queries[..., 50] *= 0.05
+    moment = torch.einsum("nhd,nhe->hde", queries, queries) / len(queries)
+    mean = calibration.mean(0)
+    spread = (calibration - mean).abs().amax(0)
+    keys, q = gemma_like_keys(128, heads, dim, seed=9), queries[:64]
+
+    def logit_error(f: KVFormat) -> float:
+        decoded = f.decode(f.encode(keys), torch.float32).double()
+        return torch.einsum("qhd,khd->hqk", q.double(), decoded - keys.double()).square().mean().item()
+
+    equalised = logit_error(make_format("int8_fit", "k").calibrated(mean, moment, spread))
+    offset_only = logit_error(FittedFormat("int8 offset", torch.int8, calibrate=True, offset=mean, weight=moment))
+    int8 = logit_error(make_format("int8", "k"))
+    # Measured: equalised 0.0021, offset and fit alone 0.17, int8 1.9.
+    assert equalised < offset_only / 20 and equalised < int8 / 200

@@ -51,7 +51,7 @@ def allowed_error(fmt: KVFormat, x: torch.Tensor, f: dict[str, torch.Tensor]) ->
     if fmt.name in ("bf16", "fp16", "fp32"):
         mantissa = {"bf16": 7, "fp16": 10, "fp32": 23}[fmt.name]
         return 2.0 ** -(mantissa + 1) * x.abs() + F16_TINY
-    if fmt.name == "int8":
+    if fmt.name in ("int8", "int8_fit"):
         return f["scale"].float().unsqueeze(-1) / 2
     if fmt.name.startswith("fp8"):
         # Half an ulp: relative 2^-(mantissa+1) in the normal range, else half the smallest subnormal.
@@ -262,7 +262,7 @@ def expected_bytes(name: str, role: str, h: int, d: int, bs: int, g: int, outlie
     per_head = {
         "bf16": 2 * d, "fp16": 2 * d, "fp32": 4 * d,
         "fp8_e4m3": d + 2, "fp8_e5m2": d + 2, "int8": d + 2,     # codes + one scale
-        "fp8_e4m3_fit": d + 2,                                   # the same, the scale fitted
+        "fp8_e4m3_fit": d + 2, "int8_fit": d + 2,               # the same, the scale fitted
         "int4": d / 2 + (d / g) * (2 + 2),                       # nibbles + scale, zero per group
         "outlier": d / 2 + (d / g) * (2 + 2) + outliers * (2 + 1),  # + fp16 value, uint8 index
         "sparse": math.ceil(capacity * d) * (2 + 1),

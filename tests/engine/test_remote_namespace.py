@@ -21,7 +21,7 @@ def namespace(sign: float = 1.0, **kw: Any) -> str:
     formats = config.kv_layer_formats(LAYERS)
     importance = sign * torch.arange(LAYERS * KV_HEADS * DIM, dtype=torch.float32).reshape(LAYERS, KV_HEADS, DIM)
     stats = KVStats(torch.ones(LAYERS, 2, KV_HEADS), importance, torch.zeros(LAYERS, KV_HEADS, DIM),
-                    torch.zeros(LAYERS, KV_HEADS, DIM, DIM))
+                    torch.ones(LAYERS, KV_HEADS, DIM), torch.zeros(LAYERS, KV_HEADS, DIM, DIM))
     return remote_namespace(MODEL, config, calibrate_formats(formats, stats))
 
 

@@ -5,7 +5,7 @@ import torch
 
 from kvserve.cache.formats.absmax import AbsMaxFormat, HeadScaleFormat
 from kvserve.cache.formats.base import KVFormat
-from kvserve.cache.formats.fitted_fp8 import FittedFP8Format
+from kvserve.cache.formats.fitted import FittedFormat
 from kvserve.cache.formats.grouped import GroupFormat
 from kvserve.cache.formats.kivi import ChannelFormat
 from kvserve.cache.formats.options import FormatOptions, Role
@@ -43,11 +43,15 @@ register("fp16", _plain("fp16", torch.float16))
 register("fp32", _plain("fp32", torch.float32))
 register("fp8_e4m3", _fp8("fp8_e4m3", torch.float8_e4m3fn), default_in=("eval", "tune"))
 register("fp8_e5m2", _fp8("fp8_e5m2", torch.float8_e5m2), default_in=("eval",))
-# Fitted scales, keys after a calibrated offset (fitted_fp8.py): fp8 at fp8_e4m3's 8.25 bits, its
+# Fitted scales, keys after a calibrated offset (fitted.py): fp8 at fp8_e4m3's 8.25 bits, its
 # error where queries do not look.
-register("fp8_e4m3_fit", lambda role, options: FittedFP8Format("fp8_e4m3_fit", calibrate=role == "k"))
+register("fp8_e4m3_fit", lambda role, options: FittedFormat("fp8_e4m3_fit", torch.float8_e4m3fn, calibrate=role == "k"))
 # int8 keeps a scale per token whatever kv_fp8_scales says: its per-head scales are not built.
 register("int8", lambda role, options: AbsMaxFormat("int8", torch.int8), default_in=("eval", "tune", "bench"))
+# The same on int8 codes, keys also equalised per channel, at int8's 8.25 bits: under plain int8
+# Gemma 3's keys lose 5x SmolLM2's, a few large channels setting a coarse step for the rest (fitted.py).
+register("int8_fit", lambda role, options: FittedFormat("int8_fit", torch.int8, calibrate=role == "k",
+                                                        equalise=True))
 register("int4", lambda role, options: GroupFormat("int4", 4, options.group_size),
          default_in=("eval", "tune", "bench"))
 register("kivi2", _kivi("kivi2", 2), default_residual=KIVI_RESIDUAL, default_in=("eval", "tune", "bench"))

@@ -1,5 +1,5 @@
-"""fp8 e4m3 codes whose per-token scale is fitted, for keys after a calibrated per-channel offset
-(`FittedFP8Format`).
+"""Whole-byte codes (fp8 e4m3 or int8) whose per-token scale is fitted, for keys after a calibrated
+per-channel offset (`FittedFormat`).
 
 Plain fp8 (`AbsMaxFormat`) maps each token's largest |x| to e4m3's max. e4m3 keeps 3 mantissa
 bits, so every entry carries a relative error of up to 1/16, and on keys that is the wrong error:
@@ -18,6 +18,20 @@ int8 at the same 8.25 bits:
   whose error e moves its logits least, e^T E[q q^T] e with the head's calibrated query second
   moment (queries of a GQA group together): the outlier channels' entries land on or near grid
   points, the error going where queries do not look.
+
+int8 codes (`int8_fit`) take both, and a third that fp8 does not need: per-channel equalisation.
+int8's error is not relative but a step of the token's largest |x| / 127, and on Gemma 3 (head_dim
+256, k_norm's per-channel weights) a few key channels are 10-20x the rest (layer 11: channel 254 at
+-72 +- 9, the token's rms 8) and vary by +-20 about their mean, while queries hardly look at them
+(E[q_d^2] 0.0-0.2): the offset cannot take their spread out, and it alone sets the step of all 256
+channels. So each channel is divided by its calibrated spread (the largest |k_d - mean_d| over the
+calibration tokens) before the per-token codes and multiplied back on decode: every channel gets
+a step in proportion to its own range (with one step shared by all, that minimises every
+channel's error at once), and the weight is taken into the same basis (S W S). A channel may
+exceed its calibrated spread on other text: the per-token scale then grows, nothing clips. The
+spread is floored at `SPREAD_FLOOR` of the head's mean spread, so a channel nearly constant in
+calibration cannot blow up a token that moves it. (fp8's error is relative already; an offline
+probe found equalised fp8 keys no better, so `fp8_e4m3_fit` does not equalise.)
 
 Values (no calibration asked) take the fitted scale with plain squared error and no offset (in
 an offline probe of attention outputs on the Python docs, a mean subtracted from values made their
@@ -38,38 +52,52 @@ from kvserve.cache.formats.layout import PageLayout
 # 32 (attention KL of fp8 keys on the Python docs, summed over layers, 0.0206 vs 0.0252 with
 # diagonal weights); e4m3 has 8 grid points a binade, so finer steps align the outliers closer.
 FIT_STEPS = 64
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
+# The least spread a channel is equalised by, as a share of its head's mean spread (see above).
+SPREAD_FLOOR = 1 / 8
 
 
-class FittedFP8Format(PerTokenFormat):
-    """fp8 e4m3 codes and one fp16 scale per token and head (AbsMaxFormat's fields), the scale
-    fitted to `weight` [H, D, D] (None: plain squared error), after subtracting `offset` [H, D]
-    (None: nothing). `calibrate` True (keys): the engine calibrates it at start-up (`calibrated`);
-    until then it encodes as values do, so a format read from a name alone still round-trips."""
+class FittedFormat(PerTokenFormat):
+    """`code_dtype` codes (fp8 e4m3 or int8) and one fp16 scale per token and head (AbsMaxFormat's
+    fields), the scale fitted to `weight` [H, D, D] (None: plain squared error), after subtracting
+    `offset` [H, D] (None: nothing) and dividing by `spread` [H, D] (None: nothing; `weight` is in
+    that divided basis). `calibrate` True (keys): the engine calibrates it at start-up
+    (`calibrated`), with a spread if `equalise`; until then it encodes as values do, so a format
+    read from a name alone still round-trips."""
 
-    def __init__(self, name: str, calibrate: bool, offset: torch.Tensor | None = None,
-                 weight: torch.Tensor | None = None) -> None:
-        self.name, self.calibrate = name, calibrate
+    def __init__(self, name: str, code_dtype: torch.dtype, calibrate: bool, equalise: bool = False,
+                 offset: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                 spread: torch.Tensor | None = None) -> None:
+        self.name, self.code_dtype, self.calibrate, self.equalise = name, code_dtype, calibrate, equalise
+        self.is_float = code_dtype.is_floating_point
+        # int8 drops -128 (as AbsMaxFormat): a symmetric range, -x encodes as -code.
+        self.qmax = torch.finfo(code_dtype).max if self.is_float else torch.iinfo(code_dtype).max
         self.offset = None if offset is None else offset.float()  # [num_kv_heads, D]
         self.weight = None if weight is None else weight.float()  # [num_kv_heads, D, D]
+        self.spread = None if spread is None else spread.float()  # [num_kv_heads, D]
         steps = torch.arange(FIT_STEPS, dtype=torch.float32)
-        self.targets = FP8_MAX * 2.0 ** (-steps / FIT_STEPS)  # what the largest |x| maps to
+        self.targets = self.qmax * 2.0 ** (-steps / FIT_STEPS)  # what the largest |x| maps to
 
     @property
     def layout(self) -> PageLayout:
         return PageLayout(None)
 
-    def calibrated(self, key_mean: torch.Tensor, query_moment: torch.Tensor) -> "FittedFP8Format":
-        """This format with each KV head's key mean `key_mean` [H, D] as its offset and its queries'
-        second moment `query_moment` [H, D, D] as the error's weight."""
-        return FittedFP8Format(self.name, self.calibrate, key_mean, query_moment)
+    def calibrated(self, key_mean: torch.Tensor, query_moment: torch.Tensor,
+                   key_spread: torch.Tensor) -> "FittedFormat":
+        """This format with each KV head's key mean `key_mean` [H, D] as its offset, its queries'
+        second moment `query_moment` [H, D, D] as the error's weight, and (if it equalises) its
+        keys' largest |k - mean| per channel `key_spread` [H, D] as the spread."""
+        spread, weight = None, query_moment.float()
+        if self.equalise:
+            spread = key_spread.float()
+            spread = spread.maximum(SPREAD_FLOOR * spread.mean(-1, keepdim=True)).clamp_min(MIN_SCALE)
+            weight = spread.unsqueeze(-1) * weight * spread.unsqueeze(-2)  # the error in the divided basis
+        return FittedFormat(self.name, self.code_dtype, self.calibrate, self.equalise, key_mean, weight, spread)
 
     def token_fields(self, num_kv_heads: int, head_dim: int) -> FieldSpec:
         if self.weight is not None and self.weight.shape[:2] != (num_kv_heads, head_dim):
             raise ValueError(f"{self.name}: calibrated for {tuple(self.weight.shape[:2])} (KV heads, head_dim), "
                              f"got {(num_kv_heads, head_dim)}")
-        return {"codes": ((num_kv_heads, head_dim), FP8), "scale": ((num_kv_heads,), torch.float16)}
+        return {"codes": ((num_kv_heads, head_dim), self.code_dtype), "scale": ((num_kv_heads,), torch.float16)}
 
     def _cost(self, err: torch.Tensor) -> torch.Tensor:
         """err [..., H, D] -> [..., H]: e^T W e per head, or |e|^2 without weights."""
@@ -81,14 +109,18 @@ class FittedFP8Format(PerTokenFormat):
         x = x.float()
         if self.offset is not None:
             x = x - self.offset.to(x.device)
+        if self.spread is not None:
+            x = x / self.spread.to(x.device)
         amax = x.abs().amax(-1)
         best_codes, best_scale, best_cost = None, None, None
         for target in self.targets.tolist():
             # Rounded up, so that the largest entry stays within the code's range (e4m3 has no
             # infinity: an overflow would become NaN). Codes are kept as fp32 while compared
-            # (torch.where takes no fp8); they are fp8 values, so the last cast is exact.
+            # (torch.where takes no fp8); they are code values, so the last cast is exact.
             scale = fp16_rounded((amax / target).clamp_min(MIN_SCALE), up=True)
-            codes = (x / scale.float().unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).float()
+            codes = (x / scale.float().unsqueeze(-1)).clamp(-self.qmax, self.qmax)
+            # float8 casts round to nearest; integer casts would truncate
+            codes = codes.to(self.code_dtype).float() if self.is_float else codes.round()
             cost = self._cost(codes * scale.float().unsqueeze(-1) - x)
             if best_cost is None:
                 best_codes, best_scale, best_cost = codes, scale, cost
@@ -97,11 +129,13 @@ class FittedFP8Format(PerTokenFormat):
             best_codes = torch.where(better.unsqueeze(-1), codes, best_codes)
             best_scale = torch.where(better, scale, best_scale)
             best_cost = torch.where(better, cost, best_cost)
-        return {"codes": best_codes.to(FP8), "scale": best_scale}
+        return {"codes": best_codes.to(self.code_dtype), "scale": best_scale}
 
     def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
         codes = fields["codes"]
         x = codes.float() * fields["scale"].float().unsqueeze(-1)
+        if self.spread is not None:
+            x = x * self.spread.to(codes.device)
         if self.offset is not None:
             x = x + self.offset.to(codes.device)
         return x.to(dtype)
