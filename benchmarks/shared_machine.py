@@ -5,7 +5,8 @@ tokens, alone and then beside each set of neighbour processes. For each set the 
 quiet time, the contended time, and the fair-share time: what the measured process would take
 if it got exactly its share of the cores, quiet x (its threads + the neighbours' runnable
 threads) / cores, with the neighbours' runnable threads counted from /proc while it runs (a
-thread spinning in an OpenMP barrier counts: it holds a core as a busy loop does).
+thread spinning in an OpenMP barrier counts: it holds a core as a busy loop does; each is
+weighted by its nice value as the scheduler weighs it).
 
 Neighbours (each its own process, started before the measured decode and killed after):
 - busyN: N Python busy loops (one runnable thread each);
@@ -14,7 +15,9 @@ Neighbours (each its own process, started before the measured decode and killed 
   engine or an evaluation of another project);
 - buildN: N loops of `g++ -O2` compiling a C++ file (a build: short processes, disk, memory);
 - engine: a second kvserve engine decoding a long stream in a loop;
-- heavy: build2 + omp1 + busy2 (what the collapse was first seen beside).
+- heavy: build2 + omp1 + busy2 (what the collapse was first seen beside);
+- niceN: ompN at `nice -n 19` (a background job started politely). The scheduler shares a core by
+  weight, so a neighbour thread counts toward the fair share by its nice weight (nice 19: 15/1024).
 `--env K=V` sets a variable in the measured process only (e.g. OMP_WAIT_POLICY=ACTIVE).
 `--prompt-tokens N` makes the prompt N token ids, prefilled cold every time (prefix caching off):
 with `--tokens 1` the time is a prefill's (e.g. `--prompt-tokens 512 --tokens 1`).
@@ -97,6 +100,8 @@ def neighbours(name: str, workdir: Path) -> list[list[str]]:
         return [[py, "-c", ENGINE_LOOP]]
     if name == "heavy":
         return neighbours("build2", workdir) + neighbours("omp1", workdir) + neighbours("busy2", workdir)
+    if name.startswith("nice") and name[4:].isdigit():
+        return [["nice", "-n", "19", *cmd] for cmd in neighbours(f"omp{name[4:]}", workdir)]
     for kind in ("busy", "omp", "build"):
         if name.startswith(kind) and name[len(kind):].isdigit():
             count = int(name[len(kind):])
@@ -111,9 +116,14 @@ def neighbours(name: str, workdir: Path) -> list[list[str]]:
     raise SystemExit(f"shared_machine: unknown neighbour set {name!r}")
 
 
-def runnable_threads(pids: list[int]) -> int:
-    """Threads in state R among these processes and their descendants, now."""
-    seen, stack, count = set(), list(pids), 0
+def nice_weight(nice: int) -> float:
+    """A thread's share of a core against a nice-0 thread's (the kernel's table: 1.25x a step)."""
+    return 1.25 ** -nice
+
+
+def runnable_threads(pids: list[int]) -> float:
+    """Threads in state R among these processes and their descendants, now, weighted by nice."""
+    seen, stack, count = set(), list(pids), 0.0
     while stack:
         pid = stack.pop()
         if pid in seen:
@@ -123,7 +133,8 @@ def runnable_threads(pids: list[int]) -> int:
         try:
             for tid in task.iterdir():
                 stat = (tid / "stat").read_text()
-                count += stat[stat.rindex(")") + 2] == "R"
+                fields = stat[stat.rindex(")") + 2:].split()
+                count += nice_weight(int(fields[16])) if fields[0] == "R" else 0.0
                 children = (tid / "children").read_text().split()
                 stack.extend(int(c) for c in children)
         except OSError:
@@ -145,7 +156,7 @@ def measure(tokens: int, prompt_tokens: int, env: dict[str, str],
         time.sleep(5 if neighbour_cmds else 0)  # the neighbours load and reach their loops
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        samples: list[int] = []
+        samples: list[float] = []
         line = ""
         while not line:
             if others:
