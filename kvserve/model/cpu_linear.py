@@ -82,7 +82,7 @@ class SmallBatchLinear(nn.Module):
         # emulated, and an fp32 one on weights widened per call was 1.3-3x slower at 33-128 rows and
         # no faster above (BENCHMARKS.md). A row's bits then never depend on its batch.
         if x.shape[0] > SMALL_BATCH and not self.interleaved:
-            return self.kernels.linear_rows(x, self.weight, self.bias)
+            return self.kernels.linear_rows(x, self.weight, self.bias, ROW_BUCKET)
         out = self.kernels.linear_bf16(x.contiguous(), self.weight, self.bias)
         return out[:, :self.out_features].contiguous() if self.padded else out
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvserve.kernels import cpu_extension
-from kvserve.model.cpu_linear import SMALL_BATCH, interleave_f32
+from kvserve.model.cpu_linear import ROW_BUCKET, SMALL_BATCH, interleave_f32
 from kvserve.threads import GOMP_SPINCOUNT, cgroup_quota, usable_cores
 from tests.torch_threads import torch_threads
 
@@ -76,12 +76,18 @@ def test_linear_rows_gives_f_linears_rows_as_one_region_of_the_pool(rows: int, b
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     before = kernels.thread_pool_stats()
     with torch_threads(2), torch.inference_mode():
-        got = kernels.linear_rows(x, w, b)
+        got = kernels.linear_rows(x, w, b, ROW_BUCKET)
     after = kernels.thread_pool_stats()
     assert got.shape == (rows, 100)
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
     assert after["parallel_regions"] - before["parallel_regions"] == 1
     assert after["torch_regions"] == before["torch_regions"]
+
+
+def test_linear_rows_refuses_a_row_bucket_below_one() -> None:
+    x, w = rand(40, 64, seed=24).bfloat16(), rand(32, 64, seed=25).bfloat16()
+    with pytest.raises(RuntimeError, match="row_bucket must be positive, got 0"):
+        kernels.linear_rows(x, w, None, 0)
 
 
 def test_linear_rows_lets_other_python_threads_run() -> None:
@@ -101,7 +107,7 @@ def test_linear_rows_lets_other_python_threads_run() -> None:
     ticker.start()
     with torch_threads(1), torch.inference_mode():
         inside.set()
-        kernels.linear_rows(x, w, None)
+        kernels.linear_rows(x, w, None, ROW_BUCKET)
         done.set()
     ticker.join()
     assert ticks.count(False) >= 10

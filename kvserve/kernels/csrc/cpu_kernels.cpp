@@ -1252,7 +1252,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL, as F.linear (which it replaces) runs: a prefill's matmul takes long enough that
   // holding it stalls the server's other Python threads (the event loop) for the whole call.
   m.def("linear_rows", &linear_rows, "x @ w^T for a prefill's rows: column chunks over the pool, oneDNN on one thread each",
-        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("row_bucket"), py::call_guard<py::gil_scoped_release>());
   m.def("has_bf16_gemm", &has_bf16_gemm, "whether linear_bf16 was built (AVX512-BF16 or AVX2)");
   m.def("interleaves_bf16_weights", &interleaves_bf16_weights,
         "whether linear_bf16 reads weights interleaved in groups of 16 rows (the AVX2 kernel)");

@@ -39,8 +39,12 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 
 // linear_onednn.cpp: x @ w^T (+ bias) for a prefill's rows, w [N, K] as nn.Linear holds it: the
-// output columns split in chunks over the kernels' pool, each one oneDNN matmul on one thread.
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+// output columns split in chunks over the kernels' pool, each one oneDNN matmul on one thread. The
+// rows run as a multiple of `row_bucket` plus the remainder (two calls): oneDNN builds and caches a
+// primitive per shape it sees, and bounded row counts bound that cache (model/cpu_linear.py's
+// ROW_BUCKET, which the caller passes).
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                       int64_t row_bucket);
 
 // Registers DecoderStack (decoder_stack.cpp) on the extension module.
 void bind_decoder_stack(pybind11::module& m);

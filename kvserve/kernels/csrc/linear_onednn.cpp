@@ -23,10 +23,6 @@ namespace {
 // of the weight, once per call. 16, so chunks split evenly: at 64 a 576-column projection made
 // three chunks, and one of two threads ran two of them (1.2-1.4x the time of torch's team).
 constexpr int64_t kColumnBlock = 16;
-// A matmul's rows run as a multiple of this many plus the remainder (two calls): oneDNN builds and
-// caches a primitive per shape it sees, and bounded row counts bound that cache (the memory growth
-// model/cpu_linear.py's ROW_BUCKET stopped).
-constexpr int64_t kRowBucket = 64;
 
 // oneDNN sizes its team from omp_get_max_threads(), an ICV of the calling thread: one thread here,
 // restored after, so a chunk never opens an OpenMP team of its own inside the pool's region.
@@ -43,13 +39,15 @@ class OneThread {
 
 }  // namespace
 
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                       int64_t row_bucket) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_rows: x [M, K] and w [N, K]");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear_rows: x and w of one dtype");
+  TORCH_CHECK(row_bucket > 0, "linear_rows: row_bucket must be positive, got ", row_bucket);
   const int64_t M = x.size(0), N = w.size(0);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
-  const int64_t bulk = M / kRowBucket * kRowBucket;
+  const int64_t bulk = M / row_bucket * row_bucket;
   // The ops below go through the dispatcher on the pool's threads, which must see the caller's
   // inference mode, grad mode and dispatch keys (as at::parallel_for's threads do).
   const at::ThreadLocalState caller_state;
