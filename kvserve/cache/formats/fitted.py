@@ -19,19 +19,20 @@ int8 at the same 8.25 bits:
   moment (queries of a GQA group together): the outlier channels' entries land on or near grid
   points, the error going where queries do not look.
 
-int8 codes (`int8_fit`) take both, and a third that fp8 does not need: per-channel equalisation.
-int8's error is not relative but a step of the token's largest |x| / 127, and on Gemma 3 (head_dim
-256, k_norm's per-channel weights) a few key channels are 10-20x the rest (layer 11: channel 254 at
--72 +- 9, the token's rms 8) and vary by +-20 about their mean, while queries hardly look at them
-(E[q_d^2] 0.0-0.2): the offset cannot take their spread out, and it alone sets the step of all 256
-channels. So each channel is divided by its calibrated spread (the largest |k_d - mean_d| over the
-calibration tokens) before the per-token codes and multiplied back on decode: every channel gets
-a step in proportion to its own range (with one step shared by all, that minimises every
-channel's error at once), and the weight is taken into the same basis (S W S). A channel may
-exceed its calibrated spread on other text: the per-token scale then grows, nothing clips. The
-spread is floored at `SPREAD_FLOOR` of the head's mean spread, so a channel nearly constant in
-calibration cannot blow up a token that moves it. (fp8's error is relative already; an offline
-probe found equalised fp8 keys no better, so `fp8_e4m3_fit` does not equalise.)
+int8 codes (`int8_fit`) take both (the scales tried then run from the token's largest |x| / 127 to
+twice that, nothing clipped), and a third that fp8 does not need: per-channel equalisation. int8's
+error is not relative but a step of the token's largest |x| / 127, and on Gemma 3 (head_dim 256,
+k_norm's per-channel weights) a few key channels are 5-10x the token's rms and vary widely about
+their mean (layer 11: channel 254 at -72 +- 9, channels 241 and 119 at -43 +- 23 and -34 +- 20,
+the token's rms 8), while queries hardly look at them (E[q_d^2] 0.0-0.2): the offset cannot take
+that spread out, and it alone sets the step of all 256 channels. So each channel is divided by its
+calibrated spread (the largest |k_d - mean_d| over the calibration tokens) before the per-token
+codes and multiplied back on decode: a channel's step becomes proportional to its own range, not
+to the widest channel's, and the weight is taken into the same basis (S W S). A channel may exceed
+its calibrated spread on other text: the per-token scale then grows, nothing clips. The spread is
+floored at `SPREAD_FLOOR` of the head's mean spread, so a channel nearly constant in calibration
+cannot blow up a token that moves it. (fp8's error is relative already; an offline probe found
+equalised fp8 keys no better, so `fp8_e4m3_fit` does not equalise.)
 
 Values (no calibration asked) take the fitted scale with plain squared error and no offset (in
 an offline probe of attention outputs on the Python docs, a mean subtracted from values made their
