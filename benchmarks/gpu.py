@@ -131,11 +131,12 @@ def kvserve_rows(model_dir: Path, args: argparse.Namespace, requests: list[Workl
     return row
 
 
-def hf_rows(model_dir: Path, requests: list[WorkloadRequest], one: WorkloadRequest, device: torch.device) -> dict:
+def hf_rows(model_dir: Path, requests: list[WorkloadRequest], one: WorkloadRequest, device: torch.device,
+            tiny: bool) -> dict:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
     row = {"eager_one_stream_tok_s": hf_one_stream(model, one.prompt_token_ids, len(one.prompt_token_ids), device)}
-    timings, wall = run_hf_continuous_batching(model, requests, max_batch=256)
+    timings, wall = run_hf_continuous_batching(model, requests, max_batch=256, num_blocks=64 if tiny else None)
     hf = summarize("hf continuous batching", timings, wall)
     return {**row, "cb_mixed_output_tok_s": hf.output_tok_s, "cb_mixed_wall_s": hf.wall_s}
 
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
             section(rows, "kvserve", lambda: kvserve_rows(model_dir, args, requests, one, device, True))
         section(rows, "kvserve_eager", lambda: kvserve_rows(model_dir, args, requests, one, device, False))
         if not args.skip_hf:
-            section(rows, "hf", lambda: hf_rows(model_dir, requests, one, device))
+            section(rows, "hf", lambda: hf_rows(model_dir, requests, one, device, args.tiny))
     weight_bytes = next((r["weight_bytes"] for r in rows.values() if "weight_bytes" in r), 0)
     rows["machine"] = {"read_gb_s": machine.read_gb_s, "matmul_gflop_s": machine.matmul_gflop_s,
                        "one_stream_weight_read_limit_tok_s": machine.read_gb_s * 1e9 / max(weight_bytes, 1)}

@@ -158,9 +158,13 @@ def hf_step_times(model: PreTrainedModel, prompt_ids: list[int], num_tokens: int
 
 
 def run_hf_continuous_batching(model: PreTrainedModel, requests: list[WorkloadRequest], max_batch: int,
-                               progress: bool = True) -> tuple[list[RequestTiming], float]:
+                               progress: bool = True, num_blocks: int | None = None
+                               ) -> tuple[list[RequestTiming], float]:
     """HF transformers' own continuous batching (`init_continuous_batching`, paged cache): every
-    request added at t=0, greedy, EOS ignored (no eos_token_id) so each runs to its max_tokens."""
+    request added at t=0, greedy, EOS ignored (no eos_token_id) so each runs to its max_tokens.
+    `num_blocks` sizes its cache; None lets HF size it from free memory, which on a CPU is the
+    host's: ~13 GiB for a tiny model on a 24 GiB machine (benchmarks/gpu.py --tiny was killed for
+    memory beside other jobs)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -168,7 +172,7 @@ def run_hf_continuous_batching(model: PreTrainedModel, requests: list[WorkloadRe
                               eos_token_id=None, pad_token_id=0)
     manager = model.init_continuous_batching(
         generation_config=config,
-        continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=max_batch))
+        continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=max_batch, num_blocks=num_blocks))
     manager.start()
     try:
         # Its first batch pays a one-time warm-up (~25 s here): outside the clock, as kvserve's
