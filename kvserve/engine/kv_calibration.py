@@ -129,6 +129,4 @@ def calibrate_formats(formats: list[LayerFormats], stats: KVStats) -> list[Layer
 
 
 def needs_calibration(formats: list[LayerFormats] | None) -> bool:
-    return formats is not None and any(isinstance(f, HeadScaleFormat) or (isinstance(f, ChannelFormat) and f.wide)
-                                       or (isinstance(f, FittedFormat) and f.calibrate)
-                                       for pair in formats for f in pair)
+    return formats is not None and any(f.calibrated_per_layer for pair in formats for f in pair)

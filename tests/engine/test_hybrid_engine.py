@@ -145,6 +145,20 @@ def test_what_the_hybrid_cache_is_not_built_for_is_refused(models: dict[str, Pat
                                         "max_num_batched_tokens": 256})
 
 
+@pytest.mark.parametrize("options", [{"kv_cache_dtype": "fp8_e4m3_fit"}, {"kv_cache_dtype": "int8_fit"},
+                                     {"kv_cache_dtype": "fp8_e4m3", "kv_fp8_scales": "head"}])
+def test_formats_calibrated_per_layer_are_refused(models: dict[str, Path], options: dict[str, str]) -> None:
+    """A hybrid pool's page tensor holds one layer of every group, so it would encode every layer
+    with one layer's calibration: refused, and each layer calibrated on its own without the
+    hybrid cache."""
+    with pytest.raises(FieldError) as caught:
+        LLM(model=str(models["gemma3"]), **BASE, **options)
+    assert caught.value.field == "kv_cache_dtype" and "calibrated per layer" in str(caught.value)
+    llm = LLM(model=str(models["gemma3"]), **BASE, **options, disable_hybrid_kv_cache=True, kv_calibration_tokens=64)
+    kv = llm.engine.pool.kv  # every layer's keys calibrated on its own
+    assert len({id(layer.formats[0]) for layer in kv}) == len(kv) > 3
+
+
 def test_metrics_and_the_dashboard_show_the_groups(models: dict[str, Path]) -> None:
     """Mid-decode, /metrics' per-group gauge and the dashboard's group list count each group's
     blocks as the tables hold them."""

@@ -55,6 +55,10 @@ class HeadScaleFormat(PerTokenFormat):
     def layout(self) -> PageLayout:
         return PageLayout(PageKind.HEAD_ABSMAX, head_scale=self.head_scale)
 
+    @property
+    def calibrated_per_layer(self) -> bool:
+        return True
+
     def calibrated(self, amax: torch.Tensor) -> "HeadScaleFormat":
         """This format with scales that map each head's calibrated |x| max, `amax` [H], to the code's max."""
         return HeadScaleFormat(self.name, self.code_dtype, (amax.float() / self.qmax).clamp_min(MIN_SCALE))

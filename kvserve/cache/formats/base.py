@@ -31,6 +31,12 @@ class KVFormat(ABC):
         """False: encoded a whole block at a time (the layout's word, read by the pool and config)."""
         return self.layout.per_token
 
+    @property
+    def calibrated_per_layer(self) -> bool:
+        """Whether the engine calibrates this format on each layer's keys or values at start-up
+        (engine/kv_calibration.py), so that layers differ in what they encode with."""
+        return False
+
     @abstractmethod
     def fields(self, num_kv_heads: int, head_dim: int, block_size: int) -> FieldSpec:
         """Storage of one block: field name -> (shape, dtype). For per-token formats every shape

@@ -82,6 +82,10 @@ class FittedFormat(PerTokenFormat):
     def layout(self) -> PageLayout:
         return PageLayout(None)
 
+    @property
+    def calibrated_per_layer(self) -> bool:
+        return self.calibrate
+
     def calibrated(self, key_mean: torch.Tensor, query_moment: torch.Tensor,
                    key_spread: torch.Tensor) -> "FittedFormat":
         """This format with each KV head's key mean `key_mean` [H, D] as its offset, its queries'

@@ -36,6 +36,10 @@ class ChannelFormat(KVFormat):
         return PageLayout(PageKind.CHANNEL, per_token=False, bits=self.bits, exact_sink=self.exact_sink,
                           wide=self.wide, wide_channels=self.wide_channels)
 
+    @property
+    def calibrated_per_layer(self) -> bool:
+        return self.wide > 0
+
     def calibrated(self, importance: torch.Tensor) -> "ChannelFormat":
         """This format with the `wide` channels of largest `importance` [H, D] per head, by RoPE pairs."""
         half = importance.shape[-1] // 2
