@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve import LLM
-from kvserve.eval.quality import compare, forced_logprobs, greedy_agreement, passkey_prompts
+from kvserve.eval.quality import KL_ROWS, compare, forced_logprobs, greedy_agreement, kl, passkey_prompts
 
 
 def test_compare_against_hand_worked_values() -> None:
@@ -18,6 +18,16 @@ def test_compare_against_hand_worked_values() -> None:
     assert q.perplexity == pytest.approx(math.exp((math.log(2) - math.log(0.8)) / 2))
     assert q.kl == pytest.approx((0.5 * math.log(2) + 0.25 * math.log(0.5)) / 2)
     assert q.top1 == 0.5
+
+
+def test_kl_in_slices_equals_the_whole_formula() -> None:
+    """kl() sums in slices of KL_ROWS positions to bound its fp64 copies: over more positions than
+    one slice it equals the mean of sum p (log p - log q) taken at once."""
+    gen = torch.Generator().manual_seed(5)
+    ref = torch.randn(3, KL_ROWS // 2 + 7, 50, generator=gen).log_softmax(-1)
+    got = torch.randn(3, KL_ROWS // 2 + 7, 50, generator=gen).log_softmax(-1)
+    whole = (ref.double().exp() * (ref.double() - got.double())).sum(-1).mean().item()
+    assert kl(ref, got) == pytest.approx(whole, rel=1e-12) and kl(ref, ref) == 0
 
 
 def test_greedy_agreement_counts_tokens_before_divergence() -> None:
