@@ -31,6 +31,7 @@ from kvserve.cache.formats import FORMAT_CHOICES, KVFormat, make_format
 from kvserve.cache.kv_pool import KVPool
 from kvserve.engine.kv_calibration import calibrate_formats, calibration_tokens, measure_kv_stats
 from kvserve.engine.llm import LLM
+from kvserve.eval.quality import kl
 from kvserve.texts import load_text
 
 Roundtrip = Callable[[torch.Tensor], torch.Tensor]  # [n, kv_heads, D] -> the same, as pages return it
@@ -64,10 +65,6 @@ def log_probs(llm: LLM, ids: list[int], k: list[Roundtrip | None], v: list[Round
     attention = StepAttention.of(_Compressed(pool, cfg.num_heads, k, v), step, None, None)
     logits = model(torch.tensor(ids), attention, torch.arange(n // 2 - 1, n - 1), llm.engine.runner.ops)
     return logits.double().log_softmax(-1)
-
-
-def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
-    return (ref.exp() * (ref - got)).sum(-1).mean().item()
 
 
 def roundtrip(fmt: KVFormat) -> Roundtrip:
