@@ -103,6 +103,8 @@ def tiny_llm(pool_kind: str) -> Iterator[Callable[..., LLM]]:
         sized = "kv_cache_memory" in kwargs or "num_blocks_override" in kwargs
         kwargs = {"model": TINY, "dtype": "float32", "device": "cpu", "kv_cache_memory": "4MiB",
                   "max_model_len": 256, **kwargs}
+        if "kv_remote" in kwargs:  # at load average 8 a Redis reply took over the 0.25 s default, and
+            kwargs.setdefault("kv_remote_timeout", 5.0)  # the tier then skipped the stores a test counts
         if pool_kind == "tight" and not sized:
             kwargs["num_blocks_override"] = -(-kwargs["max_model_len"] // kwargs.get("block_size", 16)) + 1
         llm = LLM(**kwargs)
