@@ -16,7 +16,6 @@ own keys' loss, not what it passes on. The sum over heads ranks formats as `kvse
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -24,11 +23,10 @@ import torch
 
 from kvserve.attention import StepAttention, StepMetadata
 from kvserve.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
-from kvserve.cache.formats import FORMAT_CHOICES, KVFormat, make_format
 from kvserve.cache.kv_pool import KVPool
-from kvserve.engine.kv_calibration import calibrate_formats, calibration_tokens, measure_kv_stats
 from kvserve.engine.llm import LLM
 from kvserve.texts import load_text
+from kv_probe import calibrated_layers, format_names, kv_stats, probe_llm, probe_parser
 
 
 class _Queries(TorchSDPABackend):
@@ -71,31 +69,19 @@ def head_kl(q: torch.Tensor, k: torch.Tensor, decoded: torch.Tensor) -> torch.Te
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="kvserve's --model (default: the engine's default model)")
-    p.add_argument("--data", default="python-docs", help="the text (kvserve eval's --data)")
-    p.add_argument("--formats", default="fp8_e4m3,int8,fp8_e4m3_fit", help="comma-separated key formats")
+    p = probe_parser(__doc__, "fp8_e4m3,int8,fp8_e4m3_fit", "comma-separated key formats")
     p.add_argument("--tokens", type=int, default=512, help="prompt length from the text's start (default 512)")
     p.add_argument("--top", type=int, default=12, help="heads listed per format, largest KL first")
-    p.add_argument("--calibration-data", default="calibration", help="kv_calibration_data of calibrated formats")
     p.add_argument("--out", default=None, help="a JSON file for every head's KL")
     args = p.parse_args()
-    names = args.formats.split(",")
-    if unknown := [n for n in names if n not in FORMAT_CHOICES]:
-        raise SystemExit(f"--formats: unknown {', '.join(unknown)}")
-    # The fused C++ ops are left out: this is an offline probe, their speed buys nothing here.
-    llm = LLM(args.model, kv_cache_dtype="auto", cpu_kernels=False, enable_prefix_caching=False, kv_cache_memory="64MiB",
-              max_model_len=max(2048, args.tokens))
-    tok, model = llm.tokenizer, llm.engine.model
-    ids = tok.encode(load_text(args.data).text[:40 * args.tokens], add_special_tokens=False)[:args.tokens]
+    names = format_names(args.formats)
+    llm = probe_llm(args.model, max_model_len=max(2048, args.tokens))
+    ids = llm.tokenizer.encode(load_text(args.data).text[:40 * args.tokens], add_special_tokens=False)[:args.tokens]
     keys, queries = keys_and_queries(llm, ids)
-    calibration = calibration_tokens(tok, model.config.vocab_size, 512, 0, args.calibration_data)
-    stats = measure_kv_stats(model, llm.engine.runner.ops, calibration, None, next(model.parameters()).dtype,
-                             torch.device("cpu"))
+    stats = kv_stats(llm, args.calibration_data)
     results: dict[str, list[list[float]]] = {}
     for name in names:
-        layers: list[tuple[KVFormat, KVFormat]] = [(make_format(name, "k"), make_format(name, "v"))] * len(keys)
-        formats = [k for k, _ in calibrate_formats(layers, stats)]
+        formats = [k for k, _ in calibrated_layers(name, len(keys), stats)]
         kl = torch.stack([head_kl(q, k, f.decode(f.encode(k), torch.float32))
                           for f, q, k in zip(formats, queries, keys)])  # [layers, kv_heads]
         results[name] = kl.tolist()

@@ -18,7 +18,6 @@ numerics move), and in the fp32 model, its KV rounded to bf16 (what bf16 pages a
 """
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -27,12 +26,12 @@ import torch
 
 from kvserve.attention import StepAttention, StepMetadata
 from kvserve.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
-from kvserve.cache.formats import FORMAT_CHOICES, KVFormat, make_format
+from kvserve.cache.formats import KVFormat
 from kvserve.cache.kv_pool import KVPool
-from kvserve.engine.kv_calibration import calibrate_formats, calibration_tokens, measure_kv_stats
 from kvserve.engine.llm import LLM
 from kvserve.eval.quality import kl
 from kvserve.texts import load_text
+from kv_probe import calibrated_layers, format_names, kv_stats, probe_llm, probe_parser
 
 Roundtrip = Callable[[torch.Tensor], torch.Tensor]  # [n, kv_heads, D] -> the same, as pages return it
 
@@ -72,19 +71,12 @@ def roundtrip(fmt: KVFormat) -> Roundtrip:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="kvserve's --model (default: the engine's default model)")
-    p.add_argument("--data", default="python-docs", help="the text (kvserve eval's --data)")
-    p.add_argument("--formats", default="int8,fp8_e4m3_fit", help="comma-separated formats")
+    p = probe_parser(__doc__, "int8,fp8_e4m3_fit", "comma-separated formats")
     p.add_argument("--windows", type=int, default=8, help="windows of 512 tokens (default 8)")
-    p.add_argument("--calibration-data", default="calibration", help="kv_calibration_data of calibrated formats")
     p.add_argument("--out", default=None, help="a JSON file for every probe's KL per window")
     args = p.parse_args()
-    names = args.formats.split(",")
-    if unknown := [n for n in names if n not in FORMAT_CHOICES]:
-        raise SystemExit(f"--formats: unknown {', '.join(unknown)}")
-    common = dict(kv_cache_dtype="auto", cpu_kernels=False, enable_prefix_caching=False, kv_cache_memory="64MiB")
-    llm = LLM(args.model, **common)
+    names = format_names(args.formats)
+    llm = probe_llm(args.model)
     tok, model = llm.tokenizer, llm.engine.model
     cfg, length = model.config, 512
     ids = tok.encode(load_text(args.data).text[:40 * args.windows * length], add_special_tokens=False)
@@ -102,7 +94,7 @@ def main() -> None:
         t = torch.tensor(results[label])
         print(f"{label:40s} KL {t.mean().item():.5f} (sd {t.std().item():.5f}, {len(t)} windows)", flush=True)
 
-    fp32 = LLM(args.model, dtype="float32", **common)
+    fp32 = probe_llm(args.model, dtype="float32")
     refs32 = [log_probs(fp32, w, none, none) for w in windows]
     results["floor: fp32 model vs bf16"] = [kl(r32, r) for r32, r in zip(refs32, refs)]
     print(f"{'floor: fp32 model vs bf16':40s} KL {torch.tensor(results['floor: fp32 model vs bf16']).mean():.5f}")
@@ -110,13 +102,11 @@ def main() -> None:
     probe("floor: fp32 model, bf16 KV vs fp32 KV", [to_bf16] * layers, [to_bf16] * layers, fp32, refs32)
     del fp32
 
-    calibration = calibration_tokens(tok, cfg.vocab_size, 512, 0, args.calibration_data)
-    stats = measure_kv_stats(model, llm.engine.runner.ops, calibration, None, next(model.parameters()).dtype,
-                             torch.device("cpu"))
+    stats = kv_stats(llm, args.calibration_data)
     sliding = set(cfg.sliding_layers)
     groups = {"global": [i for i in range(layers) if i not in sliding], "sliding": sorted(sliding)}
     for name in names:
-        formats = calibrate_formats([(make_format(name, "k"), make_format(name, "v"))] * layers, stats)
+        formats = calibrated_layers(name, layers, stats)
         ks = [roundtrip(k) for k, _ in formats]
         vs = [roundtrip(v) for _, v in formats]
         probe(f"{name} K+V", ks, vs)
