@@ -52,6 +52,21 @@ def best_by_search(row: torch.Tensor, weight: torch.Tensor) -> float:
     return best
 
 
+def queries_and_moment(heads: int, dim: int, seed: int, scaled: dict[int, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """512 random queries [n, heads, dim], channel c multiplied by scaled[c], and their second
+    moment [heads, dim, dim]."""
+    queries = torch.randn(512, heads, dim, generator=torch.Generator().manual_seed(seed))
+    for channel, factor in scaled.items():
+        queries[..., channel] *= factor
+    return queries, torch.einsum("nhd,nhe->hde", queries, queries) / len(queries)
+
+
+def logit_error(f: KVFormat, q: torch.Tensor, keys: torch.Tensor) -> float:
+    """Mean squared change of q.k when `keys` go through format `f`."""
+    decoded = f.decode(f.encode(keys), torch.float32).double()
+    return torch.einsum("qhd,khd->hqk", q.double(), decoded - keys.double()).square().mean().item()
+
+
 def test_each_scale_is_the_best_candidate_under_the_weight() -> None:
     x = outlier_keys(6, 2, 64)
     offset, weight = x.mean(0), psd(2, 64)
@@ -87,21 +102,10 @@ def test_calibrated_keys_move_logits_less_than_absmax_fp8() -> None:
     format calibrated on other keys of the same kind and on those queries' second moment."""
     heads, dim = 2, 64
     calibration = outlier_keys(256, heads, dim, seed=2)
-    g = torch.Generator().manual_seed(3)
-    queries = torch.randn(512, heads, dim, generator=g)
-    queries[..., 3] *= 4
-    queries[..., 40] *= 3
-    moment = torch.einsum("nhd,nhe->hde", queries, queries) / len(queries)
+    queries, moment = queries_and_moment(heads, dim, 3, {3: 4, 40: 3})
     fmt = make_format("fp8_e4m3_fit", "k").calibrated(calibration.mean(0), moment, torch.ones(heads, dim))
-    keys = outlier_keys(128, heads, dim, seed=4)
-    q = queries[:64]
-
-    def logit_error(name: str) -> float:
-        f = fmt if name == "fit" else make_format(name, "k")
-        decoded = f.decode(f.encode(keys), torch.float32).double()
-        return (torch.einsum("qhd,khd->hqk", q.double(), decoded - keys.double())).square().mean().item()
-
-    fit, fp8, int8 = logit_error("fit"), logit_error("fp8_e4m3"), logit_error("int8")
+    keys, q = outlier_keys(128, heads, dim, seed=4), queries[:64]
+    fit, fp8, int8 = (logit_error(f, q, keys) for f in (fmt, make_format("fp8_e4m3", "k"), make_format("int8", "k")))
     # Measured: fit 0.030, fp8 1.01, int8 0.153 (fitted without the offset 0.149): the offset
     # leaves unit noise to encode, the fitted scale puts the error where queries do not look.
     assert fit < fp8 / 20 and fit < int8 / 3
@@ -180,21 +184,13 @@ def test_int8_fit_keys_move_logits_less_than_int8_and_than_fitting_without_equal
     channel's step follows its own spread."""
     heads, dim = 2, 64
     calibration = gemma_like_keys(512, heads, dim, seed=7)
-    g = torch.Generator().manual_seed(8)
-    queries = torch.randn(512, heads, dim, generator=g)
-    queries[..., 7] *= 0.05
-    queries[..., 50] *= 0.05
-    moment = torch.einsum("nhd,nhe->hde", queries, queries) / len(queries)
+    queries, moment = queries_and_moment(heads, dim, 8, {7: 0.05, 50: 0.05})
     mean = calibration.mean(0)
     spread = (calibration - mean).abs().amax(0)
     keys, q = gemma_like_keys(128, heads, dim, seed=9), queries[:64]
-
-    def logit_error(f: KVFormat) -> float:
-        decoded = f.decode(f.encode(keys), torch.float32).double()
-        return torch.einsum("qhd,khd->hqk", q.double(), decoded - keys.double()).square().mean().item()
-
-    equalised = logit_error(make_format("int8_fit", "k").calibrated(mean, moment, spread))
-    offset_only = logit_error(FittedFormat("int8 offset", torch.int8, calibrate=True, offset=mean, weight=moment))
-    int8 = logit_error(make_format("int8", "k"))
+    equalised = logit_error(make_format("int8_fit", "k").calibrated(mean, moment, spread), q, keys)
+    offset_only = logit_error(FittedFormat("int8 offset", torch.int8, calibrate=True, offset=mean, weight=moment),
+                              q, keys)
+    int8 = logit_error(make_format("int8", "k"), q, keys)
     # Measured: equalised 0.0021, offset and fit alone 0.17, int8 1.9.
     assert equalised < offset_only / 20 and equalised < int8 / 200
