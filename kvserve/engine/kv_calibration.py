@@ -111,13 +111,16 @@ def measure_kv_stats(model: LlamaForCausalLM, ops: Ops, token_ids: list[int], ro
 
 
 def _calibrated(fmt: KVFormat, stats: KVStats, layer: int, role: int) -> KVFormat:
+    """`fmt` given this layer's statistics, where it asks for them (`calibrated_per_layer`)."""
+    if not fmt.calibrated_per_layer:
+        return fmt
     if isinstance(fmt, HeadScaleFormat):
         return fmt.calibrated(stats.amax[layer, role])
-    if isinstance(fmt, ChannelFormat) and fmt.wide:
+    if isinstance(fmt, ChannelFormat):
         return fmt.calibrated(stats.key_importance[layer])
-    if isinstance(fmt, FittedFormat) and fmt.calibrate:
+    if isinstance(fmt, FittedFormat):
         return fmt.calibrated(stats.key_mean[layer], stats.query_moment[layer], stats.key_spread[layer])
-    return fmt
+    raise TypeError(f"{fmt.name}: calibrated per layer, but kv_calibration has no statistics for {type(fmt).__name__}")
 
 
 def calibrate_formats(formats: list[LayerFormats], stats: KVStats) -> list[LayerFormats]:
