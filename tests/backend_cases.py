@@ -18,6 +18,12 @@ INTERPRETED = not torch.cuda.is_available()
 NO_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
+def backend_device(backend: str) -> str:
+    """Where an engine on `backend` runs: Triton's kernels compiled on a GPU when there is one,
+    interpreted on the CPU otherwise (a CPU engine refuses them outside the interpreter)."""
+    return "cuda" if backend == "triton" and not INTERPRETED else "cpu"
+
+
 def heavy_case(*values: Any, backend: str, id: str | None = None) -> Any:
     """pytest.param(*values), marked slow when it would run `backend` in the Triton interpreter."""
     marks = [NO_TRITON, pytest.mark.slow] if backend == "triton" and INTERPRETED else \

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -96,6 +97,20 @@ class DecodeGraphs:
         return self.runs[b]()[:n].clone()
 
 
+@dataclass(frozen=True)
+class _Captured:
+    """A captured graph and its output. The graph reads the tensors `step` closes over (its row
+    index, the attention's tiles) by address: they must live as long as it, or the allocator hands
+    their memory to other tensors and a replay gathers by garbage indices."""
+    graph: torch.cuda.CUDAGraph
+    out: torch.Tensor
+    step: Callable[[], torch.Tensor]
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
 def _capture(run: Callable[[], torch.Tensor], pool: object) -> tuple[Callable[[], torch.Tensor], object]:
     """Records `run` in a CUDA graph; returns its replay and the graph's memory pool. A warm-up
     call first compiles the Triton kernels and settles cuBLAS's workspaces outside the capture
@@ -108,8 +123,4 @@ def _capture(run: Callable[[], torch.Tensor], pool: object) -> tuple[Callable[[]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = run()
-
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return out
-    return replay, graph.pool()
+    return _Captured(graph, out, run), graph.pool()

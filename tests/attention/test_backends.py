@@ -279,7 +279,9 @@ def test_bf16_dense_pages_match_the_dense_reference(block_size: int, dim: int, k
                      torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]).to(bf16),
                      torch.cat([s.v[s.ctx - s.q_len:] for s in seqs]).to(bf16), step, dim ** -0.5)
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    assert served >= 2  # the torch reference and at least one fast backend
+    # The torch reference and at least one fast backend; on a GPU the fast one is Triton, which
+    # takes power-of-two head dims only (64, 128 or 256 in the models users bring).
+    assert served >= (1 if DEVICE.type == "cuda" and dim & (dim - 1) else 2)
 
 
 def outputs_over_compressed_pages(fmt: str, heads: int, kv_heads: int, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ from kvserve.attention.rotation import rotate, rotation_matrix
 from kvserve.attention.selector import BACKENDS
 from kvserve.cache.formats import make_format
 from kvserve.eval.quality import forced_logprobs
-from tests.backend_cases import heavy_case
+from tests.backend_cases import backend_device, heavy_case
 
 WINDOWS = [[(5 * i + 3 * j + j * j) % 128 for j in range(60)] for i in range(3)]
 
@@ -44,14 +44,15 @@ def test_rotated_pages_give_the_same_attention(tiny_llm: Callable[..., LLM], bac
     alone. int8 pages: the codes are of other vectors, so only close (within int8's own error
     against dense pages)."""
     fmt = dict(kv_cache_dtype=pages) if pages else {}
-    run = dict(max_num_seqs=3, attention_backend=backend, cpu_kernels=backend != "torch", **fmt)
+    run = dict(max_num_seqs=3, attention_backend=backend, cpu_kernels=backend != "torch", device=backend_device(backend),
+               **fmt)
     want = forced_logprobs(tiny_llm(**run), WINDOWS, prefill_len=25)
     got = forced_logprobs(tiny_llm(kv_rotation=kind, kv_rotate_keys=keys, **run), WINDOWS, prefill_len=25)
     if not pages:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     else:
-        dense = forced_logprobs(tiny_llm(max_num_seqs=3, attention_backend=backend,
-                                         cpu_kernels=backend != "torch"), WINDOWS, prefill_len=25)
+        dense = forced_logprobs(tiny_llm(max_num_seqs=3, attention_backend=backend, cpu_kernels=backend != "torch",
+                                         device=backend_device(backend)), WINDOWS, prefill_len=25)
         assert (got - want).abs().max() <= 4 * (want - dense).abs().max() + 1e-4
 
 

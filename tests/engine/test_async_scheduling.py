@@ -13,6 +13,7 @@ from kvserve.engine.model_runner import StepResult
 from kvserve.engine.sequence import PLACEHOLDER, RequestOutput
 from kvserve.engine.step_plan import StepPlan
 
+from tests.backend_cases import backend_device
 from tests.engine.test_llm_engine import PROMPTS
 
 # Every test also runs in a pool that preempts (tests/conftest.py, forced_preemption).
@@ -83,9 +84,11 @@ def test_same_outputs_with_the_triton_backend(tiny_llm: Callable[..., LLM]) -> N
     """The GPU's backend (interpreted here): its tiles come from the step's metadata, whose input
     ids the runner takes from the device."""
     params = [SamplingParams(max_tokens=6, temperature=t, seed=i, ignore_eos=True) for i, t in enumerate([0, 0.8, 0])]
-    sync = tiny_llm(async_scheduling="off", attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4)
+    sync = tiny_llm(async_scheduling="off", attention_backend="triton", device=backend_device("triton"),
+                   max_num_batched_tokens=16, max_num_seqs=4)
     want = [o.token_ids for o in sync.generate(PROMPTS[:3], params, use_tqdm=False)]
-    llm = tiny_llm(async_scheduling="on", attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4)
+    llm = tiny_llm(async_scheduling="on", attention_backend="triton", device=backend_device("triton"),
+                   max_num_batched_tokens=16, max_num_seqs=4)
     overlapped = count_overlapped_steps(llm)
     assert [o.token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)] == want
     assert overlapped[0] >= 4

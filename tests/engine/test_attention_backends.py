@@ -12,14 +12,20 @@ from kvserve import LLM, SamplingParams
 from kvserve.attention.selector import BACKENDS
 from kvserve.eval.quality import forced_logprobs
 from kvserve.model.config import ModelConfig
-from tests.backend_cases import NO_TRITON, heavy_case
+from tests.backend_cases import NO_TRITON, backend_device, heavy_case
 from tests.torch_threads import torch_threads
 
 WINDOWS = [[(7 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
-FAST = [dict(attention_backend=name, cpu_kernels=True) for name in BACKENDS if name != "torch"]
+FAST = [dict(attention_backend=name, cpu_kernels=True, device=backend_device(name)) for name in BACKENDS
+        if name != "torch"]
 FAST_PARAMS = [pytest.param(c, id=c["attention_backend"], marks=[NO_TRITON] if c["attention_backend"] == "triton"
                             else []) for c in FAST]
 REFERENCE = dict(attention_backend="torch", cpu_kernels=False)
+
+
+def reference_for(fast: dict[str, Any]) -> dict[str, Any]:
+    """The reference on `fast`'s device: a GPU's fp32 matmuls round otherwise than the CPU's."""
+    return dict(REFERENCE, device=fast["device"])
 # Backends whose kernels reach offloaded host blocks (a GPU kernel cannot: triton declines them).
 OFFLOADING = [c for c in FAST if c["attention_backend"] != "triton"]
 
@@ -53,7 +59,7 @@ def test_forced_decoding_matches_the_reference(tiny_llm: Callable[..., LLM], fas
     the other side of a code boundary, which moves logprobs by ~2e-3 in this model; misread pages
     move them by tenths. The attention itself is equal over the same decoded values
     (tests/attention/test_backends.py)."""
-    want = forced_logprobs(tiny_llm(max_num_seqs=3, **pages, **REFERENCE), WINDOWS, prefill_len=30)
+    want = forced_logprobs(tiny_llm(max_num_seqs=3, **pages, **reference_for(fast)), WINDOWS, prefill_len=30)
     got = forced_logprobs(tiny_llm(max_num_seqs=3, **pages, **fast), WINDOWS, prefill_len=30)
     tolerance = 1e-4 if "kv_cache_dtype" not in pages else 1e-2
     torch.testing.assert_close(got, want, atol=tolerance, rtol=1e-4)
@@ -72,7 +78,7 @@ def test_sharing_and_preemption_match_the_reference(tiny_llm: Callable[..., LLM]
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions
 
-    want, got = run(**REFERENCE), run(**fast)
+    want, got = run(**reference_for(fast)), run(**fast)
     assert want[1] > 0  # the small pool really preempted
     assert got == want
 
@@ -93,7 +99,8 @@ def test_offload_matches_the_reference(tiny_llm: Callable[..., LLM], fast: dict[
 @NO_TRITON
 def test_triton_declines_offloaded_pools(tiny_llm: Callable[..., LLM]) -> None:
     with pytest.raises(ValueError, match="attention_backend.*host blocks"):
-        tiny_llm(max_num_seqs=1, kv_cache_memory="64KiB", offload_memory="1MiB", attention_backend="triton")
+        tiny_llm(max_num_seqs=1, kv_cache_memory="64KiB", offload_memory="1MiB", attention_backend="triton",
+                 device=backend_device("triton"))
 
 
 @pytest.mark.parametrize("pages", ["dense", "int8"])
@@ -129,7 +136,7 @@ def test_real_model_greedy_tokens_with_triton(smol: LLM) -> None:
     """The Triton kernels on the bundled model (interpreted on a CPU: a short run)."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    triton_llm = LLM(dtype="float32", device="cpu", kv_cache_memory="16MiB", max_model_len=128,
+    triton_llm = LLM(dtype="float32", device=backend_device("triton"), kv_cache_memory="16MiB", max_model_len=128,
                      attention_backend="triton")
     got = [o.token_ids for o in triton_llm.generate(prompts, params, use_tqdm=False)]
     assert got == [o.token_ids for o in smol.generate(prompts, params, use_tqdm=False)]

@@ -18,7 +18,7 @@ from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.config import CHUNKED_BATCHED_TOKENS, EngineConfig
 from kvserve.eval.quality import forced_logprobs
-from tests.backend_cases import heavy_case
+from tests.backend_cases import backend_device, heavy_case
 from tests.conftest import CALM, TINY
 
 # Every test also runs in a pool that preempts (tests/conftest.py, forced_preemption).
@@ -237,7 +237,7 @@ class BesideTheReference:
 def test_backends_read_per_head_fp8_pages_as_the_reference_does(tiny_llm: Callable[..., LLM], backend: str) -> None:
     windows = [[(5 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
     kwargs = {"max_num_seqs": 3, "kv_cache_dtype": "fp8_e4m3", "kv_fp8_scales": "head", "kv_rotation": "hadamard"}
-    llm = tiny_llm(**kwargs, attention_backend=backend)
+    llm = tiny_llm(**kwargs, attention_backend=backend, device=backend_device(backend))
     beside = BesideTheReference.install(llm)
     got = forced_logprobs(llm, windows, prefill_len=30)
     beside.assert_same_reads()
@@ -269,7 +269,7 @@ def test_exact_sink_kivi_reads_the_same_on_every_backend(tiny_llm: Callable[...,
     windows = [[(5 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
     kwargs = {"max_num_seqs": 3, "kv_cache_dtype": "kivi2", "kv_residual": 0, "kv_exact_sink": True,
               "kv_group_size": GROUP}
-    llm = tiny_llm(**kwargs, attention_backend=backend)
+    llm = tiny_llm(**kwargs, attention_backend=backend, device=backend_device(backend))
     beside = BesideTheReference.install(llm)
     got = forced_logprobs(llm, windows, prefill_len=30)
     beside.assert_same_reads()
