@@ -205,12 +205,15 @@ def main() -> None:
         pool = [r["pool"] for r in runs[name] if r["pool"]]
         chunks = sum(q["caller_chunks"] + q["worker_chunks"] for q in pool)
         share = f"{100 * sum(q['worker_chunks'] for q in pool) / chunks:.0f}%" if chunks else "-"
-        rows.append(f"| {name} | {runnable:.1f} | {seconds:.2f} | {fair:.2f} | {seconds / fair:.2f} | {share} |")
+        regions = sum(q["parallel_regions"] + q.get("solo_regions", 0) for q in pool)
+        solo = f"{100 * sum(q.get('solo_regions', 0) for q in pool) / regions:.0f}%" if regions else "-"
+        rows.append(f"| {name} | {runnable:.1f} | {seconds:.2f} | {fair:.2f} | {seconds / fair:.2f} | {share} "
+                    f"| {solo} |")
     prompt = f"{args.prompt_tokens}-token prompt, " if args.prompt_tokens else ""
     head = [f"{prompt}{args.tokens} tokens, {CORES} cores, torch threads {threads}, medians of {args.rounds} rounds, "
             f"measured process env {env or '{}'}", "",
             "| neighbours | runnable neighbour threads | time (s) | fair-share time (s) | time / fair share "
-            "| kernel chunks run by workers |", "|---|---|---|---|---|---|"]
+            "| kernel chunks run by workers | regions run solo |", "|---|---|---|---|---|---|---|"]
     table = "\n".join(head + rows)
     print(table)
     if args.out:

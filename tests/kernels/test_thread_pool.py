@@ -2,6 +2,7 @@
 (kvserve/threads.py); the fp32 linear whose rows never depend on their batch."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -24,6 +25,13 @@ pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler: CPU ke
 
 def rand(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(autouse=True)
+def parallel_pool() -> None:
+    """Each test starts with the pool on every thread: on a busy machine an earlier test's regions
+    may have sent it solo (thread_pool.cpp), and these count its parallel regions."""
+    kernels.thread_pool_end_solo()
 
 
 def test_a_region_runs_every_chunk_once_on_the_pool() -> None:
@@ -157,6 +165,42 @@ def test_a_forked_child_runs_kernels_on_its_own_pool() -> None:
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+STARVED = """
+import json, os, subprocess, sys, time
+cpu = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cpu})  # before torch: the pool's worker inherits it
+hog = subprocess.Popen([sys.executable, "-c", f"import os\\nos.sched_setaffinity(0, {{{cpu}}})\\nwhile True: pass"])
+try:
+    import torch
+    from kvserve.kernels import cpu_extension
+    from kvserve.model.cpu_linear import interleave_f32
+    k = cpu_extension.load()
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 256, generator=g), interleave_f32(torch.randn(1024, 256, generator=g))
+    torch.set_num_threads(1)
+    want = k.linear_f32(x, w, None)
+    torch.set_num_threads(2)
+    same, end = True, time.monotonic() + 2
+    while time.monotonic() < end:
+        same &= torch.equal(k.linear_f32(x, w, None), want)
+    print(json.dumps({**k.thread_pool_stats(), "same": same}))
+finally:
+    hog.kill()
+"""
+
+
+def test_a_pool_starved_of_cores_runs_its_regions_on_the_caller_alone() -> None:
+    """The caller, its worker and a busy loop of another process on one core: the worker runs few
+    chunks (measured: 0.4%) and its spins take the caller's time, so the pool goes solo; it probes
+    again after each solo period (more parallel regions than one window) and finds the worker
+    starved again. Every region gives one thread's result."""
+    out = subprocess.run([sys.executable, "-c", STARVED], capture_output=True, text=True, check=True, timeout=120)
+    stats = json.loads(out.stdout)
+    assert stats["same"]
+    assert stats["solo_periods"] >= 2
+    assert stats["parallel_regions"] > 64 and stats["solo_regions"] > stats["parallel_regions"]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 48, 49, 61, 100])

@@ -1271,7 +1271,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                           {"worker_chunks", s.worker_chunks},
                                           {"caller_sleeps", s.caller_sleeps},
                                           {"worker_sleeps", s.worker_sleeps},
-                                          {"torch_regions", s.torch_regions}};
+                                          {"torch_regions", s.torch_regions},
+                                          {"solo_periods", s.solo_periods},
+                                          {"solo_regions", s.solo_regions}};
   }, "what the kernels' thread pool did since the process started (thread_pool.h, PoolStats)");
+  m.def("thread_pool_end_solo", &kvserve::end_solo,
+        "end the pool's solo period now: the next regions run on every thread (thread_pool.h, end_solo)");
   bind_decoder_stack(m);
 }

@@ -41,6 +41,20 @@ constexpr int64_t kChunksPerThread = 2;
 // fp16 one runs on torch's threads (team_for).
 constexpr int64_t kSmallBatch = 32;
 
+// Going solo. Beside neighbours that keep both cores busy, a worker is off its core most of the
+// time: it ran 8-12% of the chunks where a fair half was 50%, and the caller waited 116-200 us a
+// region for chunks it had claimed before it was descheduled. The caller alone then ran a decode
+// 1.4-2x faster than the pair (BENCHMARKS.md, issue 38). Where the worker shares the caller's core,
+// it ran 0.4% of the chunks and its spins only took the caller's time. A worker that runs so few
+// chunks can speed a region up by little (12% at most at a 12% share), so the pool watches windows
+// of kProbeRegions regions; when its workers ran under half their fair share of the chunks, regions
+// run on the caller alone for a solo period, after which the next window probes again. A period
+// doubles while probes keep finding the workers starved (so probing costs ~1% of the time), and is
+// back at its base once one finds them well. A quiet machine's worker runs about half the chunks.
+constexpr int64_t kProbeRegions = 64;
+constexpr auto kSoloBase = std::chrono::milliseconds(20);
+constexpr auto kSoloMax = std::chrono::milliseconds(640);
+
 // The claim word: generation (24 bits) | next chunk (20 bits) | chunk count (20 bits). One word,
 // so a claim checks the region and the count it claims against in one compare-and-swap: a thread
 // that slept through a region can never claim a chunk of the next one with the old one's count.
@@ -107,6 +121,11 @@ class Pool {
       fn(ctx, begin, end);
       return;
     }
+    if (Clock::now() < solo_until_) {
+      ++stats_.solo_regions;
+      fn(ctx, begin, end);
+      return;
+    }
     const int64_t workers = start_workers(threads - 1);
     const int64_t chunks = (workers + 1) * kChunksPerThread;
     const int64_t chunk =
@@ -131,14 +150,45 @@ class Pool {
     in_region = false;
     const auto worked = Clock::now();
     stats_.caller_sleeps += wait_done(count);
+    const auto ended = Clock::now();
     ++stats_.parallel_regions;
-    stats_.waiting_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - worked).count();
+    stats_.waiting_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(ended - worked).count();
     stats_.caller_chunks += own;
     stats_.worker_chunks += count - own;
+    judge(workers, count - own, count, ended);
     if (error_) std::rethrow_exception(error_);
   }
 
+  // Ends a solo period now: the next regions run on every thread (PoolStats).
+  void end_solo() {
+    std::lock_guard<std::mutex> region(busy_);
+    solo_until_ = Clock::time_point{};
+    solo_period_ = kSoloBase;
+    window_ = Window{};
+  }
+
  private:
+  struct Window {
+    int64_t regions = 0, worker_chunks = 0, chunks = 0;
+  };
+
+  // Adds a parallel region to the window; at its end, goes solo or not (kProbeRegions).
+  void judge(int64_t workers, int64_t worker_chunks, int64_t chunks, Clock::time_point now) {
+    window_.regions += 1;
+    window_.worker_chunks += worker_chunks;
+    window_.chunks += chunks;
+    if (window_.regions < kProbeRegions) return;
+    // Under half their fair share: workers / (workers + 1) of the chunks, halved.
+    if (2 * (workers + 1) * window_.worker_chunks < workers * window_.chunks) {
+      solo_until_ = now + solo_period_;
+      solo_period_ = std::min<Clock::duration>(2 * solo_period_, kSoloMax);
+      ++stats_.solo_periods;
+    } else {
+      solo_period_ = kSoloBase;
+    }
+    window_ = Window{};
+  }
+
   // Up to `wanted` workers (started once, kept); fewer where the system refuses a thread.
   int64_t start_workers(int64_t wanted) {
     while (static_cast<int64_t>(workers_.size()) < wanted && !refused_) {
@@ -213,7 +263,10 @@ class Pool {
   }
 
   std::mutex busy_;
-  PoolStats stats_;  // guarded by busy_
+  PoolStats stats_;  // these four guarded by busy_
+  Window window_;
+  Clock::time_point solo_until_{};
+  Clock::duration solo_period_ = kSoloBase;
   alignas(64) std::atomic<uint64_t> claim_{0};
   // The region: written before its claim word is published; read by a thread only after it has
   // claimed one of its chunks, so stable until that chunk is done.
@@ -270,5 +323,7 @@ Team team_for(int64_t rows, c10::ScalarType dtype) {
 }
 
 PoolStats pool_stats() { return detail::pool().stats(); }
+
+void end_solo() { detail::pool().end_solo(); }
 
 }  // namespace kvserve

@@ -13,7 +13,8 @@
 // worker that has not woken up (the caller then does its share). Workers spin a short, bounded
 // time between regions (a decode step's regions come microseconds apart), yielding the core every
 // microsecond or two to whatever else waits for it, then sleep (llama.cpp's threadpool spins, then
-// sleeps, too).
+// sleeps, too). Where its workers stay starved of cores even so, the pool runs regions on the
+// caller alone for a while and probes again (thread_pool.cpp, "Going solo").
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -48,12 +49,17 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, Team te
 // waiting for chunks a worker still ran (on a busy machine, mostly for a worker off its core), and
 // the chunks callers and workers ran, and how often a caller or a worker gave up spinning and slept.
 // torch_regions: regions handed to torch's threads (Team::torch), counted whether or not torch ran
-// them on several threads.
+// them on several threads. solo_periods: the times the pool found its workers starved of cores and
+// ran regions on the caller alone for a while (thread_pool.cpp, kProbeRegions); solo_regions: the
+// regions it ran so.
 struct PoolStats {
   int64_t parallel_regions = 0, waiting_ns = 0, caller_chunks = 0, worker_chunks = 0;
-  int64_t caller_sleeps = 0, worker_sleeps = 0, torch_regions = 0;
+  int64_t caller_sleeps = 0, worker_sleeps = 0, torch_regions = 0, solo_periods = 0, solo_regions = 0;
 };
 PoolStats pool_stats();
+// Ends a solo period now, so that the next regions run on every thread: for a test or a benchmark
+// that measures the parallel path after contention.
+void end_solo();
 
 namespace detail {
 using ChunkFn = void (*)(const void* ctx, int64_t begin, int64_t end);
