@@ -25,7 +25,7 @@ from kvserve.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
 from kvserve.cache.formats import KVFormat
 from kvserve.cache.formats.absmax import HeadScaleFormat
 from kvserve.cache.formats.fitted import FittedFormat
-from kvserve.cache.formats.kivi import ChannelFormat
+from kvserve.cache.formats.kivi import ChannelFormat, MixedChannelFormat
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import LayerFormats
 from kvserve.model.llama import LlamaForCausalLM
@@ -116,7 +116,7 @@ def _calibrated(fmt: KVFormat, stats: KVStats, layer: int, role: int) -> KVForma
         return fmt
     if isinstance(fmt, HeadScaleFormat):
         return fmt.calibrated(stats.amax[layer, role])
-    if isinstance(fmt, ChannelFormat):
+    if isinstance(fmt, (ChannelFormat, MixedChannelFormat)):
         return fmt.calibrated(stats.key_importance[layer])
     if isinstance(fmt, FittedFormat):
         return fmt.calibrated(stats.key_mean[layer], stats.query_moment[layer], stats.key_spread[layer])

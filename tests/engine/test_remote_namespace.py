@@ -37,3 +37,17 @@ def test_rotating_values_alone_and_other_wide_channels_are_other_pages() -> None
     assert namespace(kv_rotation="hadamard", kv_rotate_keys=False) != namespace(kv_rotation="hadamard")
     assert namespace(kv_key_wide_channels=8) == namespace(kv_key_wide_channels=8)
     assert namespace(-1.0, kv_key_wide_channels=8) != namespace(kv_key_wide_channels=8)
+
+
+def test_mixed_keys_with_other_bits_per_channel_are_other_pages() -> None:
+    config = EngineConfig.of(kv_cache_dtype="kivi2_mix", kv_group_size=16, kv_key_wide_channels=8)
+
+    def mixed(importance: torch.Tensor) -> str:
+        stats = KVStats(torch.ones(LAYERS, 2, KV_HEADS), importance, torch.zeros(LAYERS, KV_HEADS, DIM),
+                        torch.ones(LAYERS, KV_HEADS, DIM), torch.zeros(LAYERS, KV_HEADS, DIM, DIM))
+        return remote_namespace(MODEL, config, calibrate_formats(config.kv_layer_formats(LAYERS), stats))
+
+    rising = torch.arange(LAYERS * KV_HEADS * DIM, dtype=torch.float32).reshape(LAYERS, KV_HEADS, DIM) ** 4
+    assert mixed(rising) == mixed(rising.clone())
+    assert mixed(rising) != mixed(rising.flip(-1))  # the same bits, on other channels
+    assert mixed(rising) != namespace(kv_key_wide_channels=8)

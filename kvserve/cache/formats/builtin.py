@@ -7,7 +7,7 @@ from kvserve.cache.formats.absmax import AbsMaxFormat, HeadScaleFormat
 from kvserve.cache.formats.base import KVFormat
 from kvserve.cache.formats.fitted import FittedFormat
 from kvserve.cache.formats.grouped import GroupFormat
-from kvserve.cache.formats.kivi import ChannelFormat
+from kvserve.cache.formats.kivi import ChannelFormat, MixedChannelFormat
 from kvserve.cache.formats.options import FormatOptions, Role
 from kvserve.cache.formats.plain import PlainFormat
 from kvserve.cache.formats.registry import FormatFactory, register
@@ -56,6 +56,12 @@ register("int4", lambda role, options: GroupFormat("int4", 4, options.group_size
          default_in=("eval", "tune", "bench"))
 register("kivi2", _kivi("kivi2", 2), default_residual=KIVI_RESIDUAL, default_in=("eval", "tune", "bench"))
 register("kivi4", _kivi("kivi4", 4), default_residual=KIVI_RESIDUAL, default_in=("eval", "tune"))
+# kivi2's price (2-bit codes, kv_key_wide_channels more bits per head), the key bits spread over
+# channels by calibrated importance (0-4 bits a channel): Gemma 3's keys lose most of the 2.5-bit
+# layout's error, in few channels (kivi.py, issue 42).
+register("kivi2_mix", lambda role, options: (
+    MixedChannelFormat("kivi2_mix", options.exact_sink, options.key_wide_channels) if role == "k"
+    else GroupFormat("kivi2_mix", 2, options.group_size, options.symmetric_values)), default_residual=KIVI_RESIDUAL)
 register("outlier", lambda role, options: OutlierFormat(options.group_size, options.outliers), default_in=("eval",))
 register("sparse", lambda role, options: SparseFormat(options.sparse_threshold, options.sparse_capacity),
          default_in=("eval",))

@@ -1,11 +1,19 @@
-"""KIVI keys: codes per channel across a block (`ChannelFormat`); KIVI values are grouped per
-token (grouped.py)."""
+"""KIVI keys: codes per channel across a block (`ChannelFormat`, and `MixedChannelFormat` with bits per
+channel); KIVI values are grouped per token (grouped.py)."""
 from __future__ import annotations
 
 import torch
 
 from kvserve.cache.formats.base import FieldSpec, Fields, KVFormat
-from kvserve.cache.formats.codes import check_packable, dequantize_asym, pack, quantize_asym, unpack
+from kvserve.cache.formats.codes import (
+    MIN_SCALE,
+    check_packable,
+    dequantize_asym,
+    fp16_rounded,
+    pack,
+    quantize_asym,
+    unpack,
+)
 from kvserve.cache.formats.layout import PageKind, PageLayout
 from kvserve.validate import FieldError
 
@@ -91,6 +99,143 @@ class ChannelFormat(KVFormat):
         if self.wide:
             top = unpack(fields["wide"], 1) << self.bits
             codes = codes.scatter_add(-1, self._wide_index(codes.device).expand_as(top), top)
+        x = dequantize_asym(codes, fields["scale"], fields["zero"], -3)
+        if self.exact_sink:
+            x[..., 0, :, :] = fields["sink"].float()
+        return x.to(dtype)
+
+
+# What a channel's error costs at b bits, relative to its range^2 / 12 (`allocate_bits`): a uniform
+# step of range / (2^b - 1). 0 bits decode the block's mean: about what one bit of min-max codes
+# costs, so one bit is never chosen and 0 is.
+_BIT_CHOICES = (0, 2, 3, 4)
+
+
+def allocate_bits(importance: torch.Tensor, total: int) -> torch.Tensor:
+    """importance [H, D] (E[q_d^2] E[range_d^2]) -> bits per channel [H, D] in `_BIT_CHOICES`, equal
+    within each RoPE pair (d, d + D/2: RoPE turns them into each other), at most `total` bits per
+    head, chosen to minimise sum_d importance_d / (2^b_d - 1)^2 (the q.k error of uniform codes on a
+    channel's block range). Greedy in the cost saved per bit over each pair's next choice: the costs
+    are convex in bits once 1 is skipped, so the greedy order is the Lagrangian one."""
+    heads, dim = importance.shape
+    half = dim // 2
+    pairs = (importance[:, :half] + importance[:, half:]).double()
+    pairs = pairs / pairs.sum(-1, keepdim=True).clamp_min(1e-30)
+    cost = {b: 1.0 if b == 0 else 1.0 / (2 ** b - 1) ** 2 for b in _BIT_CHOICES}
+    bits = torch.zeros(heads, half, dtype=torch.int64)
+    for h in range(heads):
+        used, level = 0, [0] * half  # index into _BIT_CHOICES per pair
+        while True:
+            best, best_gain = -1, 0.0
+            for p in range(half):
+                if level[p] + 1 < len(_BIT_CHOICES):
+                    now, nxt = _BIT_CHOICES[level[p]], _BIT_CHOICES[level[p] + 1]
+                    if used + 2 * (nxt - now) <= total:
+                        gain = pairs[h, p].item() * (cost[now] - cost[nxt]) / (nxt - now)
+                        if gain > best_gain:
+                            best, best_gain = p, gain
+            if best < 0:
+                break
+            used += 2 * (_BIT_CHOICES[level[best] + 1] - _BIT_CHOICES[level[best]])
+            level[best] += 1
+        bits[h] = torch.tensor([_BIT_CHOICES[i] for i in level])
+    return torch.cat([bits, bits], -1)
+
+
+class MixedChannelFormat(KVFormat):
+    """KIVI keys at `2 * D + wide` bits per token and head (what ChannelFormat's 2-bit codes with
+    `wide` wide channels cost), spent by calibration: each RoPE pair of channels gets 0, 2, 3 or 4
+    bits by its importance (`allocate_bits`). On Gemma 3 a head's top 48 of 128 pairs hold 80-99% of
+    E[q_d^2] E[range_d^2], so the bottom ones are worth less than their 2 bits and the top ones more
+    than 3 (issue 42). Codes per channel are min-max asymmetric over the block's tokens as
+    ChannelFormat's; a 0-bit channel decodes as its block mean (its zero-point field). Codes are
+    stored as bit planes in one packed field: the flat bit string holds, for each plane j, bit j of
+    every channel with more than j bits; calibration fixes that order (`_slot_order`). No kernel reads
+    these pages (layout kind None): the torch backend decodes them."""
+
+    def __init__(self, name: str, exact_sink: bool = False, wide: int = 0,
+                 channel_bits: torch.Tensor | None = None) -> None:
+        self.name, self.exact_sink, self.wide = name, exact_sink, wide
+        # [num_kv_heads, D] int64. Uncalibrated (None), every channel takes 2 bits, so that a format
+        # read from a name alone still round-trips (as fitted.py's do) at kivi2's bits.
+        self.channel_bits = channel_bits
+        self._slot_table = None if channel_bits is None else self._slot_order(channel_bits, wide)
+
+    @property
+    def layout(self) -> PageLayout:
+        # `wide`: the bits per head beyond 2 a channel (kv_key_wide_channels), as ChannelFormat's.
+        return PageLayout(None, per_token=False, exact_sink=self.exact_sink, wide=self.wide)
+
+    @property
+    def calibrated_per_layer(self) -> bool:
+        return True
+
+    def calibrated(self, importance: torch.Tensor) -> "MixedChannelFormat":
+        bits = allocate_bits(importance.float().cpu(), 2 * importance.shape[-1] + self.wide)
+        return MixedChannelFormat(self.name, self.exact_sink, self.wide, bits)
+
+    def fields(self, num_kv_heads: int, head_dim: int, block_size: int) -> FieldSpec:
+        if self.wide > 2 * head_dim:
+            raise FieldError("kv_key_wide_channels",
+                             f"kv_key_wide_channels {self.wide} exceeds 2 x head_dim {head_dim} (4-bit keys)")
+        if self.channel_bits is not None and self.channel_bits.shape != (num_kv_heads, head_dim):
+            raise ValueError(f"{self.name}: calibrated for {tuple(self.channel_bits.shape)} (KV heads, head_dim), "
+                             f"got {(num_kv_heads, head_dim)}")
+        channels = (num_kv_heads, head_dim)
+        spec = {"codes": ((block_size, num_kv_heads, (2 * head_dim + self.wide) // 8), torch.uint8),
+                "scale": (channels, torch.float16), "zero": (channels, torch.float16)}
+        return {**spec, "sink": (channels, torch.float16)} if self.exact_sink else spec
+
+    def _bits(self, heads: int, dim: int) -> torch.Tensor:
+        return torch.full((heads, dim), 2, dtype=torch.int64) if self.channel_bits is None else self.channel_bits
+
+    def _slots(self, heads: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        table = self._slot_table or self._slot_order(self._bits(heads, dim), self.wide)
+        channel, plane, used = table
+        return channel.to(device), plane.to(device), used.to(device)
+
+    @staticmethod
+    def _slot_order(bits: torch.Tensor, wide: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The flat bit string's (channel, plane, used) per slot [H, S]; unused slots are padding.
+        Built once at calibration: every decode reads it."""
+        heads, dim = bits.shape
+        size = 2 * dim + wide
+        channel = torch.zeros(heads, size, dtype=torch.int64)
+        plane = torch.zeros(heads, size, dtype=torch.int64)
+        used = torch.zeros(heads, size, dtype=torch.bool)
+        for h in range(heads):
+            chans = [c for j in range(4) for c in (bits[h] > j).nonzero().flatten().tolist()]
+            planes = [j for j in range(4) for _ in range(int((bits[h] > j).sum()))]
+            channel[h, :len(chans)] = torch.tensor(chans, dtype=torch.int64)
+            plane[h, :len(planes)] = torch.tensor(planes, dtype=torch.int64)
+            used[h, :len(chans)] = True
+        return channel, plane, used
+
+    def encode(self, x: torch.Tensor) -> Fields:
+        x = x.float()
+        heads, dim = x.shape[-2:]
+        bits = self._bits(heads, dim).to(x.device)
+        channel, plane, used = self._slots(heads, dim, x.device)
+        body = x[..., 1:, :, :] if self.exact_sink else x  # [..., T, H, D]: the tokens that set the ranges
+        lo, hi = body.amin(-3, keepdim=True), body.amax(-3, keepdim=True)
+        qmax = (2 ** bits - 1).float()
+        zero = fp16_rounded(lo, up=False)
+        scale = fp16_rounded(((hi - zero.float()) / qmax.clamp_min(1)).clamp_min(MIN_SCALE), up=True)
+        # 0-bit channels keep the block's mean in the zero-point; their code is 0.
+        zero = torch.where(bits == 0, body.mean(-3, keepdim=True).to(torch.float16), zero)
+        codes = ((x - zero.float()) / scale.float()).round().clamp(torch.zeros_like(qmax), qmax).to(torch.int64)
+        flat = codes.gather(-1, channel.expand(*codes.shape[:-1], -1)) >> plane
+        flat = (flat & 1).masked_fill(~used, 0).to(torch.uint8)
+        fields = {"codes": pack(flat, 1), "scale": scale.squeeze(-3), "zero": zero.squeeze(-3)}
+        return {**fields, "sink": x[..., 0, :, :].to(torch.float16)} if self.exact_sink else fields
+
+    def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
+        flat = unpack(fields["codes"], 1).to(torch.int64)
+        heads, dim = fields["scale"].shape[-2:]
+        channel, plane, used = self._slots(heads, dim, flat.device)
+        top = (flat << plane).masked_fill(~used, 0)
+        codes = torch.zeros(*flat.shape[:-1], dim, dtype=torch.int64, device=flat.device)
+        codes = codes.scatter_add(-1, channel.expand_as(top), top)
         x = dequantize_asym(codes, fields["scale"], fields["zero"], -3)
         if self.exact_sink:
             x[..., 0, :, :] = fields["sink"].float()
