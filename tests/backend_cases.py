@@ -24,6 +24,12 @@ def backend_device(backend: str) -> str:
     return "cuda" if backend == "triton" and not INTERPRETED else "cpu"
 
 
+def heavy(test: Any) -> Any:
+    """`test`, marked slow where it would run the Triton interpreter (a real model, or a pool that
+    preempts: 10-25 s of CI each on 2 cores); on a GPU it runs as it is."""
+    return pytest.mark.slow(test) if INTERPRETED else test
+
+
 def heavy_case(*values: Any, backend: str, id: str | None = None) -> Any:
     """pytest.param(*values), marked slow when it would run `backend` in the Triton interpreter."""
     marks = [NO_TRITON, pytest.mark.slow] if backend == "triton" and INTERPRETED else \

@@ -12,14 +12,13 @@ from kvserve import LLM, SamplingParams
 from kvserve.attention.selector import BACKENDS
 from kvserve.eval.quality import forced_logprobs
 from kvserve.model.config import ModelConfig
-from tests.backend_cases import NO_TRITON, backend_device, heavy_case
+from tests.backend_cases import NO_TRITON, backend_device, heavy, heavy_case
 from tests.torch_threads import torch_threads
 
 WINDOWS = [[(7 * i + 3 * j + j * j) % 128 for j in range(70)] for i in range(3)]
 FAST = [dict(attention_backend=name, cpu_kernels=True, device=backend_device(name)) for name in BACKENDS
         if name != "torch"]
-FAST_PARAMS = [pytest.param(c, id=c["attention_backend"], marks=[NO_TRITON] if c["attention_backend"] == "triton"
-                            else []) for c in FAST]
+FAST_PARAMS = [heavy_case(c, backend=c["attention_backend"], id=c["attention_backend"]) for c in FAST]
 REFERENCE = dict(attention_backend="torch", cpu_kernels=False)
 
 
@@ -132,6 +131,7 @@ def test_real_model_greedy_tokens_equal_across_backends(smol: LLM) -> None:
 
 @pytest.mark.model
 @NO_TRITON
+@heavy
 def test_real_model_greedy_tokens_with_triton(smol: LLM) -> None:
     """The Triton kernels on the bundled model (interpreted on a CPU: a short run)."""
     prompts = ["The capital of France is", "def fibonacci(n):"]

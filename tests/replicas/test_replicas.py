@@ -1,8 +1,10 @@
-"""Two tiny-model replicas on a local Ray cluster, behind the prefix-aware router and the HTTP app."""
+"""Two tiny-model replicas on a local Ray cluster, behind the prefix-aware router and the HTTP app;
+what that cluster exposes."""
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import ipaddress
 import os
 import signal
 import threading
@@ -10,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 
 # Not imported here: kvserve sets what Ray reads when imported (replicas.front._start_ray).
@@ -84,6 +87,40 @@ def served() -> Iterator[Served]:
     s = Served()
     yield s
     s.stop()
+
+
+def is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback  # ::ffff:127.0.0.1 too
+
+
+def open_sockets(root: psutil.Process) -> tuple[list[str], list[tuple[str, str]]]:
+    """The command lines of `root` and every process under it, and (command, address) of each
+    socket they accept on: TCP listening, UDP unconnected."""
+    commands, sockets = [], []
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            command = " ".join(proc.cmdline())
+            connections = proc.net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue
+        commands.append(command)
+        sockets += [(command[:60], c.laddr.ip) for c in connections
+                    if c.status == psutil.CONN_LISTEN or (c.status == psutil.CONN_NONE and not c.raddr)]
+    return commands, sockets
+
+
+def test_a_loopback_front_keeps_its_ray_cluster_on_loopback(served: Served) -> None:
+    """Issue 39: Ray's servers listened on every interface, and Ray runs whatever code reaches
+    them. The front binds 127.0.0.1 (ReplicaSettings.host, what `kvserve serve --replicas N
+    --host` sets), so every socket that this process and the cluster it started accept on is
+    loopback (the same cluster as the tests beside: a second one cost over a minute of the suite)."""
+    commands, sockets = open_sockets(psutil.Process())
+    # The processes that listened on every interface are all there, so none was missed.
+    for part in ("gcs_server", "raylet", "ServeController", "ServeReplica", "DashboardAgent"):
+        assert any(part in c for c in commands), (part, commands)
+    assert len(sockets) > 10
+    assert [s for s in sockets if not is_loopback(s[1])] == []
 
 
 def test_a_cached_prefix_draws_its_requests_to_the_replica_holding_it(served: Served) -> None:
