@@ -145,13 +145,15 @@ def allocate_bits(importance: torch.Tensor, total: int) -> torch.Tensor:
 class MixedChannelFormat(KVFormat):
     """KIVI keys at `2 * D + wide` bits per token and head (what ChannelFormat's 2-bit codes with
     `wide` wide channels cost), spent by calibration: each RoPE pair of channels gets 0, 2, 3 or 4
-    bits by its importance (`allocate_bits`). On Gemma 3 a head's top 48 of 128 pairs hold 80-99% of
+    bits by its importance (`allocate_bits`). On Gemma 3 a head's top 48 of 128 pairs hold 80-95% of
     E[q_d^2] E[range_d^2], so the bottom ones are worth less than their 2 bits and the top ones more
-    than 3 (issue 42). Codes per channel are min-max asymmetric over the block's tokens as
-    ChannelFormat's; a 0-bit channel decodes as its block mean (its zero-point field). Codes are
-    stored as bit planes in one packed field: the flat bit string holds, for each plane j, bit j of
-    every channel with more than j bits; calibration fixes that order (`_slot_order`). No kernel reads
-    these pages (layout kind None): the torch backend decodes them."""
+    than 3: at 2.5 bits on Gemma 3 this (with the exact sink's bits spent on channels too) halves the
+    kivi2 layout's KL (0.049-0.054 against 0.093-0.105; BENCHMARKS.md, issue 42). Codes per channel
+    are min-max asymmetric over the block's tokens as ChannelFormat's; a 0-bit channel decodes as its
+    block mean (its zero-point field). Codes are stored as bit planes in one packed field: the flat
+    bit string holds, for each plane j, bit j of every channel with more than j bits; calibration
+    fixes that order (`_slot_order`). No kernel reads these pages (layout kind None): the torch
+    backend decodes them."""
 
     def __init__(self, name: str, exact_sink: bool = False, wide: int = 0,
                  channel_bits: torch.Tensor | None = None) -> None:
