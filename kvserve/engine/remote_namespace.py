@@ -33,10 +33,10 @@ def _layout(fmt: KVFormat) -> str:
 def remote_namespace(model: torch.nn.Module, config: EngineConfig, formats: list[LayerFormats] | None,
                      rank: int = 0, world_size: int = 1) -> str:
     pages = "dense" if formats is None else ";".join(f"{_layout(k)}/{_layout(v)}" for k, v in formats)
-    # Per-head fp8 scales, wide key channels, mixed keys' bits per channel and fitted fp8 keys' offsets
-    # and weights are calibrated, so blocks encoded with others decode (or encode) otherwise: their
-    # values are part of the name.
-    tables = ("head_scale", "wide_channels", "channel_bits", "offset", "weight")
+    # Per-head fp8 scales, wide key channels, mixed keys' bits per channel and fitted keys' offsets,
+    # weights and channel spreads are calibrated, so blocks encoded with others decode (or encode)
+    # otherwise: their values are part of the name.
+    tables = ("head_scale", "wide_channels", "channel_bits", "offset", "weight", "spread")
     calibrated = [t.float().flatten() for pair in formats or [] for f in pair
                   for t in (getattr(f, name, None) for name in tables) if t is not None]
     if calibrated:

@@ -51,3 +51,18 @@ def test_mixed_keys_with_other_bits_per_channel_are_other_pages() -> None:
     assert mixed(rising) == mixed(rising.clone())
     assert mixed(rising) != mixed(rising.flip(-1))  # the same bits, on other channels
     assert mixed(rising) != namespace(kv_key_wide_channels=8)
+
+
+def test_fitted_keys_with_other_channel_spreads_are_other_pages() -> None:
+    """int8_fit divides each key channel by its calibrated spread before the codes: blocks encoded
+    with one spread decode wrongly with another, even where the offset and weights agree."""
+    config = EngineConfig.of(kv_cache_dtype="int8_fit")
+
+    def fitted(spread: torch.Tensor) -> str:
+        stats = KVStats(torch.ones(LAYERS, 2, KV_HEADS), torch.ones(LAYERS, KV_HEADS, DIM),
+                        torch.zeros(LAYERS, KV_HEADS, DIM), spread, torch.zeros(LAYERS, KV_HEADS, DIM, DIM))
+        return remote_namespace(MODEL, config, calibrate_formats(config.kv_layer_formats(LAYERS), stats))
+
+    spread = torch.linspace(0.5, 4.0, LAYERS * KV_HEADS * DIM).reshape(LAYERS, KV_HEADS, DIM)
+    assert fitted(spread) == fitted(spread.clone())
+    assert fitted(spread) != fitted(spread.flip(-1))
