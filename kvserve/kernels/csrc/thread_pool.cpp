@@ -3,7 +3,6 @@
 
 #include <ATen/Parallel.h>
 #include <pthread.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -80,11 +79,11 @@ inline void pause() {
 
 thread_local bool in_region = false;  // nested regions run inline
 
-// A bounded spin: `spinning()` pauses once and says whether the budget of wall time lasts. Every
-// 64 pauses (1-2 us) it also yields the core, so a thread waiting for that core (another
-// process's: a second engine, a server's event loop) runs now instead of after the spinner's time
-// slice; with nothing else runnable the call returns at once. Beside a kvserve server and a second
-// engine on 2 cores a decode ran 1.3-2x faster so, quiet decode unchanged (BENCHMARKS.md, issue 38).
+// A bounded spin: `spinning()` pauses once and says whether the budget of wall time lasts (the
+// clock read every 64 pauses, 1-2 us). It yielded the core at each read for a while: that helped
+// beside other sessions' jobs until the pool went solo where its workers starve, and then cost
+// 1.2-1.5x beside niced neighbours and busy loops, which the yield handed the core (EEVDF lets a
+// task it picks run its slice), and nothing beside other sessions' jobs (BENCHMARKS.md, issue 38).
 class Spin {
  public:
   explicit Spin(Clock::duration budget) : until_(Clock::now() + budget) {}
@@ -92,7 +91,6 @@ class Spin {
   bool spinning() {
     pause();
     if (++spins_ % 64 != 0) return true;
-    sched_yield();
     return Clock::now() < until_;
   }
 

@@ -11,9 +11,8 @@
 // Here the calling thread works too, and every thread claims chunks of the range one at a time:
 // the caller waits only for chunks another thread has claimed and not finished, never for a
 // worker that has not woken up (the caller then does its share). Workers spin a short, bounded
-// time between regions (a decode step's regions come microseconds apart), yielding the core every
-// microsecond or two to whatever else waits for it, then sleep (llama.cpp's threadpool spins, then
-// sleeps, too). Where its workers stay starved of cores even so, the pool runs regions on the
+// time between regions (a decode step's regions come microseconds apart), then sleep (llama.cpp's
+// threadpool spins, then sleeps, too). Where its workers stay starved of cores even so, the pool runs regions on the
 // caller alone for a while and probes again (thread_pool.cpp, "Going solo").
 #pragma once
 
