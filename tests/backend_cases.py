@@ -6,9 +6,9 @@ a GPU every case runs.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import importlib.util
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -16,6 +16,9 @@ import torch
 INTERPRETED = not torch.cuda.is_available()
 # triton is in the test extras for Linux x86-64 only; elsewhere its cases skip.
 NO_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+# What a heavy Triton case carries: slow where the kernels would run interpreted.
+INTERPRETED_SLOW = [pytest.mark.slow] if INTERPRETED else []
+Test = TypeVar("Test", bound=Callable[..., object])
 
 
 def backend_device(backend: str) -> str:
@@ -24,14 +27,15 @@ def backend_device(backend: str) -> str:
     return "cuda" if backend == "triton" and not INTERPRETED else "cpu"
 
 
-def heavy(test: Any) -> Any:
+def heavy(test: Test) -> Test:
     """`test`, marked slow where it would run the Triton interpreter (a real model, or a pool that
     preempts: 10-25 s of CI each on 2 cores); on a GPU it runs as it is."""
-    return pytest.mark.slow(test) if INTERPRETED else test
+    for mark in INTERPRETED_SLOW:
+        test = mark(test)
+    return test
 
 
 def heavy_case(*values: Any, backend: str, id: str | None = None) -> Any:
     """pytest.param(*values), marked slow when it would run `backend` in the Triton interpreter."""
-    marks = [NO_TRITON, pytest.mark.slow] if backend == "triton" and INTERPRETED else \
-        [NO_TRITON] if backend == "triton" else []
+    marks = [NO_TRITON, *INTERPRETED_SLOW] if backend == "triton" else []
     return pytest.param(*values, id=id, marks=marks)

@@ -20,13 +20,13 @@ FAST = [dict(attention_backend=name, cpu_kernels=True, device=backend_device(nam
         if name != "torch"]
 FAST_PARAMS = [heavy_case(c, backend=c["attention_backend"], id=c["attention_backend"]) for c in FAST]
 REFERENCE = dict(attention_backend="torch", cpu_kernels=False)
+# Backends whose kernels reach offloaded host blocks (a GPU kernel cannot: triton declines them).
+OFFLOADING = [c for c in FAST if c["attention_backend"] != "triton"]
 
 
 def reference_for(fast: dict[str, Any]) -> dict[str, Any]:
     """The reference on `fast`'s device: a GPU's fp32 matmuls round otherwise than the CPU's."""
     return dict(REFERENCE, device=fast["device"])
-# Backends whose kernels reach offloaded host blocks (a GPU kernel cannot: triton declines them).
-OFFLOADING = [c for c in FAST if c["attention_backend"] != "triton"]
 
 
 def ids(configs: list[dict[str, Any]]) -> list[str]:
