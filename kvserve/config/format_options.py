@@ -56,7 +56,9 @@ class KVFormatOptions(Options):
     kv_key_wide_channels: int = opt(0, "kivi keys: this many channels per KV head (a multiple of 8; whole RoPE "
                                        "pairs) get one bit more, those with the largest E[q^2] * E[range^2], "
                                        "chosen at start-up on kv_calibration_tokens tokens; costs that many bits "
-                                       "per key; pair with kv_rotate_keys=false")
+                                       "per key; pair with kv_rotate_keys=false. kivi2_mix / kivi4_mix: that many "
+                                       "bits per KV head beyond 2 or 4 a channel, all of them spread over the "
+                                       "channels by the same importance")
     kv_symmetric_values: bool = opt(False, "kivi values: codes symmetric about zero with a scale and no "
                                            "zero-point, 16 bits per group fewer; best with rotated values")
 

@@ -270,7 +270,8 @@ def expected_bytes(name: str, role: str, h: int, d: int, bs: int, g: int, outlie
     for bits in (2, 4):  # keys: scale + zero per channel per block; values: per group, as int4
         per_head[f"kivi{bits}"] = (d * bits / 8 + 2 * d * 2 / bs if role == "k"
                                    else d * bits / 8 + (d / g) * (2 + 2))
-    per_head["kivi2_mix"] = per_head["kivi2"]  # kivi2's bits, spread over channels by calibration
+    per_head["kivi2_mix"] = per_head["kivi2"]  # kivi's bits, spread over channels by calibration
+    per_head["kivi4_mix"] = per_head["kivi4"]
     return h * per_head[name]
 
 

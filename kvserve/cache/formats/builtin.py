@@ -30,10 +30,11 @@ def _fp8(name: str, code_dtype: torch.dtype) -> FormatFactory:
     return make
 
 
-def _kivi(name: str, bits: int) -> FormatFactory:
+def _kivi(name: str, bits: int, keys: type[ChannelFormat] | type[MixedChannelFormat] = ChannelFormat,
+          ) -> FormatFactory:
     def make(role: Role, options: FormatOptions) -> KVFormat:
         if role == "k":
-            return ChannelFormat(name, bits, options.exact_sink, options.key_wide_channels)
+            return keys(name, bits, options.exact_sink, options.key_wide_channels)
         return GroupFormat(name, bits, options.group_size, options.symmetric_values)
     return make
 
@@ -56,12 +57,11 @@ register("int4", lambda role, options: GroupFormat("int4", 4, options.group_size
          default_in=("eval", "tune", "bench"))
 register("kivi2", _kivi("kivi2", 2), default_residual=KIVI_RESIDUAL, default_in=("eval", "tune", "bench"))
 register("kivi4", _kivi("kivi4", 4), default_residual=KIVI_RESIDUAL, default_in=("eval", "tune"))
-# kivi2's price (2-bit codes, kv_key_wide_channels more bits per head), the key bits spread over
-# channels by calibrated importance (0-4 bits a channel): Gemma 3's keys lose most of the 2.5-bit
-# layout's error, in few channels (kivi.py, issue 42).
-register("kivi2_mix", lambda role, options: (
-    MixedChannelFormat("kivi2_mix", options.exact_sink, options.key_wide_channels) if role == "k"
-    else GroupFormat("kivi2_mix", 2, options.group_size, options.symmetric_values)), default_residual=KIVI_RESIDUAL)
+# kivi's price (its codes, kv_key_wide_channels more bits per head), the key bits spread over
+# channels by calibrated importance (0 or 2 up to twice kivi's bits a channel): Gemma 3's keys lose
+# most of the 2.5- and 4.5-bit layouts' error, in few channels (kivi.py, issue 42).
+register("kivi2_mix", _kivi("kivi2_mix", 2, MixedChannelFormat), default_residual=KIVI_RESIDUAL)
+register("kivi4_mix", _kivi("kivi4_mix", 4, MixedChannelFormat), default_residual=KIVI_RESIDUAL)
 register("outlier", lambda role, options: OutlierFormat(options.group_size, options.outliers), default_in=("eval",))
 register("sparse", lambda role, options: SparseFormat(options.sparse_threshold, options.sparse_capacity),
          default_in=("eval",))

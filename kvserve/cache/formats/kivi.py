@@ -105,111 +105,117 @@ class ChannelFormat(KVFormat):
         return x.to(dtype)
 
 
-# What a channel's error costs at b bits, relative to its range^2 / 12 (`allocate_bits`): a uniform
-# step of range / (2^b - 1). 0 bits decode the block's mean: about what one bit of min-max codes
-# costs, so one bit is never chosen and 0 is.
-_BIT_CHOICES = (0, 2, 3, 4)
+def bit_choices(bits: int) -> tuple[int, ...]:
+    """The bits a channel of a `bits`-bit MixedChannelFormat may take: 0, or 2 up to twice `bits`.
+    0 bits decode the block's mean, about what one bit of min-max codes costs, so one bit is never
+    chosen and 0 is."""
+    return (0, *range(2, 2 * bits + 1))
 
 
-def allocate_bits(importance: torch.Tensor, total: int) -> torch.Tensor:
-    """importance [H, D] (E[q_d^2] E[range_d^2]) -> bits per channel [H, D] in `_BIT_CHOICES`, equal
+def allocate_bits(importance: torch.Tensor, total: int, choices: tuple[int, ...] = bit_choices(2)) -> torch.Tensor:
+    """importance [H, D] (E[q_d^2] E[range_d^2]) -> bits per channel [H, D] in `choices`, equal
     within each RoPE pair (d, d + D/2: RoPE turns them into each other), at most `total` bits per
     head, chosen to minimise sum_d importance_d / (2^b_d - 1)^2 (the q.k error of uniform codes on a
-    channel's block range). Greedy in the cost saved per bit over each pair's next choice: the costs
-    are convex in bits once 1 is skipped, so the greedy order is the Lagrangian one."""
+    channel's block range, relative to range^2 / 12; 0 bits cost 1). Greedy in the cost saved per bit
+    over each pair's next choice: the costs are convex in bits once 1 is skipped, so the greedy
+    order is the Lagrangian one."""
     heads, dim = importance.shape
     half = dim // 2
     pairs = (importance[:, :half] + importance[:, half:]).double()
-    pairs = pairs / pairs.sum(-1, keepdim=True).clamp_min(1e-30)
-    cost = {b: 1.0 if b == 0 else 1.0 / (2 ** b - 1) ** 2 for b in _BIT_CHOICES}
+    pairs = (pairs / pairs.sum(-1, keepdim=True).clamp_min(1e-30)).tolist()
+    cost = [1.0 if b == 0 else 1.0 / (2 ** b - 1) ** 2 for b in choices]
     bits = torch.zeros(heads, half, dtype=torch.int64)
     for h in range(heads):
-        used, level = 0, [0] * half  # index into _BIT_CHOICES per pair
+        used, level = 0, [0] * half  # index into choices per pair
         while True:
             best, best_gain = -1, 0.0
             for p in range(half):
-                if level[p] + 1 < len(_BIT_CHOICES):
-                    now, nxt = _BIT_CHOICES[level[p]], _BIT_CHOICES[level[p] + 1]
-                    if used + 2 * (nxt - now) <= total:
-                        gain = pairs[h, p].item() * (cost[now] - cost[nxt]) / (nxt - now)
-                        if gain > best_gain:
-                            best, best_gain = p, gain
+                i = level[p]
+                if i + 1 < len(choices) and used + 2 * (choices[i + 1] - choices[i]) <= total:
+                    gain = pairs[h][p] * (cost[i] - cost[i + 1]) / (choices[i + 1] - choices[i])
+                    if gain > best_gain:
+                        best, best_gain = p, gain
             if best < 0:
                 break
-            used += 2 * (_BIT_CHOICES[level[best] + 1] - _BIT_CHOICES[level[best]])
+            used += 2 * (choices[level[best] + 1] - choices[level[best]])
             level[best] += 1
-        bits[h] = torch.tensor([_BIT_CHOICES[i] for i in level])
+        bits[h] = torch.tensor([choices[i] for i in level])
     return torch.cat([bits, bits], -1)
 
 
 class MixedChannelFormat(KVFormat):
-    """KIVI keys at `2 * D + wide` bits per token and head (what ChannelFormat's 2-bit codes with
-    `wide` wide channels cost), spent by calibration: each RoPE pair of channels gets 0, 2, 3 or 4
-    bits by its importance (`allocate_bits`). On Gemma 3 a head's top 48 of 128 pairs hold 80-95% of
-    E[q_d^2] E[range_d^2], so the bottom ones are worth less than their 2 bits and the top ones more
-    than 3: at 2.5 bits on Gemma 3 this (with the exact sink's bits spent on channels too) halves the
-    kivi2 layout's KL (0.049-0.054 against 0.093-0.105; BENCHMARKS.md, issue 42). Codes per channel
-    are min-max asymmetric over the block's tokens as ChannelFormat's; a 0-bit channel decodes as its
-    block mean (its zero-point field). Codes are stored as bit planes in one packed field: the flat
-    bit string holds, for each plane j, bit j of every channel with more than j bits; calibration
-    fixes that order (`_slot_order`). No kernel reads these pages (layout kind None): the torch
-    backend decodes them."""
+    """KIVI keys at `bits * D + wide` bits per token and head (what ChannelFormat's `bits`-bit codes
+    with `wide` wide channels cost), spent by calibration: each RoPE pair of channels gets 0, or 2 up
+    to 2 x `bits` bits, by its importance (`allocate_bits`). On Gemma 3 a head's top 48 of 128 pairs
+    hold 80-95% of E[q_d^2] E[range_d^2], so the bottom ones are worth less than the base bits and
+    the top ones more: at 2.5 bits on Gemma 3 this (with the exact sink's bits spent on channels too)
+    halves the kivi2 layout's KL (0.049-0.054 against 0.093-0.105), at 4 bits it halves kivi4's
+    (BENCHMARKS.md, issue 42). Codes per channel are min-max asymmetric over the block's tokens as
+    ChannelFormat's; a 0-bit channel decodes as its block mean (its zero-point field). Codes are
+    stored as bit planes in one packed field: the flat bit string holds, for each plane j, bit j of
+    every channel with more than j bits; calibration fixes that order (`_slot_order`). No kernel
+    reads these pages (layout kind None): the torch backend decodes them."""
 
-    def __init__(self, name: str, exact_sink: bool = False, wide: int = 0,
+    def __init__(self, name: str, bits: int, exact_sink: bool = False, wide: int = 0,
                  channel_bits: torch.Tensor | None = None) -> None:
-        self.name, self.exact_sink, self.wide = name, exact_sink, wide
-        # [num_kv_heads, D] int64. Uncalibrated (None), every channel takes 2 bits, so that a format
-        # read from a name alone still round-trips (as fitted.py's do) at kivi2's bits.
+        self.name, self.bits, self.exact_sink, self.wide = name, bits, exact_sink, wide
+        # [num_kv_heads, D] int64. Uncalibrated (None), every channel takes `bits`, so that a format
+        # read from a name alone still round-trips (as fitted.py's do) at kivi's bits.
         self.channel_bits = channel_bits
-        self._slot_table = None if channel_bits is None else self._slot_order(channel_bits, wide)
+        self._slot_table = None if channel_bits is None else self._slot_order(channel_bits, bits, wide)
 
     @property
     def layout(self) -> PageLayout:
-        # `wide`: the bits per head beyond 2 a channel (kv_key_wide_channels), as ChannelFormat's.
-        return PageLayout(None, per_token=False, exact_sink=self.exact_sink, wide=self.wide)
+        # `wide`: the bits per head beyond `bits` a channel (kv_key_wide_channels), as ChannelFormat's.
+        return PageLayout(None, per_token=False, bits=self.bits, exact_sink=self.exact_sink, wide=self.wide)
 
     @property
     def calibrated_per_layer(self) -> bool:
         return True
 
     def calibrated(self, importance: torch.Tensor) -> "MixedChannelFormat":
-        bits = allocate_bits(importance.float().cpu(), 2 * importance.shape[-1] + self.wide)
-        return MixedChannelFormat(self.name, self.exact_sink, self.wide, bits)
+        bits = allocate_bits(importance.float().cpu(), self.bits * importance.shape[-1] + self.wide,
+                             bit_choices(self.bits))
+        return MixedChannelFormat(self.name, self.bits, self.exact_sink, self.wide, bits)
 
     def fields(self, num_kv_heads: int, head_dim: int, block_size: int) -> FieldSpec:
-        if self.wide > 2 * head_dim:
-            raise FieldError("kv_key_wide_channels",
-                             f"kv_key_wide_channels {self.wide} exceeds 2 x head_dim {head_dim} (4-bit keys)")
+        if self.wide > self.bits * head_dim:
+            raise FieldError("kv_key_wide_channels", f"kv_key_wide_channels {self.wide} exceeds {self.bits} x "
+                             f"head_dim {head_dim} ({2 * self.bits}-bit keys)")
         if self.channel_bits is not None and self.channel_bits.shape != (num_kv_heads, head_dim):
             raise ValueError(f"{self.name}: calibrated for {tuple(self.channel_bits.shape)} (KV heads, head_dim), "
                              f"got {(num_kv_heads, head_dim)}")
         channels = (num_kv_heads, head_dim)
-        spec = {"codes": ((block_size, num_kv_heads, (2 * head_dim + self.wide) // 8), torch.uint8),
+        spec = {"codes": ((block_size, num_kv_heads, (self.bits * head_dim + self.wide) // 8), torch.uint8),
                 "scale": (channels, torch.float16), "zero": (channels, torch.float16)}
         return {**spec, "sink": (channels, torch.float16)} if self.exact_sink else spec
 
     def _bits(self, heads: int, dim: int) -> torch.Tensor:
-        return torch.full((heads, dim), 2, dtype=torch.int64) if self.channel_bits is None else self.channel_bits
+        if self.channel_bits is None:
+            return torch.full((heads, dim), self.bits, dtype=torch.int64)
+        return self.channel_bits
 
     def _slots(self, heads: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        table = self._slot_table or self._slot_order(self._bits(heads, dim), self.wide)
+        table = self._slot_table or self._slot_order(self._bits(heads, dim), self.bits, self.wide)
         channel, plane, used = table
         return channel.to(device), plane.to(device), used.to(device)
 
     @staticmethod
-    def _slot_order(bits: torch.Tensor, wide: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _slot_order(channel_bits: torch.Tensor, bits: int, wide: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The flat bit string's (channel, plane, used) per slot [H, S]; unused slots are padding.
         Built once at calibration: every decode reads it."""
-        heads, dim = bits.shape
-        size = 2 * dim + wide
+        heads, dim = channel_bits.shape
+        size = bits * dim + wide
         channel = torch.zeros(heads, size, dtype=torch.int64)
         plane = torch.zeros(heads, size, dtype=torch.int64)
         used = torch.zeros(heads, size, dtype=torch.bool)
         for h in range(heads):
-            chans = [c for j in range(4) for c in (bits[h] > j).nonzero().flatten().tolist()]
-            planes = [j for j in range(4) for _ in range(int((bits[h] > j).sum()))]
+            planes = range(int(channel_bits[h].max()))
+            chans = [c for j in planes for c in (channel_bits[h] > j).nonzero().flatten().tolist()]
+            plane_of = [j for j in planes for _ in range(int((channel_bits[h] > j).sum()))]
             channel[h, :len(chans)] = torch.tensor(chans, dtype=torch.int64)
-            plane[h, :len(planes)] = torch.tensor(planes, dtype=torch.int64)
+            plane[h, :len(plane_of)] = torch.tensor(plane_of, dtype=torch.int64)
             used[h, :len(chans)] = True
         return channel, plane, used
 
