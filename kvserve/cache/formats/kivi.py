@@ -150,11 +150,12 @@ class MixedChannelFormat(KVFormat):
     hold 80-95% of E[q_d^2] E[range_d^2], so the bottom ones are worth less than the base bits and
     the top ones more: at 2.5 bits on Gemma 3 this (with the exact sink's bits spent on channels too)
     halves the kivi2 layout's KL (0.049-0.054 against 0.093-0.105); at 4.5 bits it takes kivi4's
-    from 0.018-0.023 to 0.0043-0.0056, at the same bytes (BENCHMARKS.md, issue 42). Codes per channel are min-max asymmetric over the block's tokens as
-    ChannelFormat's; a 0-bit channel decodes as its block mean (its zero-point field). Codes are
-    stored as bit planes in one packed field: the flat bit string holds, for each plane j, bit j of
-    every channel with more than j bits; calibration fixes that order (`_slot_order`). No kernel
-    reads these pages (layout kind None): the torch backend decodes them."""
+    from 0.018-0.023 to 0.0043-0.0056, at the same bytes (BENCHMARKS.md, issue 42). Codes per
+    channel are min-max asymmetric over the block's tokens as ChannelFormat's; a 0-bit channel
+    decodes as its block mean (its zero-point field). Codes are stored as bit planes in one packed
+    field: the flat bit string holds, for each plane j, bit j of every channel with more than j
+    bits; calibration fixes that order (`_slot_order`). No kernel reads these pages (layout kind
+    None): the torch backend decodes them."""
 
     def __init__(self, name: str, bits: int, exact_sink: bool = False, wide: int = 0,
                  channel_bits: torch.Tensor | None = None) -> None:
