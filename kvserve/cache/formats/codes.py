@@ -32,12 +32,14 @@ def fp16_rounded(x: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.where(wrong_side, torch.nextafter(h, toward), h)
 
 
-def quantize_asym(x: torch.Tensor, bits: int, dim: int, include: torch.Tensor | None = None,
+def quantize_asym(x: torch.Tensor, bits: int | torch.Tensor, dim: int, include: torch.Tensor | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric `bits`-bit codes (uint8, unpacked) with one fp16 scale and zero-point per slice
     reduced along `dim`; decoding is code * scale + zero, within scale / 2 of x. Only entries where
-    `include` is True set the range; the others are clamped (their caller stores them elsewhere)."""
-    qmax = 2 ** bits - 1
+    `include` is True set the range; the others are clamped (their caller stores them elsewhere).
+    `bits` may be a tensor of bits per slice (broadcasting against the reduced shape, at most 8):
+    a 0-bit slice's codes are all 0 and its scale spans its range, as a 1-bit one's would."""
+    qmax = torch.as_tensor(2 ** bits - 1, dtype=torch.float32, device=x.device)
     x = x.float()
     if include is None:
         lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
@@ -49,8 +51,8 @@ def quantize_asym(x: torch.Tensor, bits: int, dim: int, include: torch.Tensor | 
     # Zero rounds down and the scale is sized from it, rounding up, so the grid still spans
     # [lo, hi] after both are rounded to fp16 and no code has to be clamped.
     zero = fp16_rounded(lo, up=False)
-    scale = fp16_rounded(((hi - zero.float()) / qmax).clamp_min(MIN_SCALE), up=True)
-    codes = ((x - zero.float()) / scale.float()).round().clamp(0, qmax).to(torch.uint8)
+    scale = fp16_rounded(((hi - zero.float()) / qmax.clamp_min(1)).clamp_min(MIN_SCALE), up=True)
+    codes = ((x - zero.float()) / scale.float()).round().clamp(torch.zeros_like(qmax), qmax).to(torch.uint8)
     return codes, scale.squeeze(dim), zero.squeeze(dim)
 
 

@@ -5,17 +5,15 @@ from __future__ import annotations
 import torch
 
 from kvserve.cache.formats.base import FieldSpec, Fields, KVFormat
-from kvserve.cache.formats.codes import (
-    MIN_SCALE,
-    check_packable,
-    dequantize_asym,
-    fp16_rounded,
-    pack,
-    quantize_asym,
-    unpack,
-)
+from kvserve.cache.formats.codes import check_packable, dequantize_asym, pack, quantize_asym, unpack
 from kvserve.cache.formats.layout import PageKind, PageLayout
 from kvserve.validate import FieldError
+
+
+def _range_tokens(x: torch.Tensor, exact_sink: bool) -> torch.Tensor | None:
+    """The tokens of a block x [..., T, H, D] that set its channel ranges: with an exact sink, all
+    but the first (stored apart in fp16); None: all."""
+    return (torch.arange(x.shape[-3], device=x.device) > 0)[:, None, None] if exact_sink else None
 
 
 class ChannelFormat(KVFormat):
@@ -78,9 +76,7 @@ class ChannelFormat(KVFormat):
 
     def encode(self, x: torch.Tensor) -> Fields:
         self._check(x.shape[-2], x.shape[-1])
-        include = None
-        if self.exact_sink:
-            include = (torch.arange(x.shape[-3], device=x.device) > 0)[:, None, None]
+        include = _range_tokens(x, self.exact_sink)
         codes, scale, zero = quantize_asym(x, self.bits, -3, include)  # -3: the block's token axis
         fields = {"codes": pack(codes, self.bits), "scale": scale, "zero": zero}
         if self.wide:
@@ -225,17 +221,13 @@ class MixedChannelFormat(KVFormat):
         heads, dim = x.shape[-2:]
         bits = self._bits(heads, dim).to(x.device)
         channel, plane, used = self._slots(heads, dim, x.device)
-        body = x[..., 1:, :, :] if self.exact_sink else x  # [..., T, H, D]: the tokens that set the ranges
-        lo, hi = body.amin(-3, keepdim=True), body.amax(-3, keepdim=True)
-        qmax = (2 ** bits - 1).float()
-        zero = fp16_rounded(lo, up=False)
-        scale = fp16_rounded(((hi - zero.float()) / qmax.clamp_min(1)).clamp_min(MIN_SCALE), up=True)
+        codes, scale, zero = quantize_asym(x, bits, -3, _range_tokens(x, self.exact_sink))
         # 0-bit channels keep the block's mean in the zero-point; their code is 0.
-        zero = torch.where(bits == 0, body.mean(-3, keepdim=True).to(torch.float16), zero)
-        codes = ((x - zero.float()) / scale.float()).round().clamp(torch.zeros_like(qmax), qmax).to(torch.int64)
-        flat = codes.gather(-1, channel.expand(*codes.shape[:-1], -1)) >> plane
+        body = x[..., 1:, :, :] if self.exact_sink else x
+        zero = torch.where(bits == 0, body.mean(-3).to(torch.float16), zero)
+        flat = codes.to(torch.int64).gather(-1, channel.expand(*codes.shape[:-1], -1)) >> plane
         flat = (flat & 1).masked_fill(~used, 0).to(torch.uint8)
-        fields = {"codes": pack(flat, 1), "scale": scale.squeeze(-3), "zero": zero.squeeze(-3)}
+        fields = {"codes": pack(flat, 1), "scale": scale, "zero": zero}
         return {**fields, "sink": x[..., 0, :, :].to(torch.float16)} if self.exact_sink else fields
 
     def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
