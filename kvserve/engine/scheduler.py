@@ -302,6 +302,11 @@ class Scheduler:
                 continue
             group = [s for s in self.running if s.beam is victim.beam] if victim.beam else [victim]
             for member in group:
+                # A member decoded before `seq` may have copied its last block: that block goes
+                # back now and a later copy of this step may take it, and two copies into one
+                # block race in the runner's scatter.
+                gone = {b for table in bm.tables_of(member.seq_id) for b in table}
+                copies = [c for c in copies if c[1] not in gone]
                 self.running.remove(member)
                 swap_out += self.preempt(member)
                 preempted.append(member)

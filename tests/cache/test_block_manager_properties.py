@@ -414,7 +414,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 63))
     def fork(self, index: int) -> None:
-        """Forks.fork_samples: the child shares all of the parent's blocks."""
+        """Forks.fork_samples: the child shares all of the parent's blocks. It runs in the step's
+        update, after the forward applied the step's copies: the engine never forks a block whose
+        copy is pending (a later copy-on-write from it would read it before the copy lands)."""
+        if self.model.copies:
+            apply_copies(self.bm, self.model)
         self._forward_after_swap_in()
         parent = self._pick(index)
         if parent is None:

@@ -409,3 +409,38 @@ def test_drafts_come_out_of_the_token_budget_and_never_preempt() -> None:
     assert out.drafts == () and out.num_scheduled == [1] and not out.preempted
     sched, out = decoding(budget=16, num_blocks=16, limit=2, n=2)
     assert out.drafts == () and out.num_scheduled == [1, 1]
+
+
+def test_a_preempted_sequences_copy_on_write_is_dropped() -> None:
+    """A beam copies its shared last block, then a later decode finds no block and the beam's
+    group (the most recent) is preempted: the copy's destination goes back and a later copy-on-write
+    of the same step takes it. Two copies into one block would race in `k[dst] = k[src]` (index_put
+    with repeated indices is undefined), so only live sequences' copies remain, each into a block
+    its sequence holds."""
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=1000)
+    beam = BeamGroup(width=2, length_penalty=1.0, early_stopping=False, max_tokens=8, eos_token_id=None)
+    m, y, p, r = (Sequence(name, list(range(start, start + n)), SamplingParams(), seed=0,
+                           beam=beam if name == "m" else None)
+                  for name, start, n in (("m", 100, 5), ("y", 200, 4), ("p", 300, 5), ("r", 400, 5)))
+    for seq in (m, y, p, r):
+        sched.add(seq)
+    run_model(sched, sched.schedule())
+    # Each of p, r and m forks a sample sharing its partial last block; m's is a beam, last to run.
+    for parent in (p, r, m):
+        child = Sequence(parent.request_id, parent.token_ids[:5], SamplingParams(), seed=0,
+                         beam=parent.beam, index=1)
+        bm.fork(parent.seq_id, child.seq_id)
+        child.output_token_ids.append(7)
+        child.num_computed_tokens = parent.num_computed_tokens
+        sched.add_running(child)
+    assert len(bm.free_blocks) == 1
+    out = sched.schedule()  # m copies into the free block, y finds none, m's group goes
+    assert ids(out.preempted) == ["m", "m"]
+    copies = out.block_ops.copies
+    destinations = [dst for _, dst in copies]
+    assert len(set(destinations)) == len(destinations), copies
+    # Every copy writes the last block of a running sequence, from the block its sibling still holds.
+    running = {s.seq_id: bm.tables[s.seq_id] for s in sched.running}
+    assert sorted(destinations) == sorted(running[s][-1] for s in ("p", "r"))
+    assert sorted(src for src, _ in copies) == sorted(running[s][-1] for s in ("p#1", "r#1"))
