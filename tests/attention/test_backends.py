@@ -284,6 +284,25 @@ def test_bf16_dense_pages_match_the_dense_reference(block_size: int, dim: int, k
     assert served >= (1 if DEVICE.type == "cuda" and dim & (dim - 1) else 2)
 
 
+@pytest.mark.parametrize("dim", [64, 80, 128])
+def test_bf16_decodes_round_the_exact_attention_once(dim: int) -> None:
+    """Decode items over bf16 pages and a bf16 query (the cpu kernel scores them with bf16 pair dot
+    products where the CPU has them: D a multiple of 32): before the one rounding of the output to
+    bf16 they are fp32-exact, so the output is the exact attention of the same bf16 values rounded
+    once, within a bf16 step (2^-8 relative) of it, not the 2e-2 the tests of mixed steps allow."""
+    heads, kv_heads, bf16 = 9, 3, torch.bfloat16
+    seqs, k0, v0 = make_case(DECODE, heads, kv_heads, 16, seed=dim, head_dim=dim)
+    for s in seqs:
+        s.q, s.k, s.v = (t.to(bf16).float() for t in (s.q, s.k, s.v))
+    k_exp, v_exp = expected_pool(seqs, k0, v0, 16)
+    ref = torch.cat([dense_reference(s, heads, kv_heads, dim ** -0.5) for s in seqs]).double()
+    backend = make_backend("cpu", k_exp.to(bf16), v_exp.to(bf16), heads)
+    step = StepMetadata.build([1] * len(seqs), [s.ctx for s in seqs], [s.table for s in seqs], 16, CPU)
+    out = attend(backend, torch.cat([s.q for s in seqs]).to(bf16), torch.cat([s.k[-1:] for s in seqs]).to(bf16),
+                 torch.cat([s.v[-1:] for s in seqs]).to(bf16), step, dim ** -0.5).double()
+    assert ((out - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all(), (out - ref).abs().max()
+
+
 def outputs_over_compressed_pages(fmt: str, heads: int, kv_heads: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Each backend's output (the reference's first) for one mixed step over pages of `fmt` that a
     prefill step wrote."""

@@ -113,6 +113,36 @@ inline float dots(const float* q, Rows<R> k, int64_t n, int64_t D, float* s) {
   return mx;
 }
 
+#if defined(__AVX512BF16__)
+// s[t] = scale * (q . k[t]) for a bf16 query and bf16 keys read in place (D a multiple of 32),
+// 16 keys a tile as `dots`: the pair dot products take the keys as they are, where widening them
+// to fp32 took two of every three instructions of the loop. The products are exact and summed in
+// fp32, so only the order of the sums and where `scale` is applied differ from `dots`.
+inline float pair_dots(const c10::BFloat16* q, Rows<c10::BFloat16> k, int64_t n, int64_t D, float scale, float* s) {
+  using namespace simd;
+  const vf sc = set1(scale);
+  vf mx = set1(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+    const int64_t left = std::min<int64_t>(kLanes, n - t0);
+    const c10::BFloat16* row[kLanes];
+    for (int t = 0; t < kLanes; ++t) row[t] = k.base + (t0 + std::min<int64_t>(t, left - 1)) * k.stride;
+    vf acc[kLanes];
+    for (int t = 0; t < kLanes; ++t) acc[t] = zero();
+    for (int64_t d = 0; d < D; d += 2 * kLanes)
+      for (int t = 0; t < kLanes; ++t) acc[t] = dot_pairs(acc[t], q + d, row[t] + d);
+    const vf st = mul(transpose_sums(acc), sc);
+    if (left == kLanes) {
+      store(s + t0, st);
+      mx = max(mx, st);
+    } else {
+      store_first(s + t0, st, left);
+      mx = max(mx, keep_first(st, left, -std::numeric_limits<float>::infinity()));
+    }
+  }
+  return reduce_max(mx);
+}
+#endif
+
 // a[0, C * kLanes) = a * c + sum_t p[t] * v[t]. The accumulator row stays in registers only when
 // C is a compile-time constant: with a runtime count the compiler keeps it on the stack, and
 // every FMA then waits on a store.
@@ -247,9 +277,13 @@ inline const float* absmax_scales(const Pages& p, int64_t block, int64_t n, int6
   return out;
 }
 
-// Asks for the rows of head h of a dense or absmax block (the next one an item reads) to be
-// brought into L1: a block table scatters blocks, so each block is a new stream the hardware
-// prefetcher would find only after its first misses.
+// Asks for the rows of head h of a dense or absmax block (one an item reads kAhead blocks on) to
+// be brought into L2: a block table scatters blocks, so each block is a new stream the hardware
+// prefetcher would find only after its first misses. Not L1: a block's keys and values are 64
+// lines, which filled the core's few L1 miss buffers, and the loop stalled behind its own
+// prefetches (8 x 1,100-token decodes over 30 layers' pages: 710 us a layer into L1 one block
+// ahead, 470 into L2 two ahead; four ahead, no better).
+constexpr int64_t kAhead = 2;
 inline void prefetch_block(const Pages& p, int64_t block, int64_t h, int64_t n) {
   if (p.kind != kDense && p.kind != kAbsMax && p.kind != kHeadAbsMax) return;
   const at::Tensor* src = p.data;
@@ -259,7 +293,7 @@ inline void prefetch_block(const Pages& p, int64_t block, int64_t h, int64_t n) 
                      (block * src->stride(0) + h * src->stride(2)) * src->element_size();
   const int64_t stride = src->stride(1) * src->element_size(), bytes = src->size(3) * src->element_size();
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(base + t * stride + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(base + t * stride + b, _MM_HINT_T1);
 }
 
 // A block's keys or values as the attention loop reads them: fp32 rows decoded into a buffer,
@@ -578,9 +612,13 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const int64_t o_tok = out.stride(0), o_head = out.stride(1);
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  // bf16 keys read in place against a bf16 query take pair_dots (where the CPU has them).
+  constexpr bool bf16_pairs = simd::kPairDots && std::is_same_v<T, c10::BFloat16>;
+  const bool pairs = bf16_pairs && D % (2 * simd::kLanes) == 0;
 
   const kvserve::Team team = kvserve::team_for(q.size(0), q.scalar_type());
   kvserve::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+    std::vector<c10::BFloat16> qpairs;  // bf16 query rows, unscaled, for pair_dots
     std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), kscale(block_size),
         vscale(block_size), sbuf, m, l, corrections;
     std::vector<int64_t> pos;
@@ -589,6 +627,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       const int64_t q_len = qs[w.b + 1] - qs[w.b];
       const int64_t rows = (w.q1 - w.q0) * G;
       qbuf.assign(rows * D, 0.f);
+      if (pairs) qpairs.resize(rows * D);
       acc.assign(rows * D, 0.f);
       sbuf.assign(rows * block_size, 0.f);
       m.assign(rows, neg_inf);
@@ -600,6 +639,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           const int64_t r = i * G + g;
           const T* src = qd + (w.q0 + i) * q_tok + (w.h * G + g) * q_head;
           for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = to_f(src[d]) * fscale;
+          if constexpr (bf16_pairs)
+            if (pairs) std::copy(src, src + D, qpairs.begin() + r * D);
           // Token j of a sequence's new tokens sits at position ctx - q_len + j.
           pos[r] = ctx[w.b] - q_len + (w.q0 + i - qs[w.b]);
         }
@@ -636,8 +677,13 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         return got;
       };
       // s[t] = q . k[t] * scale[t] for the block's first n keys; returns their max.
-      auto score_block = [&](const float* qr, const BlockRows& k, int64_t n, float* s) {
-        const float top = k.visit([&](auto kr) { return dots(qr, kr, n, D, s); });
+      auto score_block = [&](int64_t r, const BlockRows& k, int64_t n, float* s) {
+        float top;
+#if defined(__AVX512BF16__)
+        if (pairs && k.bf16.base) top = pair_dots(qpairs.data() + r * D, k.bf16, n, D, fscale, s);
+        else
+#endif
+        top = k.visit([&](auto kr) { return dots(qbuf.data() + r * D, kr, n, D, s); });
         if (k.scale == nullptr) return top;
         float mx = neg_inf;
         for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t] *= k.scale[t]);
@@ -664,8 +710,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       // their values are accumulated together (scale_accumulate_group).
       const bool grouped = w.q1 - w.q0 == 1 && groups_accumulate(D);
       for (int64_t bi = w.bi0; bi < w.bi1; ++bi) {
-        if (bi + 1 < w.bi1 && !stage) {
-          const int64_t next = tables[w.b * table_stride + bi + 1];
+        // kAhead blocks ahead (the first block's loop asks for all of them).
+        for (int64_t ahead = bi == w.bi0 ? 1 : kAhead; !stage && ahead <= kAhead && bi + ahead < w.bi1; ++ahead) {
+          const int64_t next = tables[w.b * table_stride + bi + ahead];
           prefetch_block(kp, next, w.h, block_size);
           prefetch_block(vp, next, w.h, block_size);
         }
@@ -678,7 +725,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           const int64_t visible = std::min(blk.n, pos[r] + 1 - k0) - skip;
           if (visible <= 0) continue;
           const BlockRows v = blk.v.from(skip);
-          const float mx = std::max(m[r], score_block(qbuf.data() + r * D, blk.k.from(skip), visible, s));
+          const float mx = std::max(m[r], score_block(r, blk.k.from(skip), visible, s));
           const float correction = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
           const float sum = exp_sub_sum(s, visible, mx);
           if (v.scale)  // the weights onto unscaled values
@@ -701,7 +748,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
             const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);
             if (visible <= 0) continue;
             float* s = sbuf.data() + r * block_size;
-            score_block(qbuf.data() + r * D, blk.k, visible, s);  // the first pass's scores, recomputed
+            score_block(r, blk.k, visible, s);  // the first pass's scores, recomputed
             const float inv = 1.f / (l[r] * G);
             for (int64_t t = 0; t < visible; ++t) row_scores[k0 + t] += std::exp(s[t] - m[r]) * inv;
           }
