@@ -159,7 +159,9 @@ class Scheduler:
             seqs.append(seq)
             counts.append(take)
             budget -= take
-        if budget > 0 and not self.swapped:
+        # Not in a step that preempted (as vLLM v1): a preempted sample's blocks may be the source
+        # of a sibling's copy, which a remote-tier load (applied before copies) would overwrite.
+        if budget > 0 and not self.swapped and not preempted:
             admitted, loads = self._admit(budget, chunked=True)
             ops = ops.then(loads)
             for seq in admitted:
@@ -302,13 +304,16 @@ class Scheduler:
                 continue
             group = [s for s in self.running if s.beam is victim.beam] if victim.beam else [victim]
             for member in group:
-                # A member decoded before `seq` may have copied its last block: that block goes
-                # back now and a later copy of this step may take it, and two copies into one
-                # block race in the runner's scatter.
+                # A member that ran before `seq` (a beam, or any sequence when those after it have
+                # outgrown the pool) may have copied its last block: that block goes back now and
+                # a later copy of this step may take it (two copies into one block race in the
+                # runner's scatter), and a swap-out, which lands before the copies, would save it
+                # unfilled. So its copy is dropped and it is recomputed.
                 gone = {b for table in bm.tables_of(member.seq_id) for b in table}
+                copied = any(dst in gone for _, dst in copies)
                 copies = [c for c in copies if c[1] not in gone]
                 self.running.remove(member)
-                swap_out += self.preempt(member)
+                swap_out += self.preempt(member, swap=not copied)
                 preempted.append(member)
             i = 0  # members may have sat before i; allocating again is a no-op for the others
         return preempted, BlockOps(swap_out=tuple(swap_out), offloads=tuple(offloads), copies=tuple(copies))

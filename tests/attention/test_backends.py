@@ -289,7 +289,8 @@ def test_bf16_decodes_round_the_exact_attention_once(dim: int) -> None:
     """Decode items over bf16 pages and a bf16 query (the cpu kernel scores them with bf16 pair dot
     products where the CPU has them: D a multiple of 32): before the one rounding of the output to
     bf16 they are fp32-exact, so the output is the exact attention of the same bf16 values rounded
-    once, within a bf16 step (2^-8 relative) of it, not the 2e-2 the tests of mixed steps allow."""
+    once, within a bf16 step (2^-8 relative) of it, not the 2e-2 the tests of mixed steps allow.
+    (Without AVX512_BF16 this checks the fp32 dot products' decode instead.)"""
     heads, kv_heads, bf16 = 9, 3, torch.bfloat16
     seqs, k0, v0 = make_case(DECODE, heads, kv_heads, 16, seed=dim, head_dim=dim)
     for s in seqs:

@@ -88,8 +88,10 @@ class Model:
 
 def with_copies(pool: Pool, copies: list[tuple[int, int]], block_size: int) -> Pool:
     """The pool as it is after `KVPool.copy_blocks(copies)`: `k[dst] = k[src]` gathers every src
-    first, then scatters, so all sources are read before any destination is written. A source
-    nobody wrote yet (say, a reserved block) copies as empty slots."""
+    first, then scatters, so all sources are read before any destination is written (and two
+    copies into one block would race, so there are none). A source nobody wrote yet (say, a
+    reserved block) copies as empty slots."""
+    assert len({dst for _, dst in copies}) == len(copies), f"two copies into one block: {copies}"
     gathered = [(dst, list(pool.get(src, [None] * block_size))) for src, dst in copies]
     out = {b: list(slots) for b, slots in pool.items()}
     for dst, slots in gathered:
@@ -438,6 +440,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         seq = self.model.seqs.pop(seq_id)
         event("free: with a pending copy" if self.model.copies else "free")
+        # As Scheduler._make_room_for_decode: a preempted sequence's own copy is dropped, since
+        # its destination goes back and a later copy of the step may take it.
+        gone = set(self.bm.tables[seq_id])
+        self.model.copies = [c for c in self.model.copies if c[1] not in gone]
         self.bm.free(seq_id)
         assert seq_id not in self.bm.tables and seq_id not in self.bm.num_tokens
         self.freed_tokens.append(seq.tokens)
@@ -451,6 +457,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if swap is None or seq_id is None:
             return
         table = list(self.bm.tables[seq_id])
+        if any(dst in table for _, dst in self.model.copies):
+            # The scheduler recomputes a sequence whose copy is pending: the swap-out, which lands
+            # before the copies, would save the block unfilled.
+            event("swap out: copy pending")
+            return
         before = (dict(swap.swapped), [list(t.free) for t in swap.tiers])
         copies = swap.swap_out(seq_id, self.bm.tables[seq_id])
         if copies is None:

@@ -444,3 +444,4 @@ def test_a_preempted_sequences_copy_on_write_is_dropped() -> None:
     running = {s.seq_id: bm.tables[s.seq_id] for s in sched.running}
     assert sorted(destinations) == sorted(running[s][-1] for s in ("p", "r"))
     assert sorted(src for src, _ in copies) == sorted(running[s][-1] for s in ("p#1", "r#1"))
+

@@ -116,8 +116,9 @@ inline float dots(const float* q, Rows<R> k, int64_t n, int64_t D, float* s) {
 #if defined(__AVX512BF16__)
 // s[t] = scale * (q . k[t]) for a bf16 query and bf16 keys read in place (D a multiple of 32),
 // 16 keys a tile as `dots`: the pair dot products take the keys as they are, where widening them
-// to fp32 took two of every three instructions of the loop. The products are exact and summed in
-// fp32, so only the order of the sums and where `scale` is applied differ from `dots`.
+// to fp32 took two of every three instructions of the loop. The products are exact (vdpbf16ps
+// reads subnormals as zero; q and k are never that small) and summed in fp32, so only the order
+// of the sums and where `scale` is applied differ from `dots`.
 inline float pair_dots(const c10::BFloat16* q, Rows<c10::BFloat16> k, int64_t n, int64_t D, float scale, float* s) {
   using namespace simd;
   const vf sc = set1(scale);
@@ -280,9 +281,9 @@ inline const float* absmax_scales(const Pages& p, int64_t block, int64_t n, int6
 // Asks for the rows of head h of a dense or absmax block (one an item reads kAhead blocks on) to
 // be brought into L2: a block table scatters blocks, so each block is a new stream the hardware
 // prefetcher would find only after its first misses. Not L1: a block's keys and values are 64
-// lines, which filled the core's few L1 miss buffers, and the loop stalled behind its own
-// prefetches (8 x 1,100-token decodes over 30 layers' pages: 710 us a layer into L1 one block
-// ahead, 470 into L2 two ahead; four ahead, no better).
+// lines (16 tokens of 64 bf16 channels), which filled the core's few L1 miss buffers, and the
+// loop stalled behind its own prefetches (8 x 1,100-token decodes over 30 layers' pages: 710 us
+// a layer into L1 one block ahead, 470 into L2 two ahead; four ahead, no better).
 constexpr int64_t kAhead = 2;
 inline void prefetch_block(const Pages& p, int64_t block, int64_t h, int64_t n) {
   if (p.kind != kDense && p.kind != kAbsMax && p.kind != kHeadAbsMax) return;
@@ -648,7 +649,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       const int64_t nblocks = w.bi1;  // the scoring pass (never a split item, never windowed) reads them all
       // bf16 pages and int8 / fp8 codes are read in place by a decode item, whose few rows would
       // not repay decoding a block into fp32 first; a prefill item's 30-odd rows would each widen
-      // the same keys again. Either way gives the same values (both widen exactly).
+      // the same keys again. Either way gives the same values (both widen exactly), but for
+      // pair_dots' scores, which sum in another order.
       const bool direct = rows <= 8;
       // Block bi of the item's table: its keys (and with `values` its values) read in place or
       // decoded into kbuf / vbuf, with absmax scales into kscale / vscale; returns its tokens and

@@ -1,7 +1,8 @@
 // One fp32 vector at the widest width the build targets: 16 lanes with AVX-512, 8 with AVX2 + FMA
 // + F16C, and one lane (a plain float) on older x86-64. The kernels' loops are written once
 // against these, so every instruction set runs the same algorithm with the same operations per
-// lane (the one-lane build's softmax included: polynomial exp, not std::exp).
+// lane (the one-lane build's softmax included: polynomial exp, not std::exp). One exception:
+// with AVX512_BF16, bf16 keys are scored by pair dot products (dot_pairs), in another order.
 #pragma once
 
 #include <c10/util/BFloat16.h>
