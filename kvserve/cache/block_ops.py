@@ -14,10 +14,10 @@ if TYPE_CHECKING:
 class BlockOps:
     """Applied in this order before the step's forward pass: compactions (they read blocks their
     sequence gave back, which the other moves may reuse), swaps out (reads of blocks that may be
-    reused below), swaps in, offloads to host blocks, blocks loaded from the remote tier, then
-    copy-on-write copies. Each is what the block manager or swap space returned for the move it
-    decided; the compactions a step's evictions decide travel at the head of the next step's
-    (Scheduler.carry)."""
+    reused below), swaps in, offloads to host blocks, copy-on-write copies (they may read blocks a
+    preempted sample gave back, which a load may reuse), then blocks loaded from the remote tier.
+    Each is what the block manager or swap space returned for the move it decided; the
+    compactions a step's evictions decide travel at the head of the next step's (Scheduler.carry)."""
     compactions: tuple[Compaction, ...] = ()
     swap_out: tuple[tuple[int, int, int], ...] = ()  # (device block, tier, slot)
     swap_in: tuple[tuple[int, int, int], ...] = ()   # (tier, slot, device block)

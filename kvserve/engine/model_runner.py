@@ -184,9 +184,11 @@ class ModelRunner:
             lost = self.swap.apply(self.pool, ops.swap_out, ops.swap_in)
         if ops.offloads:  # only dense pools offload (EngineConfig checks)
             self.pool.offload_blocks(list(ops.offloads))
+        # Copies before loads: a copy's source may be a block a preempted sample gave back this
+        # step, which an admission's remote-tier load may take; a copy never reads a loaded block.
+        self.pool.copy_blocks(list(ops.copies), moves.kv_plan)
         if ops.loads:
             write_blocks(self.pool.block_tensors, list(ops.loads))
-        self.pool.copy_blocks(list(ops.copies), moves.kv_plan)
         if ops.seals:  # only staged (compressed) pools have them
             self.pool.seal(ops.seals)
         return lost

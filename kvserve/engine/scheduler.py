@@ -159,9 +159,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(take)
             budget -= take
-        # Not in a step that preempted (as vLLM v1): a preempted sample's blocks may be the source
-        # of a sibling's copy, which a remote-tier load (applied before copies) would overwrite.
-        if budget > 0 and not self.swapped and not preempted:
+        if budget > 0 and not self.swapped:
             admitted, loads = self._admit(budget, chunked=True)
             ops = ops.then(loads)
             for seq in admitted:

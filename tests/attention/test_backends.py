@@ -285,22 +285,26 @@ def test_bf16_dense_pages_match_the_dense_reference(block_size: int, dim: int, k
 
 
 @pytest.mark.parametrize("dim", [64, 80, 128])
-def test_bf16_decodes_round_the_exact_attention_once(dim: int) -> None:
-    """Decode items over bf16 pages and a bf16 query (the cpu kernel scores them with bf16 pair dot
-    products where the CPU has them: D a multiple of 32): before the one rounding of the output to
-    bf16 they are fp32-exact, so the output is the exact attention of the same bf16 values rounded
-    once, within a bf16 step (2^-8 relative) of it, not the 2e-2 the tests of mixed steps allow.
-    (Without AVX512_BF16 this checks the fp32 dot products' decode instead.)"""
+@pytest.mark.parametrize("shapes", [pytest.param(DECODE, id="decode"),
+                                    pytest.param([(300, 40), (129, 33), (70, 12)], id="prompt-chunks")])
+def test_bf16_steps_round_the_exact_attention_once(shapes: list[tuple[int, int]], dim: int) -> None:
+    """bf16 pages and a bf16 query: the cpu kernel scores decode items with bf16 pair dot products,
+    and a prompt chunk's rows over blocks they all see whole with the rows in lanes (where the CPU
+    has AVX512_BF16 and D is a multiple of 32; fp32 dot products otherwise). Before the one rounding
+    of the output to bf16 all of these are fp32-exact, so the output is the exact attention of the
+    same bf16 values rounded once, within a bf16 step (2^-8 relative) of it, not the 2e-2 the tests
+    of mixed steps allow."""
     heads, kv_heads, bf16 = 9, 3, torch.bfloat16
-    seqs, k0, v0 = make_case(DECODE, heads, kv_heads, 16, seed=dim, head_dim=dim)
+    seqs, k0, v0 = make_case(shapes, heads, kv_heads, 16, seed=dim, head_dim=dim)
     for s in seqs:
         s.q, s.k, s.v = (t.to(bf16).float() for t in (s.q, s.k, s.v))
     k_exp, v_exp = expected_pool(seqs, k0, v0, 16)
     ref = torch.cat([dense_reference(s, heads, kv_heads, dim ** -0.5) for s in seqs]).double()
     backend = make_backend("cpu", k_exp.to(bf16), v_exp.to(bf16), heads)
-    step = StepMetadata.build([1] * len(seqs), [s.ctx for s in seqs], [s.table for s in seqs], 16, CPU)
-    out = attend(backend, torch.cat([s.q for s in seqs]).to(bf16), torch.cat([s.k[-1:] for s in seqs]).to(bf16),
-                 torch.cat([s.v[-1:] for s in seqs]).to(bf16), step, dim ** -0.5).double()
+    step = StepMetadata.build([s.q_len for s in seqs], [s.ctx for s in seqs], [s.table for s in seqs], 16, CPU)
+    out = attend(backend, torch.cat([s.q for s in seqs]).to(bf16),
+                 torch.cat([s.k[s.ctx - s.q_len:] for s in seqs]).to(bf16),
+                 torch.cat([s.v[s.ctx - s.q_len:] for s in seqs]).to(bf16), step, dim ** -0.5).double()
     assert ((out - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all(), (out - ref).abs().max()
 
 

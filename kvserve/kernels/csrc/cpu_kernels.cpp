@@ -649,8 +649,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       const int64_t nblocks = w.bi1;  // the scoring pass (never a split item, never windowed) reads them all
       // bf16 pages and int8 / fp8 codes are read in place by a decode item, whose few rows would
       // not repay decoding a block into fp32 first; a prefill item's 30-odd rows would each widen
-      // the same keys again. Either way gives the same values (both widen exactly), but for
-      // pair_dots' scores, which sum in another order.
+      // the same keys again. Either way gives the same values (both widen exactly). bf16 keys that
+      // pair_dots scores are read in place by every item: it does not widen them, and a decode
+      // and a prompt's rows (a chunk, a verified draft) then get the same scores, bit for bit.
       const bool direct = rows <= 8;
       // Block bi of the item's table: its keys (and with `values` its values) read in place or
       // decoded into kbuf / vbuf, with absmax scales into kscale / vscale; returns its tokens and
@@ -663,7 +664,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         const Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
         const int64_t at = slot >= 0 ? slot : block;
         Loaded got{std::min(block_size, last + 1 - bi * block_size), {{kbuf.data(), D}}, {{vbuf.data(), D}}};
-        auto read = [&](const Pages& page, BlockRows& rows, float* buf, float* scales) {
+        auto read = [&](const Pages& page, BlockRows& rows, float* buf, float* scales, bool keys) {
+          if constexpr (bf16_pairs)
+            if (keys && pairs) rows.bf16 = bf16_rows(page, at, w.h);
           if (direct) {
             // bf16 pages of another model dtype are rounded to it as they are decoded.
             if constexpr (std::is_same_v<T, c10::BFloat16>) rows.bf16 = bf16_rows(page, at, w.h);
@@ -674,8 +677,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           if (!rows.in_place()) decode_block<T>(page, at, got.n, w.h, D, buf);
           rows.scale = absmax_scales(page, at, got.n, w.h, scales);
         };
-        read(slot >= 0 ? sk : kp, got.k, kbuf.data(), kscale.data());
-        if (values) read(slot >= 0 ? sv : vp, got.v, vbuf.data(), vscale.data());
+        read(slot >= 0 ? sk : kp, got.k, kbuf.data(), kscale.data(), true);
+        if (values) read(slot >= 0 ? sv : vp, got.v, vbuf.data(), vscale.data(), false);
         return got;
       };
       // s[t] = q . k[t] * scale[t] for the block's first n keys; returns their max.
