@@ -114,33 +114,78 @@ inline float dots(const float* q, Rows<R> k, int64_t n, int64_t D, float* s) {
 }
 
 #if defined(__AVX512BF16__)
-// s[t] = scale * (q . k[t]) for a bf16 query and bf16 keys read in place (D a multiple of 32),
-// 16 keys a tile as `dots`: the pair dot products take the keys as they are, where widening them
-// to fp32 took two of every three instructions of the loop. The products are exact (vdpbf16ps
-// reads subnormals as zero; q and k are never that small) and summed in fp32, so only the order
-// of the sums and where `scale` is applied differ from `dots`.
-inline float pair_dots(const c10::BFloat16* q, Rows<c10::BFloat16> k, int64_t n, int64_t D, float scale, float* s) {
-  using namespace simd;
-  const vf sc = set1(scale);
-  vf mx = set1(-std::numeric_limits<float>::infinity());
-  for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
-    const int64_t left = std::min<int64_t>(kLanes, n - t0);
-    const c10::BFloat16* row[kLanes];
-    for (int t = 0; t < kLanes; ++t) row[t] = k.base + (t0 + std::min<int64_t>(t, left - 1)) * k.stride;
-    vf acc[kLanes];
-    for (int t = 0; t < kLanes; ++t) acc[t] = zero();
-    for (int64_t d = 0; d < D; d += 2 * kLanes)
-      for (int t = 0; t < kLanes; ++t) acc[t] = dot_pairs(acc[t], q + d, row[t] + d);
-    const vf st = mul(transpose_sums(acc), sc);
-    if (left == kLanes) {
-      store(s + t0, st);
-      mx = max(mx, st);
-    } else {
-      store_first(s + t0, st, left);
-      mx = max(mx, keep_first(st, left, -std::numeric_limits<float>::infinity()));
+// bf16 keys are scored against a bf16 query by pair dot products (vdpbf16ps: two exact products
+// of a channel pair added to an fp32 sum, no widening) with the keys' channel pairs transposed, 16
+// keys a tile: one instruction adds a pair to 16 keys' sums. Every key's sum then runs through
+// the pairs in the same order whichever item and row asks, so a decode and a prompt's rows get
+// the same scores, bit for bit; and no row sums across lanes (`dots` transposes 16 sums for
+// every row, and a prompt item's 30-odd rows each did that for every key). vdpbf16ps reads
+// subnormals as zero; queries and keys are never that small.
+
+// out[j] = lane j of every r[i] (a 16 x 16 transpose of 32-bit lanes).
+inline void transpose16(const __m512i* r, __m512i* out) {
+  __m512i t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0x88);
+    v[4 + i] = _mm512_shuffle_i32x4(u[i], u[4 + i], 0xdd);
+    v[8 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0x88);
+    v[12 + i] = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    out[i] = _mm512_shuffle_i32x4(v[i], v[8 + i], 0x88);
+    out[8 + i] = _mm512_shuffle_i32x4(v[i], v[8 + i], 0xdd);
+  }
+}
+
+// kT[(tile * D / 2 + p) * 16 + lane] = channel pair p of key 16 * tile + lane, for n keys (D a
+// multiple of 32); lanes past the last key repeat it.
+inline void transpose_pairs(Rows<c10::BFloat16> k, int64_t n, int64_t D, uint32_t* kT) {
+  for (int64_t t0 = 0, tile = 0; t0 < n; t0 += 16, ++tile) {
+    const int64_t left = std::min<int64_t>(16, n - t0);
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+      __m512i r[16], out[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = _mm512_loadu_si512(k.base + (t0 + std::min<int64_t>(i, left - 1)) * k.stride + 2 * p0);
+      transpose16(r, out);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(kT + (tile * D / 2 + p0 + j) * 16, out[j]);
     }
   }
-  return reduce_max(mx);
+}
+
+// s[t] = scale * (q . k[t]) for keys [t0, t1) of transpose_pairs' kT (t0 a multiple of 16), into
+// s[0, t1 - t0); returns their max. Four sums per key, pairs taken round-robin, so that four
+// pair dot products are in flight rather than one chain.
+inline float pair_scores(const c10::BFloat16* q, const uint32_t* kT, int64_t t0, int64_t t1, int64_t D, float scale,
+                         float* s) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t a = t0; a < t1; a += 16) {
+    const uint32_t* tile = kT + a / 16 * (D / 2) * 16;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t p = 0; p < D / 2; p += 4)
+      for (int j = 0; j < 4; ++j) {
+        uint32_t pair;
+        std::memcpy(&pair, q + 2 * (p + j), sizeof pair);
+        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(tile + (p + j) * 16),
+                                  (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair)));
+      }
+    const __m512 st = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])), sc);
+    const int64_t left = std::min<int64_t>(16, t1 - a);
+    const __mmask16 keep = static_cast<__mmask16>((1u << left) - 1);
+    _mm512_mask_storeu_ps(s + (a - t0), keep, st);
+    mx = _mm512_mask_max_ps(mx, keep, mx, st);
+  }
+  return _mm512_reduce_max_ps(mx);
 }
 #endif
 
@@ -613,13 +658,14 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const int64_t o_tok = out.stride(0), o_head = out.stride(1);
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  // bf16 keys read in place against a bf16 query take pair_dots (where the CPU has them).
+  // bf16 keys read in place against a bf16 query take pair_scores (where the CPU has them).
   constexpr bool bf16_pairs = simd::kPairDots && std::is_same_v<T, c10::BFloat16>;
   const bool pairs = bf16_pairs && D % (2 * simd::kLanes) == 0;
 
   const kvserve::Team team = kvserve::team_for(q.size(0), q.scalar_type());
   kvserve::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    std::vector<c10::BFloat16> qpairs;  // bf16 query rows, unscaled, for pair_dots
+    std::vector<c10::BFloat16> qpairs;  // bf16 query rows, unscaled, for pair_scores
+    std::vector<uint32_t> kT(pairs ? (block_size + 15) / 16 * 16 * D / 2 : 0);  // a block's keys, transposed
     std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), kscale(block_size),
         vscale(block_size), sbuf, m, l, corrections;
     std::vector<int64_t> pos;
@@ -649,9 +695,11 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       const int64_t nblocks = w.bi1;  // the scoring pass (never a split item, never windowed) reads them all
       // bf16 pages and int8 / fp8 codes are read in place by a decode item, whose few rows would
       // not repay decoding a block into fp32 first; a prefill item's 30-odd rows would each widen
-      // the same keys again. Either way gives the same values (both widen exactly). bf16 keys that
-      // pair_dots scores are read in place by every item: it does not widen them, and a decode
-      // and a prompt's rows (a chunk, a verified draft) then get the same scores, bit for bit.
+      // the same keys again. Either way gives the same values (both widen exactly). bf16 pages
+      // whose keys pair_scores scores are read in place by every item: it does not widen the keys,
+      // a decode and a prompt's rows (a chunk, a verified draft) then get the same scores, bit
+      // for bit, and the values of a block all of a prompt item's rows see whole are accumulated
+      // rows 3 at a time, widened once for the three.
       const bool direct = rows <= 8;
       // Block bi of the item's table: its keys (and with `values` its values) read in place or
       // decoded into kbuf / vbuf, with absmax scales into kscale / vscale; returns its tokens and
@@ -664,9 +712,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         const Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
         const int64_t at = slot >= 0 ? slot : block;
         Loaded got{std::min(block_size, last + 1 - bi * block_size), {{kbuf.data(), D}}, {{vbuf.data(), D}}};
-        auto read = [&](const Pages& page, BlockRows& rows, float* buf, float* scales, bool keys) {
+        auto read = [&](const Pages& page, BlockRows& rows, float* buf, float* scales) {
           if constexpr (bf16_pairs)
-            if (keys && pairs) rows.bf16 = bf16_rows(page, at, w.h);
+            if (pairs) rows.bf16 = bf16_rows(page, at, w.h);
           if (direct) {
             // bf16 pages of another model dtype are rounded to it as they are decoded.
             if constexpr (std::is_same_v<T, c10::BFloat16>) rows.bf16 = bf16_rows(page, at, w.h);
@@ -677,24 +725,33 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           if (!rows.in_place()) decode_block<T>(page, at, got.n, w.h, D, buf);
           rows.scale = absmax_scales(page, at, got.n, w.h, scales);
         };
-        read(slot >= 0 ? sk : kp, got.k, kbuf.data(), kscale.data(), true);
-        if (values) read(slot >= 0 ? sv : vp, got.v, vbuf.data(), vscale.data(), false);
+        read(slot >= 0 ? sk : kp, got.k, kbuf.data(), kscale.data());
+#if defined(__AVX512BF16__)
+        if (pairs && got.k.bf16.base) transpose_pairs(got.k.bf16, got.n, D, kT.data());
+#endif
+        if (values) read(slot >= 0 ? sv : vp, got.v, vbuf.data(), vscale.data());
         return got;
       };
-      // s[t] = q . k[t] * scale[t] for the block's first n keys; returns their max.
-      auto score_block = [&](int64_t r, const BlockRows& k, int64_t n, float* s) {
-        float top;
+      // s[t] = q . k[skip + t] * scale[skip + t] for the block's keys from skip on, n of them;
+      // returns their max.
+      auto score_block = [&](int64_t r, const BlockRows& block, int64_t skip, int64_t n, float* s) {
 #if defined(__AVX512BF16__)
-        if (pairs && k.bf16.base) top = pair_dots(qpairs.data() + r * D, k.bf16, n, D, fscale, s);
-        else
+        if (pairs && block.bf16.base) {
+          const int64_t a = skip / 16 * 16;  // pair_scores starts at a tile
+          const float top = pair_scores(qpairs.data() + r * D, kT.data(), a, skip + n, D, fscale, s);
+          if (a == skip) return top;
+          std::memmove(s, s + (skip - a), n * sizeof(float));
+          return *std::max_element(s, s + n);
+        }
 #endif
-        top = k.visit([&](auto kr) { return dots(qbuf.data() + r * D, kr, n, D, s); });
+        const BlockRows k = block.from(skip);
+        const float top = k.visit([&](auto kr) { return dots(qbuf.data() + r * D, kr, n, D, s); });
         if (k.scale == nullptr) return top;
         float mx = neg_inf;
         for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t] *= k.scale[t]);
         return mx;
       };
-      // A block's values into every row's sums, rows three at a time (a decode item's rows).
+      // A block's values into every row's sums, rows three at a time (rows that see the same keys).
       auto accumulate_group = [&](int64_t bi, const Loaded& blk) {
         const int64_t k0 = bi * block_size, skip = std::max<int64_t>(0, first_key(pos[0]) - k0);
         const int64_t visible = std::min(blk.n, pos[0] + 1 - k0) - skip;
@@ -723,6 +780,10 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         }
         const Loaded blk = load_block(bi, true);
         const int64_t k0 = bi * block_size;
+        // A prompt item's rows that all see the whole block take its values together too (the
+        // same bits as one row at a time).
+        const bool together = grouped || (groups_accumulate(D) && k0 + blk.n - 1 <= pos[0] &&
+                                          first_key(pos[rows - 1]) <= k0);
         for (int64_t r = 0; r < rows; ++r) {
           float* s = sbuf.data() + r * block_size;
           // Causal: keys at or before pos; windowed, from its first key on. s[t] is key k0 + skip + t.
@@ -730,17 +791,17 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           const int64_t visible = std::min(blk.n, pos[r] + 1 - k0) - skip;
           if (visible <= 0) continue;
           const BlockRows v = blk.v.from(skip);
-          const float mx = std::max(m[r], score_block(r, blk.k.from(skip), visible, s));
+          const float mx = std::max(m[r], score_block(r, blk.k, skip, visible, s));
           const float correction = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
           const float sum = exp_sub_sum(s, visible, mx);
           if (v.scale)  // the weights onto unscaled values
             for (int64_t t = 0; t < visible; ++t) s[t] *= v.scale[t];
-          if (grouped) corrections[r] = correction;
+          if (together) corrections[r] = correction;
           else v.visit([&](auto vr) { scale_accumulate(acc.data() + r * D, correction, s, vr, visible, D); });
           l[r] = l[r] * correction + sum;
           m[r] = mx;
         }
-        if (grouped) accumulate_group(bi, blk);
+        if (together) accumulate_group(bi, blk);
       }
       if (first && first[w.b] >= 0) {
         // A second pass over the keys now that each row's max and sum are final.
@@ -753,7 +814,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
             const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);
             if (visible <= 0) continue;
             float* s = sbuf.data() + r * block_size;
-            score_block(r, blk.k, visible, s);  // the first pass's scores, recomputed
+            score_block(r, blk.k, 0, visible, s);  // the first pass's scores, recomputed
             const float inv = 1.f / (l[r] * G);
             for (int64_t t = 0; t < visible; ++t) row_scores[k0 + t] += std::exp(s[t] - m[r]) * inv;
           }
