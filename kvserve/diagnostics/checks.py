@@ -7,8 +7,9 @@ the model dtype. In fp32 two ways of computing must agree to 1e-3. In bf16 / fp1
 ways already differ by their rounding (a decode step's matmuls sum in another order than a
 prefill's), so the check asks the engine's way to stay about as close to an fp32 recomputation
 (the truth) as the reference way in the same dtype is: KL(truth || cached) at most twice
-KL(truth || reference) (+1e-4), and top-1 agreement with the truth at most 0.03 lower, counted
-where the truth's top two are not a near-tie (NEAR_TIE): a near-tie goes either way in rounding.
+KL(truth || reference) (+1e-4), and top-1 agreement with the truth at most 0.03 lower (or two
+positions, where there are fewer than 67), counted where the truth's top two are not a near-tie
+(NEAR_TIE): a near-tie goes either way in rounding.
 """
 from __future__ import annotations
 
@@ -63,14 +64,19 @@ def against_truth(name: str, got: torch.Tensor, baseline: torch.Tensor, truth: t
     kl_got, kl_base = kl(truth, got), kl(truth, baseline)
     decided = decided_rows(truth, dtype)
     top_got, top_base = top1(got[decided], truth[decided]), top1(baseline[decided], truth[decided])
-    allowance = 0.03 * slack + (1 - top_base if format_loss else 0.0)
+    # 3% of the decided positions, and never under two of them: two half-precision runs that
+    # round differently (a recomputed prompt's matmuls against its decode steps') flip up to two
+    # of the ~60 positions of the short checks with KL well inside its bound (the bundled model
+    # on five texts), where 3% of 60 would allow one.
+    allowance = max(0.03 * slack, 2 / max(int(decided.sum()), 1)) + (1 - top_base if format_loss else 0.0)
     ok = kl_got <= 2 * slack * kl_base + 1e-4 * slack and top_got >= top_base - allowance
     measured = {"kl_vs_fp32": kl_got, "reference_kl_vs_fp32": kl_base, "top1_vs_fp32": top_got,
                 "reference_top1_vs_fp32": top_base, "decided_positions": float(decided.sum()),
                 **compare(got, baseline), **(extra or {})}
     return Check(name, "pass" if ok else "fail", measured,
                  f"KL to an fp32 recompute <= {2 * slack:g} x the reference's + {1e-4 * slack:g}, top-1 >= the "
-                 f"reference's - {allowance:.3g}" + (" (0.03 + the format's own top-1 loss)" if format_loss else "")
+                 f"reference's - {allowance:.3g}" + (" (3% or two positions, + the format's own top-1 loss)"
+                                                     if format_loss else "")
                  + f" where fp32's top two differ by > {NEAR_TIE[dtype]:g} ({str(dtype).removeprefix('torch.')})",
                  "" if ok else advice)
 
