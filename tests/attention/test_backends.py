@@ -313,7 +313,8 @@ def test_a_prompt_row_and_a_decode_get_the_same_bits(dim: int) -> None:
     """The cpu kernel reads a decode's few rows and a prompt chunk's many differently (in place
     against decoded blocks, values 3 rows at a time against one), in the same operations per row:
     the last token of a 5-token chunk gets the output bits that token gets as a decode, so a
-    verified draft, a chunk after a prefix-cache hit and a decode agree exactly."""
+    verified draft, a chunk after a prefix-cache hit and a decode agree exactly (where neither is
+    split across threads: a decode over more than 512 keys merges its pieces in another order)."""
     heads, kv_heads, bf16, ctx = 9, 3, torch.bfloat16, 300
     seqs, k0, v0 = make_case([(ctx, 5)], heads, kv_heads, 16, seed=dim, head_dim=dim)
     seq = seqs[0]

@@ -118,9 +118,10 @@ inline float dots(const float* q, Rows<R> k, int64_t n, int64_t D, float* s) {
 // of a channel pair added to an fp32 sum, no widening) with the keys' channel pairs transposed, 16
 // keys a tile: one instruction adds a pair to 16 keys' sums. Every key's sum then runs through
 // the pairs in the same order whichever item and row asks, so a decode and a prompt's rows get
-// the same scores, bit for bit; and no row sums across lanes (`dots` transposes 16 sums for
-// every row, and a prompt item's 30-odd rows each did that for every key). vdpbf16ps reads
-// subnormals as zero; queries and keys are never that small.
+// the same scores, bit for bit (whole outputs too, unless one of them is a split item: a decode
+// over more than split_blocks blocks merges its pieces' sums in another order); and no row sums
+// across lanes (`dots` transposes 16 sums for every row, and a prompt item's 30-odd rows each did
+// that for every key). vdpbf16ps reads subnormals as zero; queries and keys are never that small.
 
 // out[j] = lane j of every r[i] (a 16 x 16 transpose of 32-bit lanes).
 inline void transpose16(const __m512i* r, __m512i* out) {
@@ -781,7 +782,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         const Loaded blk = load_block(bi, true);
         const int64_t k0 = bi * block_size;
         // A prompt item's rows that all see the whole block take its values together too (the
-        // same bits as one row at a time).
+        // same bits as one row at a time where scale_accumulate has a register tile for D).
         const bool together = grouped || (groups_accumulate(D) && k0 + blk.n - 1 <= pos[0] &&
                                           first_key(pos[rows - 1]) <= k0);
         for (int64_t r = 0; r < rows; ++r) {

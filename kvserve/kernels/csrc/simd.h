@@ -2,7 +2,7 @@
 // + F16C, and one lane (a plain float) on older x86-64. The kernels' loops are written once
 // against these, so every instruction set runs the same algorithm with the same operations per
 // lane (the one-lane build's softmax included: polynomial exp, not std::exp). One exception:
-// with AVX512_BF16, bf16 keys are scored by pair dot products (dot_pairs), in another order.
+// with AVX512_BF16, bf16 keys are scored by pair dot products (pair_scores), in another order.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -273,12 +273,7 @@ inline vf exp_neg(vf x) {
 }
 
 #if defined(__AVX512BF16__)
-constexpr bool kPairDots = true;
-// acc + per lane the two exact products of 32 bf16 channels of a and b (vdpbf16ps): a bf16 dot
-// product with no widening, 32 channels an instruction, summed in fp32.
-inline vf dot_pairs(vf acc, const c10::BFloat16* a, const c10::BFloat16* b) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
-}
+constexpr bool kPairDots = true;  // bf16 keys scored by pair dot products (cpu_kernels.cpp, pair_scores)
 #else
 constexpr bool kPairDots = false;
 #endif
