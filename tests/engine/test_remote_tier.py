@@ -214,3 +214,21 @@ def test_the_tier_counts_show_in_metrics(tiny_llm: Callable[..., LLM], redis_ser
     text = metrics.render().decode()
     assert 'kvserve_kv_remote_blocks_total{event="hits"} 4.0' in text
     assert 'kvserve_kv_remote_blocks_total{event="corrupt"} 0.0' in text
+
+
+def test_a_step_copies_before_it_loads(tiny_llm: Callable[..., LLM]) -> None:
+    """A copy-on-write may read a block that a sample preempted in the same step gave back, and an
+    admission of that step may load remote pages into it: the runner copies first, so the copy
+    reads the block's own pages (a copy never reads a block loaded in its step)."""
+    from kvserve.cache.block_bytes import read_blocks
+    from kvserve.cache.block_ops import BlockOps
+    from kvserve.engine.model_runner import BlockMoves
+
+    runner = tiny_llm().engine.runner
+    tensors = runner.pool.block_tensors
+    for value, block in ((1.0, 1), (7.0, 3)):
+        for t in tensors:
+            t[block].fill_(value)
+    own, remote = read_blocks(tensors, [1, 3])
+    runner.apply(BlockMoves(BlockOps(copies=((1, 2),), loads=((1, remote),)), None))
+    assert read_blocks(tensors, [2, 1]) == [own, remote]
