@@ -139,7 +139,7 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
         steps.append(("kernel vs reference, configured format", lambda: checks.kernel_vs_reference(
             llm, make_llm, tokens, prompt_len, truth)))
     steps += [
-        ("prefix hit vs miss", lambda: checks.prefix_hit_vs_miss(llm, tokens, prompt_len, hit_truth)),
+        ("prefix hit vs miss", lambda: checks.prefix_hit_vs_miss(llm, make_llm, tokens, prompt_len, hit_truth)),
         ("preempted vs undisturbed", lambda: checks.preempted_vs_undisturbed(
             llm, make_llm, short, prompt_len, truth_short, 10 if compressed else 1)),
         ("mask", lambda: checks.mask_future_tokens(llm, short)),
