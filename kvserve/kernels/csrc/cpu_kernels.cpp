@@ -714,11 +714,10 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         const int64_t at = slot >= 0 ? slot : block;
         Loaded got{std::min(block_size, last + 1 - bi * block_size), {{kbuf.data(), D}}, {{vbuf.data(), D}}};
         auto read = [&](const Pages& page, BlockRows& rows, float* buf, float* scales) {
-          if constexpr (bf16_pairs)
-            if (pairs) rows.bf16 = bf16_rows(page, at, w.h);
+          // bf16 pages of another model dtype are rounded to it as they are decoded.
+          if constexpr (std::is_same_v<T, c10::BFloat16>)
+            if (direct || pairs) rows.bf16 = bf16_rows(page, at, w.h);
           if (direct) {
-            // bf16 pages of another model dtype are rounded to it as they are decoded.
-            if constexpr (std::is_same_v<T, c10::BFloat16>) rows.bf16 = bf16_rows(page, at, w.h);
             rows.i8 = code_rows<int8_t>(page, at, w.h);
             rows.e4m3 = code_rows<c10::Float8_e4m3fn>(page, at, w.h);
             rows.e5m2 = code_rows<c10::Float8_e5m2>(page, at, w.h);
