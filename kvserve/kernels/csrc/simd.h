@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace simd {
 
@@ -288,6 +289,50 @@ inline vf through_bf16(vf v) {
   const vi x = bits_of(v);
   const vi rounded = iadd(x, iadd(iset1(0x7FFF), band(shr(x, 16), iset1(1))));
   return from_bits(band(rounded, iset1(static_cast<int32_t>(0xFFFF0000u))));
+#endif
+}
+
+
+// v rounded to fp16 (to nearest, ties to even) and widened back.
+inline vf through_half(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  return static_cast<float>(static_cast<c10::Half>(v));
+#endif
+}
+
+// v rounded to T (bf16, fp16 or fp32) and widened back: what storing it as T keeps.
+template <typename T>
+inline vf through_as(vf v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return through_bf16(v);
+  else if constexpr (std::is_same_v<T, c10::Half>) return through_half(v);
+  else return v;
+}
+
+// kLanes values stored as T, rounded to nearest even as c10's casts round finite values.
+inline void store_as(float* p, vf v) { store(p, v); }
+inline void store_as(c10::Half* p, vf v) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  *p = static_cast<c10::Half>(v);
+#endif
+}
+inline void store_as(c10::BFloat16* p, vf v) {
+#if defined(__AVX512F__)
+  const __m512i top = _mm512_srli_epi32(bits_of(through_bf16(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const __m256i top = _mm256_srli_epi32(bits_of(through_bf16(v)), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
+#else
+  *p = static_cast<c10::BFloat16>(v);
 #endif
 }
 
