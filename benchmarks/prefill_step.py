@@ -26,8 +26,8 @@ def busy_seconds() -> float:
 
 def main(root: str, tokens: int, reps: int) -> None:
     sys.path.insert(0, root)
+    from kvserve import LLM, SamplingParams  # before torch: kvserve sets OpenMP's spin (threads.py)
     import torch
-    from kvserve import LLM, SamplingParams
 
     engine = LLM(enable_prefix_caching=False).engine
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

