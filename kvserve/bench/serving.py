@@ -137,6 +137,21 @@ def send_times(n: int, request_rate: float, burstiness: float, seed: int) -> lis
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], request: WorkloadRequest
                   ) -> StreamRecord:
     sent = time.perf_counter()
+    record = await _attempt(client, url, body, request, sent)
+    if record.error is not None and record.error.startswith(_DROPPED):
+        # A kept-alive connection the server closed as the request went out: nothing reached it,
+        # so the client sends again, as an HTTP client retries an unanswered request on a reused
+        # connection. The lost time still counts (the request's clock started at `sent`).
+        record = await _attempt(client, url, body, request, sent)
+    return record
+
+
+# httpx's error for a connection closed before any byte of the response.
+_DROPPED = "RemoteProtocolError: Server disconnected without sending a response"
+
+
+async def _attempt(client: httpx.AsyncClient, url: str, body: dict[str, Any], request: WorkloadRequest,
+                   sent: float) -> StreamRecord:
     times: list[float] = []
     tokens, error, pending = 0, None, b""
     try:
@@ -180,7 +195,10 @@ async def _load(url: str, model: str | None, sessions: list[list[WorkloadRequest
     gate = asyncio.Semaphore(most)
     # Bodies made before the clock starts: a prompt decoded to text costs the client, not the server.
     bodies = [[_body(r, model, prompt_fields) for r in session] for session in sessions]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=httpx.Limits(max_connections=most + 8)) as client:
+    # Idle connections are closed after 2 s, before a server's own keep-alive timeout (llama-server's
+    # HTTP library: 5 s, httpx's default expiry too) can close one as a request goes out on it.
+    limits = httpx.Limits(max_connections=most + 8, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
         start = time.perf_counter()
 
         async def one(session: list[WorkloadRequest], session_bodies: list[dict[str, Any]], at: float

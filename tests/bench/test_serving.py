@@ -145,6 +145,46 @@ def test_a_server_that_sends_no_usage_is_counted_one_token_per_chunk() -> None:
     assert all(gap >= 0 for gap in record.itls) and 0.1 < sum(record.itls) < 2
 
 
+def test_a_request_the_server_dropped_unanswered_is_sent_again() -> None:
+    """A stand-in server closes the first connection without a response, as a server does with
+    a kept-alive connection when its idle timeout races the next request: the client sends the
+    request again and it completes, its time counted from the first send; a second drop is an error."""
+    import http.server
+    import json
+    import threading
+
+    drops = {"left": 1}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if drops["left"] > 0:
+                drops["left"] -= 1
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            chunk = {"choices": [{"text": "a", "index": 0, "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    try:
+        [record], _ = run_load(url, [[WorkloadRequest([1, 2, 3], 1)]])
+        assert record.error is None and record.output_tokens == 1
+        drops["left"] = 2
+        [record], _ = run_load(url, [[WorkloadRequest([1, 2, 3], 1)]])
+        assert record.error is not None and "Server disconnected" in record.error
+    finally:
+        httpd.shutdown()
+
+
 def test_a_sweep_runs_each_rate_on_its_own_draw_and_draws_the_curve(server: ServerProcess, tmp_path: Path) -> None:
     import httpx
 
