@@ -1,4 +1,6 @@
-// The ops of cpu_kernels.cpp that decoder_stack.cpp composes (each documented where defined).
+// The kernels' ops, each documented where it is defined: paged_attention.cpp, kv_encode.cpp,
+// row_ops.cpp, linear_bf16.cpp and the files named below. cpu_kernels.cpp binds them for Python;
+// decoder_stack.cpp composes them.
 #pragma once
 
 #include <torch/extension.h>
@@ -6,10 +8,15 @@
 #include <vector>
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+bool has_bf16_gemm();
+bool interleaves_bf16_weights();
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c10::optional<at::Tensor> residual);
+at::Tensor offset_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                           c10::optional<at::Tensor> residual);
 std::vector<at::Tensor> rope_split(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                                    const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t head_dim);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                            const at::Tensor& slot_mapping, const at::Tensor& query_start,
                            const at::Tensor& context_lens, const at::Tensor& block_tables, int64_t k_kind,

@@ -13,7 +13,7 @@
 
 namespace {
 
-constexpr int64_t kDensePages = 0;  // cpu_kernels.cpp's kDense
+constexpr int64_t kDensePages = 0;  // value_types.h's kDense
 
 // Per layer: input norm, qkv weight, qkv bias (empty: none), o weight, post-attention norm,
 // gate_up weight, down weight.

@@ -1,6 +1,6 @@
 // The small-batch bf16 linear on AMX tile units (Intel Sapphire Rapids on), for 4 to 32 rows.
 //
-// The VDPBF16PS kernel (linear_bf16 in cpu_kernels.cpp) is bound by memory at one row but by the
+// The VDPBF16PS kernel (linear_bf16.cpp) is bound by memory at one row but by the
 // vector units from a few rows on: a step's linears at 32 rows took 47-74 ms on an AMX Xeon,
 // where the weight read alone takes ~10. Tiles do the 32 rows in about the read's time, from the
 // same row-major weights (no second, prepacked copy): the weight rows are the tiles' A operand

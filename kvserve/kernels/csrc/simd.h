@@ -274,7 +274,7 @@ inline vf exp_neg(vf x) {
 }
 
 #if defined(__AVX512BF16__)
-constexpr bool kPairDots = true;  // bf16 keys scored by pair dot products (cpu_kernels.cpp, pair_scores)
+constexpr bool kPairDots = true;  // bf16 keys scored by pair dot products (attention_math.h, pair_scores)
 #else
 constexpr bool kPairDots = false;
 #endif

@@ -1,0 +1,141 @@
+// Encoding K or V rows into int8 / fp8 / int4 page fields, one token at a time (encode_write): the
+// cpu backend's writes and the decoder stack's, for pages the attention kernel reads.
+#include "cpu_ops.h"
+#include "simd.h"
+#include "thread_pool.h"
+#include "value_types.h"
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+
+using namespace cpu_kernels;
+
+namespace {
+
+// x rounded to fp16, then moved one fp16 step up (or down) if rounding went the wrong way: the
+// stored scale must still cover the range (kv_format._fp16_rounded). Finite inputs only.
+inline c10::Half fp16_rounded(float x, bool up) {
+  c10::Half h(x);
+  const float back = static_cast<float>(h);
+  if (up ? back >= x : back <= x) return h;
+  uint16_t bits = h.x;
+  const bool zero = (bits & 0x7FFF) == 0;
+  const bool positive = !(bits & 0x8000);
+  if (zero) bits = up ? 0x0001 : 0x8001;
+  else if (positive == up) bits += 1;
+  else bits -= 1;
+  return c10::Half(bits, c10::Half::from_bits());
+}
+
+constexpr float kMinScale = 1.0f / 16384;  // kv_format.MIN_SCALE, fp16's smallest normal
+
+template <typename T, typename Code>
+void encode_absmax(const T* x, Code* codes, c10::Half* scale, int64_t D, float qmax, bool is_float) {
+  // int8 codes (integer codes: is_float is false) from bf16 / fp32 rows 8 at a time (a prefill
+  // step encodes every token's K and V): the same max, division, clamp and rounding to nearest
+  // even as the scalar loops.
+#if defined(__AVX2__) && defined(__FMA__)
+  constexpr bool vector = std::is_same_v<Code, int8_t> && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+  auto load = [](const T* p) {
+    if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+    else return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  };
+#else
+  constexpr bool vector = false;
+#endif
+  const int64_t vd = vector ? D - D % 8 : 0;  // channels the vector loops take
+  float amax = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (vector) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 mx = _mm256_setzero_ps();
+    // max(new, mx) keeps mx where new is NaN, as std::max(amax, v) does.
+    for (int64_t d = 0; d < vd; d += 8) mx = _mm256_max_ps(_mm256_and_ps(load(x + d), magnitude), mx);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    for (float v : lanes) amax = std::max(amax, v);
+  }
+#endif
+  for (int64_t d = vd; d < D; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
+  const c10::Half sc = fp16_rounded(std::max(amax / qmax, kMinScale), true);
+  *scale = sc;
+  const float sf = static_cast<float>(sc);
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (vector) {
+    const __m256 sv = _mm256_set1_ps(sf), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+    for (int64_t d = 0; d < vd; d += 8) {
+      const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(load(x + d), sv), lo), hi);
+      const __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + d), _mm_packs_epi16(words, words));
+    }
+  }
+#endif
+  for (int64_t d = vd; d < D; ++d) {
+    float y = std::min(std::max(static_cast<float>(x[d]) / sf, -qmax), qmax);
+    if (!is_float) y = std::nearbyint(y);
+    codes[d] = static_cast<Code>(y);
+  }
+}
+
+template <typename T>
+void encode_group4(const T* x, uint8_t* codes, c10::Half* scale, c10::Half* zero, int64_t D, int64_t group) {
+  for (int64_t g0 = 0, gi = 0; g0 < D; g0 += group, ++gi) {
+    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+    for (int64_t d = g0; d < g0 + group; ++d) {
+      lo = std::min(lo, static_cast<float>(x[d]));
+      hi = std::max(hi, static_cast<float>(x[d]));
+    }
+    const c10::Half z = fp16_rounded(lo, false);
+    const float zf = static_cast<float>(z);
+    const c10::Half sc = fp16_rounded(std::max((hi - zf) / 15.f, kMinScale), true);
+    const float sf = static_cast<float>(sc);
+    zero[gi] = z;
+    scale[gi] = sc;
+    for (int64_t d = g0; d < g0 + group; d += 2) {
+      auto code = [&](int64_t i) {
+        return static_cast<uint8_t>(std::min(std::max(std::nearbyint((static_cast<float>(x[i]) - zf) / sf), 0.f), 15.f));
+      };
+      codes[d / 2] = static_cast<uint8_t>(code(d) | (code(d + 1) << 4));
+    }
+  }
+}
+
+}  // namespace
+
+// Encodes x [T, H, D] (rows may be strided) token by token into the page fields at slot_mapping,
+// exactly as kvserve.cache.kv_format's int8 / fp8 (absmax) and int4 (group) formats do.
+void encode_write(const at::Tensor& x, const at::Tensor& slot_mapping, int64_t kind, const at::Tensor& codes,
+                  const at::Tensor& scale, const at::Tensor& zero, int64_t group) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "encode_write: x must be [T, H, D] with contiguous D");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto* sc = scale.data_ptr<c10::Half>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "encode_write", [&] {
+    const scalar_t* xd = x.data_ptr<scalar_t>();
+    kvserve::parallel_for(0, T * H, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / H, h = i % H, slot = slots[t] * H + h;
+        const scalar_t* row = xd + t * x.stride(0) + h * x.stride(1);
+        if (kind == kGroup) {
+          const int64_t G = D / group;
+          encode_group4(row, codes.data_ptr<uint8_t>() + slot * (D / 2), sc + slot * G,
+                        zero.data_ptr<c10::Half>() + slot * G, D, group);
+          continue;
+        }
+        TORCH_CHECK(kind == kAbsMax, "encode_write: unknown kind ", kind);
+        switch (codes.scalar_type()) {
+          case at::kChar: encode_absmax(row, codes.data_ptr<int8_t>() + slot * D, sc + slot, D, 127.f, false); break;
+          case at::kFloat8_e4m3fn:
+            encode_absmax(row, codes.data_ptr<c10::Float8_e4m3fn>() + slot * D, sc + slot, D, 448.f, true); break;
+          case at::kFloat8_e5m2:
+            encode_absmax(row, codes.data_ptr<c10::Float8_e5m2>() + slot * D, sc + slot, D, 57344.f, true); break;
+          default: TORCH_CHECK(false, "encode_write: unsupported code dtype ", codes.scalar_type());
+        }
+      }
+    }, kvserve::team_for(T, x.scalar_type()));
+  });
+}

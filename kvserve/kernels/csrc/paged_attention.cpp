@@ -1,0 +1,390 @@
+// CPU kernels for kvserve: paged attention that reads KV pages in place (dense or compressed,
+// decoded block by block inside the kernel), and the KV write.
+//
+// Every op computes in fp32 and rounds once to the output dtype, so fp32 runs match the
+// reference to rounding, and bf16 runs differ from the eager ops only by their intermediate
+// roundings. int8 / fp8 codes are attended as code x scale in fp32, where the reference rounds
+// that product to the model dtype first.
+#include "attention_math.h"
+#include "cpu_ops.h"
+#include "page_reads.h"
+#include "simd.h"
+#include "thread_pool.h"
+#include "value_types.h"
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+using namespace cpu_kernels;
+
+namespace {
+
+template <typename T>
+void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& query_start,
+                    const at::Tensor& context_lens, const at::Tensor& block_tables,
+                    const Pages& kp, const Pages& vp, const at::Tensor& stage_of,
+                    const at::Tensor& k_staging, const at::Tensor& v_staging, double scale,
+                    int64_t block_size, int64_t num_kv_heads, int64_t window, const at::Tensor& score_first,
+                    at::Tensor& scores) {
+  const int64_t B = context_lens.size(0);
+  const int64_t H = q.size(1), D = q.size(2), G = H / num_kv_heads;
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t* stage = stage_of.defined() && stage_of.numel() ? stage_of.data_ptr<int64_t>() : nullptr;
+  // Query tokens per work item: enough rows to reuse each decoded key block, few enough that
+  // a prefill splits across threads.
+  const int64_t q_tile = std::max<int64_t>(1, 32 / G);
+  // A sliding window (window > 0): the query in slot p sees keys p - window + 1 .. p. An item
+  // starts at the block holding its first row's first key: the blocks before it are never read
+  // (a hybrid KV cache points their table entries at a null block).
+  auto first_key = [window](int64_t slot) { return window > 0 ? std::max<int64_t>(0, slot - window + 1) : 0; };
+  // Scores: the softmax weights of a sequence's query rows from score_first[b] on (-1: none),
+  // summed over those rows and averaged over the group's query heads, into scores[b, h, slot].
+  // A scored sequence is one item per head, so no two threads add into the same row.
+  const int64_t* first = score_first.numel() ? score_first.data_ptr<int64_t>() : nullptr;
+  float* sc = first ? scores.data_ptr<float>() : nullptr;
+  const int64_t sc_b = first ? scores.stride(0) : 0, sc_h = first ? scores.stride(1) : 0;
+
+  // An item reads blocks [bi0, bi1) of its sequence; part >= 0: a piece of a split context, whose
+  // rows' running max, sum and weighted values go to part storage from that row on, for merging
+  // after.
+  struct Item { int64_t b, h, q0, q1, cost, bi0, bi1, part; };
+  // A decode token's keys, or a few tokens' (a speculative draft's verification), in pieces of
+  // this many blocks (about 512 keys): a long context is several items, so one long sequence
+  // keeps every thread busy (one stream: as many items as KV heads). Unsplit, a 5-token
+  // verification was 3 items on 2 threads, and its attention took 1.7x a decode token's (issue
+  // 44). Where a context is cut depends only on its length and the tokens' count, never on the batch.
+  const int64_t split_blocks = std::max<int64_t>(1, 512 / block_size);
+  constexpr int64_t kSplitTokens = 8;
+  // A split's pieces: rows each ((q1 - q0) * G), stored one piece after another from row0.
+  struct Split { int64_t h, q0, q1, row0, parts; };
+  std::vector<Item> items;
+  std::vector<Split> splits;
+  int64_t num_part_rows = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const bool scored = first && first[b] >= 0;
+    const int64_t tile = scored ? std::max<int64_t>(1, qs[b + 1] - qs[b]) : q_tile;
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t q0 = qs[b]; q0 < qs[b + 1]; q0 += tile) {
+        const int64_t q1 = std::min(q0 + tile, qs[b + 1]);
+        const int64_t keys = ctx[b] - (qs[b + 1] - q1);  // what the item's last row sees
+        const int64_t nblocks = (keys - 1) / block_size + 1;
+        const int64_t lo = first_key(ctx[b] - (qs[b + 1] - q0)) / block_size;
+        if (q1 - q0 <= kSplitTokens && !scored && nblocks - lo > split_blocks) {
+          const int64_t parts = (nblocks - lo + split_blocks - 1) / split_blocks, rows = (q1 - q0) * G;
+          splits.push_back({h, q0, q1, num_part_rows, parts});
+          for (int64_t i = 0; i < parts; ++i) {
+            const int64_t bi0 = lo + i * split_blocks, bi1 = std::min(nblocks, bi0 + split_blocks);
+            items.push_back({b, h, q0, q1, (q1 - q0) * (bi1 - bi0) * block_size, bi0, bi1, num_part_rows + i * rows});
+          }
+          num_part_rows += parts * rows;
+          continue;
+        }
+        // Rows times the keys it reads: a 2,000-token context costs 100 times a 20.
+        items.push_back({b, h, q0, q1, (q1 - q0) * (keys - lo * block_size), lo, nblocks, -1});
+      }
+  }
+  // The pieces' running max and sum per row and weighted values per row [.., D].
+  std::vector<float> part_m(num_part_rows), part_l(num_part_rows), part_acc(num_part_rows * D);
+  // Items are handed out one at a time, longest first: split statically, the thread that drew
+  // the long contexts ran alone while the other spun at the barrier (14% of a mixed step).
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next_item{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+
+  const T* qd = q.data_ptr<T>();
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1);
+  T* od = out.data_ptr<T>();
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  // bf16 keys read in place against a bf16 query take pair_scores (where the CPU has them).
+  constexpr bool bf16_pairs = simd::kPairDots && std::is_same_v<T, c10::BFloat16>;
+  const bool pairs = bf16_pairs && D % (2 * simd::kLanes) == 0;
+
+  const kvserve::Team team = kvserve::team_for(q.size(0), q.scalar_type());
+  kvserve::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+    std::vector<c10::BFloat16> qpairs;  // bf16 query rows, unscaled, for pair_scores
+    std::vector<uint32_t> kT(pairs ? (block_size + 15) / 16 * 16 * D / 2 : 0);  // a block's keys, transposed
+    std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), kscale(block_size),
+        vscale(block_size), sbuf, m, l, corrections;
+    std::vector<int64_t> pos;
+    for (int64_t it; (it = next_item.fetch_add(1)) < num_items;) {
+      const Item w = items[it];
+      const int64_t q_len = qs[w.b + 1] - qs[w.b];
+      const int64_t rows = (w.q1 - w.q0) * G;
+      qbuf.assign(rows * D, 0.f);
+      if (pairs) qpairs.resize(rows * D);
+      acc.assign(rows * D, 0.f);
+      sbuf.assign(rows * block_size, 0.f);
+      m.assign(rows, neg_inf);
+      l.assign(rows, 0.f);
+      corrections.assign(rows, 1.f);
+      pos.assign(rows, 0);
+      for (int64_t i = 0; i < w.q1 - w.q0; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          const T* src = qd + (w.q0 + i) * q_tok + (w.h * G + g) * q_head;
+          for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = to_f(src[d]) * fscale;
+          if constexpr (bf16_pairs)
+            if (pairs) std::copy(src, src + D, qpairs.begin() + r * D);
+          // Token j of a sequence's new tokens sits at position ctx - q_len + j.
+          pos[r] = ctx[w.b] - q_len + (w.q0 + i - qs[w.b]);
+        }
+      const int64_t last = pos[rows - 1];  // the furthest key any row of this item sees
+      const int64_t nblocks = w.bi1;  // the scoring pass (never a split item, never windowed) reads them all
+      // bf16 pages and int8 / fp8 codes are read in place by a decode item, whose few rows would
+      // not repay decoding a block into fp32 first; a prefill item's 30-odd rows would each widen
+      // the same keys again. Either way gives the same values (both widen exactly). bf16 pages
+      // whose keys pair_scores scores are read in place by every item: it does not widen the keys,
+      // a decode and a prompt's rows (a chunk, a verified draft) then get the same scores, bit
+      // for bit, and the values of a block all of a prompt item's rows see whole are accumulated
+      // rows 3 at a time, widened once for the three.
+      const bool direct = rows <= 8;
+      // Block bi of the item's table: its keys (and with `values` its values) read in place or
+      // decoded into kbuf / vbuf, with absmax scales into kscale / vscale; returns its tokens and
+      // rows. A block inside the full-precision window is read from its staging slot instead.
+      struct Loaded { int64_t n; BlockRows k, v; };
+      auto load_block = [&](int64_t bi, bool values) {
+        const int64_t block = tables[w.b * table_stride + bi];
+        const int64_t slot = stage ? stage[block] : -1;
+        const Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
+        const Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
+        const int64_t at = slot >= 0 ? slot : block;
+        Loaded got{std::min(block_size, last + 1 - bi * block_size), {{kbuf.data(), D}}, {{vbuf.data(), D}}};
+        auto read = [&](const Pages& page, BlockRows& rows, float* buf, float* scales) {
+          // bf16 pages of another model dtype are rounded to it as they are decoded.
+          if constexpr (std::is_same_v<T, c10::BFloat16>)
+            if (direct || pairs) rows.bf16 = bf16_rows(page, at, w.h);
+          if (direct) {
+            rows.i8 = code_rows<int8_t>(page, at, w.h);
+            rows.e4m3 = code_rows<c10::Float8_e4m3fn>(page, at, w.h);
+            rows.e5m2 = code_rows<c10::Float8_e5m2>(page, at, w.h);
+          }
+          if (!rows.in_place()) decode_block<T>(page, at, got.n, w.h, D, buf);
+          rows.scale = absmax_scales(page, at, got.n, w.h, scales);
+        };
+        read(slot >= 0 ? sk : kp, got.k, kbuf.data(), kscale.data());
+#if defined(__AVX512BF16__)
+        if (pairs && got.k.bf16.base) transpose_pairs(got.k.bf16, got.n, D, kT.data());
+#endif
+        if (values) read(slot >= 0 ? sv : vp, got.v, vbuf.data(), vscale.data());
+        return got;
+      };
+      // s[t] = q . k[skip + t] * scale[skip + t] for the block's keys from skip on, n of them;
+      // returns their max.
+      auto score_block = [&](int64_t r, const BlockRows& block, int64_t skip, int64_t n, float* s) {
+#if defined(__AVX512BF16__)
+        if (pairs && block.bf16.base) {
+          const int64_t a = skip / 16 * 16;  // pair_scores starts at a tile
+          const float top = pair_scores(qpairs.data() + r * D, kT.data(), a, skip + n, D, fscale, s);
+          if (a == skip) return top;
+          std::memmove(s, s + (skip - a), n * sizeof(float));
+          return *std::max_element(s, s + n);
+        }
+#endif
+        const BlockRows k = block.from(skip);
+        const float top = k.visit([&](auto kr) { return dots(qbuf.data() + r * D, kr, n, D, s); });
+        if (k.scale == nullptr) return top;
+        float mx = neg_inf;
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t] *= k.scale[t]);
+        return mx;
+      };
+      // A block's values into every row's sums, rows three at a time (rows that see the same keys).
+      auto accumulate_group = [&](int64_t bi, const Loaded& blk) {
+        const int64_t k0 = bi * block_size, skip = std::max<int64_t>(0, first_key(pos[0]) - k0);
+        const int64_t visible = std::min(blk.n, pos[0] + 1 - k0) - skip;
+        if (visible <= 0) return;  // the rows skipped the block too, leaving `corrections` stale
+        const BlockRows v = blk.v.from(skip);
+        auto run = [&](auto tile, int64_t r) {
+          v.visit([&](auto vr) {
+            scale_accumulate_group<decltype(tile)::value>(acc.data() + r * D, corrections.data() + r,
+                                                          sbuf.data() + r * block_size, block_size, vr, visible, D);
+          });
+        };
+        int64_t r = 0;
+        for (; r + 3 <= rows; r += 3) run(std::integral_constant<int, 3>{}, r);
+        if (rows - r == 2) run(std::integral_constant<int, 2>{}, r);
+        if (rows - r == 1) run(std::integral_constant<int, 1>{}, r);
+      };
+      // One query token's rows (a decode item, or a prompt's one-token chunk) see the same keys:
+      // their values are accumulated together (scale_accumulate_group).
+      const bool grouped = w.q1 - w.q0 == 1 && groups_accumulate(D);
+      for (int64_t bi = w.bi0; bi < w.bi1; ++bi) {
+        // kAhead blocks ahead (the first block's loop asks for all of them).
+        for (int64_t ahead = bi == w.bi0 ? 1 : kAhead; !stage && ahead <= kAhead && bi + ahead < w.bi1; ++ahead) {
+          const int64_t next = tables[w.b * table_stride + bi + ahead];
+          prefetch_block(kp, next, w.h, block_size);
+          prefetch_block(vp, next, w.h, block_size);
+        }
+        const Loaded blk = load_block(bi, true);
+        const int64_t k0 = bi * block_size;
+        // A prompt item's rows that all see the whole block take its values together too (the
+        // same bits as one row at a time where scale_accumulate has a register tile for D).
+        const bool together = grouped || (groups_accumulate(D) && k0 + blk.n - 1 <= pos[0] &&
+                                          first_key(pos[rows - 1]) <= k0);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = sbuf.data() + r * block_size;
+          // Causal: keys at or before pos; windowed, from its first key on. s[t] is key k0 + skip + t.
+          const int64_t skip = std::max<int64_t>(0, first_key(pos[r]) - k0);
+          const int64_t visible = std::min(blk.n, pos[r] + 1 - k0) - skip;
+          if (visible <= 0) continue;
+          const BlockRows v = blk.v.from(skip);
+          const float mx = std::max(m[r], score_block(r, blk.k, skip, visible, s));
+          const float correction = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
+          const float sum = exp_sub_sum(s, visible, mx);
+          if (v.scale)  // the weights onto unscaled values
+            for (int64_t t = 0; t < visible; ++t) s[t] *= v.scale[t];
+          if (together) corrections[r] = correction;
+          else v.visit([&](auto vr) { scale_accumulate(acc.data() + r * D, correction, s, vr, visible, D); });
+          l[r] = l[r] * correction + sum;
+          m[r] = mx;
+        }
+        if (together) accumulate_group(bi, blk);
+      }
+      if (first && first[w.b] >= 0) {
+        // A second pass over the keys now that each row's max and sum are final.
+        float* row_scores = sc + w.b * sc_b + w.h * sc_h;
+        const int64_t r0 = (first[w.b] - (w.q0 - qs[w.b])) * G;  // the first counted row
+        for (int64_t bi = 0; bi < nblocks; ++bi) {
+          const Loaded blk = load_block(bi, false);
+          const int64_t k0 = bi * block_size;
+          for (int64_t r = std::max<int64_t>(r0, 0); r < rows; ++r) {
+            const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);
+            if (visible <= 0) continue;
+            float* s = sbuf.data() + r * block_size;
+            score_block(r, blk.k, 0, visible, s);  // the first pass's scores, recomputed
+            const float inv = 1.f / (l[r] * G);
+            for (int64_t t = 0; t < visible; ++t) row_scores[k0 + t] += std::exp(s[t] - m[r]) * inv;
+          }
+        }
+      }
+      if (w.part >= 0) {  // a piece: its rows are merged below
+        std::copy(m.begin(), m.end(), part_m.begin() + w.part);
+        std::copy(l.begin(), l.end(), part_l.begin() + w.part);
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + w.part * D);
+        continue;
+      }
+      for (int64_t i = 0; i < w.q1 - w.q0; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * G + g;
+          T* dst = od + (w.q0 + i) * o_tok + (w.h * G + g) * o_head;
+          const float inv = 1.f / l[r];
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
+        }
+    }
+  }, team);
+  // A split context's pieces, in order: each rescaled to the overall max, as the online softmax
+  // rescales a block.
+  kvserve::parallel_for(0, static_cast<int64_t>(splits.size()), 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const Split& sp = splits[i];
+      const int64_t rows = (sp.q1 - sp.q0) * G;
+      for (int64_t r = 0; r < rows; ++r) {
+        // A row that sees none of a piece's keys (a later piece, past its position) left it at
+        // max -inf and sum 0: weight exp(-inf) = 0.
+        float mx = neg_inf;
+        for (int64_t p = 0; p < sp.parts; ++p) mx = std::max(mx, part_m[sp.row0 + p * rows + r]);
+        float total = 0.f;
+        std::fill(sum.begin(), sum.end(), 0.f);
+        for (int64_t p = 0; p < sp.parts; ++p) {
+          const int64_t at = sp.row0 + p * rows + r;
+          const float c = std::exp(part_m[at] - mx);
+          total += part_l[at] * c;
+          const float* a = part_acc.data() + at * D;
+          for (int64_t d = 0; d < D; ++d) sum[d] += a[d] * c;
+        }
+        T* dst = od + (sp.q0 + r / G) * o_tok + (sp.h * G + r % G) * o_head;
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(sum[d] * inv);
+      }
+    }
+  }, team);
+}
+
+}  // namespace
+
+// Dense pages: k, v [T, Hkv, D] (rows may be strided) into slot_mapping's flat slots.
+void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "write_kv: contiguous head_dim expected");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "write_kv", [&] {
+    using cache_t = scalar_t;
+    auto write = [&](const at::Tensor& cache, const at::Tensor& x) {
+      TORCH_CHECK(x.scalar_type() == cache.scalar_type(), "write_kv: K/V dtype must match the cache");
+      cache_t* base = cache.data_ptr<cache_t>();
+      const cache_t* src = x.data_ptr<cache_t>();
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h) {
+          cache_t* dst = base + (slots[t] * H + h) * D;
+          const cache_t* s = src + t * x.stride(0) + h * x.stride(1);
+          std::copy(s, s + D, dst);
+        }
+    };
+    write(k_cache, k);
+    write(v_cache, v);
+  });
+}
+
+// q [T, H, D] (rows may be strided, the last dim contiguous); query_start [B + 1], context_lens
+// [B], block_tables [B, max_blocks] int64 on the CPU. K/V pages: see `Kind`. stage_of [num_blocks]
+// (or empty) maps a block to its full-precision staging slot, -1 if none. With dense pages, the
+// step's new k/v [T, Hkv, D] are first written to `slot_mapping` (one call instead of two;
+// compressed pages are encoded by the pool beforehand: pass empty tensors). Returns [T, H, D].
+// score_first [B] int64 (or empty): from which of its query rows sequence b's attention weights
+// are added into scores [B, Hkv, >= its context] fp32 (zeros in; -1: not scored). window > 0: each
+// query sees its last `window` slots only, and blocks wholly before its item's window are not read
+// (0 or -1: no window).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                           const at::Tensor& slot_mapping, const at::Tensor& query_start,
+                           const at::Tensor& context_lens, const at::Tensor& block_tables, int64_t k_kind, const at::Tensor& k_data,
+                           const at::Tensor& k_scale, const at::Tensor& k_zero, const at::Tensor& k_host,
+                           int64_t v_kind, const at::Tensor& v_data, const at::Tensor& v_scale,
+                           const at::Tensor& v_zero, const at::Tensor& v_host, int64_t k_group, int64_t v_group,
+                           int64_t k_bits, int64_t v_bits, bool k_symmetric, bool v_symmetric,
+                           const at::Tensor& k_sink, const at::Tensor& k_wide, const at::Tensor& k_wide_slot,
+                           const at::Tensor& v_sink, const at::Tensor& v_wide, const at::Tensor& v_wide_slot,
+                           const at::Tensor& stage_of, const at::Tensor& k_staging,
+                           const at::Tensor& v_staging, double scale, int64_t block_size,
+                           int64_t num_kv_heads, int64_t window, const at::Tensor& score_first, at::Tensor scores) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, H, D] with contiguous D");
+  TORCH_CHECK(q.size(1) % num_kv_heads == 0, "paged_attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.is_contiguous() && query_start.is_contiguous() && context_lens.is_contiguous(),
+              "paged_attention: metadata must be contiguous");
+  if (score_first.numel()) {
+    // Scores are read from every key of a sequence, a window's hidden ones too.
+    TORCH_CHECK(window <= 0, "paged_attention: attention scores are not built for a sliding window");
+    TORCH_CHECK(score_first.scalar_type() == at::kLong && score_first.is_contiguous() &&
+                score_first.size(0) == context_lens.size(0), "paged_attention: score_first must be [B] int64");
+    TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.dim() == 3 && scores.size(0) == context_lens.size(0) &&
+                scores.size(1) == num_kv_heads && scores.stride(2) == 1, "paged_attention: scores must be [B, Hkv, S] fp32");
+  }
+  if (k_new.numel()) {
+    TORCH_CHECK(k_kind == kDense && v_kind == kDense, "paged_attention: only dense pages are written here");
+    write_kv(k_data, v_data, k_new, v_new, slot_mapping);
+  }
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  const Pages kp = make_pages(k_kind, k_data, k_scale, k_zero, k_host, k_group, k_bits, k_symmetric, k_sink, k_wide,
+                              k_wide_slot);
+  const Pages vp = make_pages(v_kind, v_data, v_scale, v_zero, v_host, v_group, v_bits, v_symmetric, v_sink, v_wide,
+                              v_wide_slot);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    attention_impl<scalar_t>(out, q, query_start, context_lens, block_tables, kp, vp, stage_of, k_staging,
+                             v_staging, scale, block_size, num_kv_heads, window, score_first, scores);
+  });
+  return out;
+}
