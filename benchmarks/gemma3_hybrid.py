@@ -39,9 +39,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from kvserve import LLM, SamplingParams  # before torch: kvserve sets OpenMP's spin (threads.py)
 
-from kvserve import LLM, SamplingParams
+import torch  # noqa: E402
 from kvserve.diagnostics.kv_group_pricing import KVLayout, sequence_price
 from kvserve.kernels import cpu_extension
 from kvserve.model.config import PRESETS

@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+import kvserve  # noqa: F401  before torch: kvserve sets OpenMP's spin (threads.py)
 import numpy as np
 import torch
 

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
+from kvserve import LLM, SamplingParams  # before torch: kvserve sets OpenMP's spin (threads.py)
 
-from kvserve import LLM, SamplingParams
+import torch  # noqa: E402
 from kvserve.model.config import ModelConfig
 
 
