@@ -13,7 +13,6 @@ from kvserve.config import EngineConfig
 from kvserve.distributed.sharding import shard_of
 from kvserve.eval.quality import forced_logprobs
 from tests.conftest import TINY
-from tests.torch_threads import torch_threads
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 5, [9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8] * 5 + [12, 13]]
@@ -114,28 +113,28 @@ def test_the_bundled_model_split_over_two_ranks_generates_what_one_does() -> Non
 @pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", [f for f in format_names() if f != "fp32"])
-def test_splitting_the_bundled_model_changes_no_more_than_a_thread_count_does(fmt: str) -> None:
+def test_splitting_the_bundled_model_loses_no_more_than_one_rank_does(fmt: str) -> None:
     """Compressed pages of the bundled model cannot be bit-identical across two ranks: o_proj's
-    sum is taken in another order, a code then rounds the other way now and then, and on this
-    model such flips move log-probs as much as running one rank on 1 thread instead of 2 does
-    (measured: 0.005 mean |delta| with bf16 pages, 0.036 with int8; dense fp32 pages: 4e-6).
-    So the reference is that noise floor: teacher-forced, two ranks may differ from one rank no
-    more than twice as much as one rank on 1 thread differs from one rank on 2."""
+    sum is taken in another order, and a code then rounds the other way now and then (mean
+    |delta log-prob| 0.006 with bf16 pages, 0.036 with int8; dense fp32 pages: 4e-6). Those flips
+    go either way, so against the exact model (fp32 pages, one rank) two ranks must lose no more
+    than one rank does, within a quarter (measured: 0.94-1.04x for bf16, int8, kivi2, fp8_e5m2).
+    A wrong shard or reduction loses far more. (The reference used to be one rank on 1 thread
+    against 2; the fp32 linears became thread-count invariant, and that difference is now 0.)"""
     from kvserve.texts import load_text
 
     kwargs = {**_BUNDLED, "kv_cache_dtype": fmt, "kv_cache_memory": "512MiB"}
-    one = LLM(**kwargs)
-    ids = one.tokenizer.encode(load_text("python-docs").text[:20_000])
+    exact_llm = LLM(**{**kwargs, "kv_cache_dtype": "fp32"})
+    ids = exact_llm.tokenizer.encode(load_text("python-docs").text[:20_000])
     windows = [ids[i * 160:(i + 1) * 160] for i in range(3)]
-    reference = forced_logprobs(one, windows, prefill_len=64)
-    with torch_threads(1):
-        other_threads = forced_logprobs(LLM(**kwargs), windows, prefill_len=64)
+    exact = forced_logprobs(exact_llm, windows, prefill_len=64)
+    one = forced_logprobs(LLM(**kwargs), windows, prefill_len=64)
     two_llm = LLM(**kwargs, tensor_parallel_size=2)
     two = forced_logprobs(two_llm, windows, prefill_len=64)
     two_llm.engine.close()
-    noise = (other_threads - reference).abs().mean().item()
-    split = (two - reference).abs().mean().item()
-    assert split <= 2 * noise + 1e-5, (split, noise)
+    one_loss = (one - exact).abs().mean().item()
+    two_loss = (two - exact).abs().mean().item()
+    assert two_loss <= 1.25 * one_loss + 1e-5, (two_loss, one_loss)
 
 
 def test_a_dead_rank_fails_every_request_clearly_and_stops_the_engine(tiny_llm: Callable[..., LLM]) -> None:
