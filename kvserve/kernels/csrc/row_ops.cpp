@@ -17,7 +17,7 @@ using namespace cpu_kernels;
 template <typename T>
 constexpr bool kVectorType = !std::is_same_v<T, double>;
 
-// One row of norm_rows, t = the row's offset: residual (optional) += x, then the normalised row.
+// One row of norm_rows: residual (optional) += x, rounded to T as stored, then the normalised row.
 template <typename T>
 void norm_row(const T* x, T* residual, const T* w, T* out, float* row, int64_t C, float eps, bool offset) {
   using namespace simd;
@@ -27,8 +27,8 @@ void norm_row(const T* x, T* residual, const T* w, T* out, float* row, int64_t C
     for (; c + kLanes <= C; c += kLanes) {
       vf v = load(x + c);
       if (residual) {
-        v = through_as<T>(add(load(residual + c), v));
-        store_as(residual + c, v);
+        store_as(residual + c, add(load(residual + c), v));
+        v = load(residual + c);
       }
       store(row + c, v);
       squares = fmadd(v, v, squares);

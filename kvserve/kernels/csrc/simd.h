@@ -292,7 +292,6 @@ inline vf through_bf16(vf v) {
 #endif
 }
 
-
 // v rounded to fp16 (to nearest, ties to even) and widened back.
 inline vf through_half(vf v) {
 #if defined(__AVX512F__)
@@ -324,7 +323,9 @@ inline void store_as(c10::Half* p, vf v) {
 #endif
 }
 inline void store_as(c10::BFloat16* p, vf v) {
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));  // through_bf16's rounding
+#elif defined(__AVX512F__)
   const __m512i top = _mm512_srli_epi32(bits_of(through_bf16(v)), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
