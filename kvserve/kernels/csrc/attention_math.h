@@ -122,30 +122,45 @@ inline void transpose_pairs(Rows<c10::BFloat16> k, int64_t n, int64_t D, uint32_
   }
 }
 
-// s[t] = scale * (q . k[t]) for keys [t0, t1) of transpose_pairs' kT (t0 a multiple of 16), into
-// s[0, t1 - t0); returns their max. Four sums per key, pairs taken round-robin, so that four
-// pair dot products are in flight rather than one chain.
-inline float pair_scores(const c10::BFloat16* q, const uint32_t* kT, int64_t t0, int64_t t1, int64_t D, float scale,
-                         float* s) {
+// Row i of R query rows (q + i * D) scored against keys [t0, t1[i]) of transpose_pairs' kT (t0 a
+// multiple of 16): s[i * s_stride + t - t0] = scale * (q_i . k[t]), tops[i] their max. Four sums
+// per key, pairs taken round-robin, so that four pair dot products are in flight rather than one
+// chain; each row's sums take the same operations whatever R is (the same bits), while the rows
+// share each load of the keys and their chains overlap.
+template <int R>
+inline void pair_scores(const c10::BFloat16* q, const uint32_t* kT, int64_t t0, const int64_t* t1, int64_t D,
+                        float scale, float* s, int64_t s_stride, float* tops) {
   const __m512 sc = _mm512_set1_ps(scale);
-  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t a = t0; a < t1; a += 16) {
+  __m512 mx[R];
+  int64_t end = t0;
+  for (int i = 0; i < R; ++i) {
+    mx[i] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    end = std::max(end, t1[i]);
+  }
+  for (int64_t a = t0; a < end; a += 16) {
     const uint32_t* tile = kT + a / 16 * (D / 2) * 16;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[R][4];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < D / 2; p += 4)
       for (int j = 0; j < 4; ++j) {
-        uint32_t pair;
-        std::memcpy(&pair, q + 2 * (p + j), sizeof pair);
-        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(tile + (p + j) * 16),
-                                  (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair)));
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(tile + (p + j) * 16);
+        for (int i = 0; i < R; ++i) {
+          uint32_t pair;
+          std::memcpy(&pair, q + i * D + 2 * (p + j), sizeof pair);
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], k, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair)));
+        }
       }
-    const __m512 st = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])), sc);
-    const int64_t left = std::min<int64_t>(16, t1 - a);
-    const __mmask16 keep = static_cast<__mmask16>((1u << left) - 1);
-    _mm512_mask_storeu_ps(s + (a - t0), keep, st);
-    mx = _mm512_mask_max_ps(mx, keep, mx, st);
+    for (int i = 0; i < R; ++i) {
+      const __m512 st = _mm512_mul_ps(
+          _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3])), sc);
+      const int64_t left = std::clamp<int64_t>(t1[i] - a, 0, 16);
+      const __mmask16 keep = static_cast<__mmask16>((1u << left) - 1);
+      _mm512_mask_storeu_ps(s + i * s_stride + (a - t0), keep, st);
+      mx[i] = _mm512_mask_max_ps(mx[i], keep, mx[i], st);
+    }
   }
-  return _mm512_reduce_max_ps(mx);
+  for (int i = 0; i < R; ++i) tops[i] = _mm512_reduce_max_ps(mx[i]);
 }
 #endif
 

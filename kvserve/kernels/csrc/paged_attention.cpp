@@ -117,7 +117,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
     std::vector<c10::BFloat16> qpairs;  // bf16 query rows, unscaled, for pair_scores
     std::vector<uint32_t> kT(pairs ? (block_size + 15) / 16 * 16 * D / 2 : 0);  // a block's keys, transposed
     std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), kscale(block_size),
-        vscale(block_size), sbuf, m, l, corrections;
+        vscale(block_size), sbuf, m, l, corrections, tops;
     std::vector<int64_t> pos;
     for (int64_t it; (it = next_item.fetch_add(1)) < num_items;) {
       const Item w = items[it];
@@ -130,6 +130,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       m.assign(rows, neg_inf);
       l.assign(rows, 0.f);
       corrections.assign(rows, 1.f);
+      tops.assign(rows, neg_inf);
       pos.assign(rows, 0);
       for (int64_t i = 0; i < w.q1 - w.q0; ++i)
         for (int64_t g = 0; g < G; ++g) {
@@ -181,24 +182,35 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         if (values) read(slot >= 0 ? sv : vp, got.v, vbuf.data(), vscale.data());
         return got;
       };
-      // s[t] = q . k[skip + t] * scale[skip + t] for the block's keys from skip on, n of them;
-      // returns their max.
-      auto score_block = [&](int64_t r, const BlockRows& block, int64_t skip, int64_t n, float* s) {
+      // Rows [r, r + R) scored against the block's keys from skip on, n[i] of them for row r + i:
+      // sbuf's row r + i gets q . k[skip + t] * scale[skip + t], tops[r + i] their max.
+      auto score_rows = [&](auto count, int64_t r, const BlockRows& block, int64_t skip, const int64_t* n) {
+        constexpr int R = decltype(count)::value;
+        float* s = sbuf.data() + r * block_size;
 #if defined(__AVX512BF16__)
         if (pairs && block.bf16.base) {
           const int64_t a = skip / 16 * 16;  // pair_scores starts at a tile
-          const float top = pair_scores(qpairs.data() + r * D, kT.data(), a, skip + n, D, fscale, s);
-          if (a == skip) return top;
-          std::memmove(s, s + (skip - a), n * sizeof(float));
-          return *std::max_element(s, s + n);
+          int64_t ends[R];
+          for (int i = 0; i < R; ++i) ends[i] = skip + n[i];
+          pair_scores<R>(qpairs.data() + r * D, kT.data(), a, ends, D, fscale, s, block_size, tops.data() + r);
+          if (a != skip)
+            for (int i = 0; i < R; ++i) {
+              float* si = s + i * block_size;
+              std::memmove(si, si + (skip - a), n[i] * sizeof(float));
+              tops[r + i] = *std::max_element(si, si + n[i]);
+            }
+          return;
         }
 #endif
         const BlockRows k = block.from(skip);
-        const float top = k.visit([&](auto kr) { return dots(qbuf.data() + r * D, kr, n, D, s); });
-        if (k.scale == nullptr) return top;
-        float mx = neg_inf;
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t] *= k.scale[t]);
-        return mx;
+        for (int i = 0; i < R; ++i) {
+          float* si = s + i * block_size;
+          tops[r + i] = k.visit([&](auto kr) { return dots(qbuf.data() + (r + i) * D, kr, n[i], D, si); });
+          if (k.scale == nullptr) continue;
+          float mx = neg_inf;
+          for (int64_t t = 0; t < n[i]; ++t) mx = std::max(mx, si[t] *= k.scale[t]);
+          tops[r + i] = mx;
+        }
       };
       // A block's values into every row's sums, rows three at a time (rows that see the same keys).
       auto accumulate_group = [&](int64_t bi, const Loaded& blk) {
@@ -233,22 +245,47 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         // same bits as one row at a time where scale_accumulate has a register tile for D).
         const bool together = grouped || (groups_accumulate(D) && k0 + blk.n - 1 <= pos[0] &&
                                           first_key(pos[rows - 1]) <= k0);
+        // Causal: keys at or before pos; windowed, from its first key on. s[t] is key k0 + skip + t.
+        auto skip_of = [&](int64_t r) { return std::max<int64_t>(0, first_key(pos[r]) - k0); };
+        auto visible_of = [&](int64_t r, int64_t skip) { return std::min(blk.n, pos[r] + 1 - k0) - skip; };
+        // Every row's scores, then every row's softmax, then the values: one row's chain of
+        // dependent steps (sums, max, exponentials, sum) is long and its work short, so row after
+        // row of the whole chain left the cores waiting; phase by phase the rows' chains overlap.
+        for (int64_t r = 0; r < rows;) {  // up to 4 rows of one skip at a time
+          const int64_t skip = skip_of(r);
+          int64_t n[4];
+          int count = 0;
+          while (count < 4 && r + count < rows && skip_of(r + count) == skip &&
+                 (n[count] = visible_of(r + count, skip)) > 0)
+            ++count;
+          switch (count) {
+            case 4: score_rows(std::integral_constant<int, 4>{}, r, blk.k, skip, n); break;
+            case 3: score_rows(std::integral_constant<int, 3>{}, r, blk.k, skip, n); break;
+            case 2: score_rows(std::integral_constant<int, 2>{}, r, blk.k, skip, n); break;
+            case 1: score_rows(std::integral_constant<int, 1>{}, r, blk.k, skip, n); break;
+            default: break;
+          }
+          r += std::max(count, 1);
+        }
         for (int64_t r = 0; r < rows; ++r) {
-          float* s = sbuf.data() + r * block_size;
-          // Causal: keys at or before pos; windowed, from its first key on. s[t] is key k0 + skip + t.
-          const int64_t skip = std::max<int64_t>(0, first_key(pos[r]) - k0);
-          const int64_t visible = std::min(blk.n, pos[r] + 1 - k0) - skip;
+          const int64_t skip = skip_of(r), visible = visible_of(r, skip);
           if (visible <= 0) continue;
-          const BlockRows v = blk.v.from(skip);
-          const float mx = std::max(m[r], score_block(r, blk.k, skip, visible, s));
-          const float correction = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
+          float* s = sbuf.data() + r * block_size;
+          const float mx = std::max(m[r], tops[r]);
+          // exp(-inf) = 0 on the first block; an unchanged max is exp(0) = 1 without the call.
+          corrections[r] = mx == m[r] ? 1.f : std::exp(m[r] - mx);
           const float sum = exp_sub_sum(s, visible, mx);
-          if (v.scale)  // the weights onto unscaled values
-            for (int64_t t = 0; t < visible; ++t) s[t] *= v.scale[t];
-          if (together) corrections[r] = correction;
-          else v.visit([&](auto vr) { scale_accumulate(acc.data() + r * D, correction, s, vr, visible, D); });
-          l[r] = l[r] * correction + sum;
+          if (const float* vs = blk.v.scale)  // the weights onto unscaled values
+            for (int64_t t = 0; t < visible; ++t) s[t] *= vs[skip + t];
+          l[r] = l[r] * corrections[r] + sum;
           m[r] = mx;
+        }
+        for (int64_t r = 0; !together && r < rows; ++r) {
+          const int64_t skip = skip_of(r), visible = visible_of(r, skip);
+          if (visible <= 0) continue;
+          blk.v.from(skip).visit([&](auto vr) {
+            scale_accumulate(acc.data() + r * D, corrections[r], sbuf.data() + r * block_size, vr, visible, D);
+          });
         }
         if (together) accumulate_group(bi, blk);
       }
@@ -263,7 +300,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
             const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);
             if (visible <= 0) continue;
             float* s = sbuf.data() + r * block_size;
-            score_block(r, blk.k, 0, visible, s);  // the first pass's scores, recomputed
+            score_rows(std::integral_constant<int, 1>{}, r, blk.k, 0, &visible);  // the first pass's scores, recomputed
             const float inv = 1.f / (l[r] * G);
             for (int64_t t = 0; t < visible; ++t) row_scores[k0 + t] += std::exp(s[t] - m[r]) * inv;
           }
