@@ -162,6 +162,74 @@ inline void pair_scores(const c10::BFloat16* q, const uint32_t* kT, int64_t t0, 
   }
   for (int i = 0; i < R; ++i) tops[i] = _mm512_reduce_max_ps(mx[i]);
 }
+
+// bf16 values are summed by pair dot products too, with the weights rounded to bf16 first (as
+// HF's eager attention rounds its probabilities to the model dtype before multiplying the values):
+// vP[(i * D / 16 + c) * 16 + lane] = channel 16c + lane of keys 2i and 2i + 1, for a block's n keys
+// (an odd last key is paired with itself; its partner takes weight 0). Half the instructions of
+// fp32 products, and the values are never widened.
+inline void pair_values(Rows<c10::BFloat16> v, int64_t n, int64_t D, uint32_t* vP) {
+  // lane 2j of the result: channel j of the first key, lane 2j + 1: channel j of the second.
+  alignas(64) int16_t order[32];
+  for (int j = 0; j < 16; ++j) order[2 * j] = static_cast<int16_t>(j), order[2 * j + 1] = static_cast<int16_t>(32 + j);
+  const __m512i idx = _mm512_load_si512(order);
+  for (int64_t t = 0; t < n; t += 2) {
+    const c10::BFloat16* a = v.base + t * v.stride;
+    const c10::BFloat16* b = t + 1 < n ? a + v.stride : a;
+    uint32_t* out = vP + t / 2 * D;
+    for (int64_t c = 0; c < D; c += 16) {
+      const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)));
+      const __m512i y = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c)));
+      _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(x, idx, y));
+    }
+  }
+}
+
+// Weight t = p[t - skip] rounded to bf16 for t in [skip, skip + n), 0 for the rest of [0, len) (len
+// a multiple of 16), in pairs (w[i] holds weights 2i and 2i + 1): one row's weights over a block's
+// keys, the keys it does not see at 0.
+inline void weights_to_pairs(const float* p, int64_t skip, int64_t n, int64_t len, uint32_t* w) {
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int64_t lo = std::clamp<int64_t>(skip - t0, 0, 16), hi = std::clamp<int64_t>(skip + n - t0, 0, 16);
+    const __mmask16 keep = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+    const __m512 x = _mm512_maskz_loadu_ps(keep, p + (t0 - skip));  // masked lanes are never read
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t0 / 2), (__m256i)_mm512_cvtneps_pbh(x));
+  }
+}
+
+// Rows r < NR (sums a + r * D, weights w + r * w_stride from weights_to_pairs): a = a * c[r] + the
+// pair dot products of the weights' pairs [0, pairs) with pair_values' vP, CH vectors of channels
+// from d0. Each row takes the same operations in the same order whatever NR is (the same bits);
+// the rows share each load of the values.
+template <int NR, int CH>
+inline void pair_accumulate_pass(float* a, const float* c, const uint32_t* w, int64_t w_stride, const uint32_t* vP,
+                                 int64_t pairs, int64_t D, int64_t d0) {
+  __m512 acc[NR][CH];
+  for (int r = 0; r < NR; ++r) {
+    const __m512 cv = _mm512_set1_ps(c[r]);
+    for (int j = 0; j < CH; ++j) acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(a + r * D + d0 + 16 * j), cv);
+  }
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w[r * w_stride + i]));
+    const uint32_t* x = vP + i * D + d0;
+    for (int j = 0; j < CH; ++j) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + 16 * j);
+      for (int r = 0; r < NR; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < CH; ++j) _mm512_storeu_ps(a + r * D + d0 + 16 * j, acc[r][j]);
+}
+
+// pair_accumulate_pass over all D channels (a multiple of 32), four vectors a pass.
+template <int NR>
+inline void pair_accumulate(float* a, const float* c, const uint32_t* w, int64_t w_stride, const uint32_t* vP,
+                            int64_t pairs, int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) pair_accumulate_pass<NR, 4>(a, c, w, w_stride, vP, pairs, D, d0);
+  if (d0 < D) pair_accumulate_pass<NR, 2>(a, c, w, w_stride, vP, pairs, D, d0);
+}
 #endif
 
 // a[0, C * kLanes) = a * c + sum_t p[t] * v[t]. The accumulator row stays in registers only when

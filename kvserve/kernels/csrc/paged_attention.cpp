@@ -111,11 +111,14 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   // bf16 keys read in place against a bf16 query take pair_scores (where the CPU has them).
   constexpr bool bf16_pairs = simd::kPairDots && std::is_same_v<T, c10::BFloat16>;
   const bool pairs = bf16_pairs && D % (2 * simd::kLanes) == 0;
+  const int64_t w_len = (block_size + 15) / 16 * 16, w_stride = w_len / 2;  // a row's weights, in pairs
 
   const kvserve::Team team = kvserve::team_for(q.size(0), q.scalar_type());
   kvserve::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     std::vector<c10::BFloat16> qpairs;  // bf16 query rows, unscaled, for pair_scores
     std::vector<uint32_t> kT(pairs ? (block_size + 15) / 16 * 16 * D / 2 : 0);  // a block's keys, transposed
+    // A block's values in key pairs (pair_values), and each row's weights in pairs over the block.
+    std::vector<uint32_t> vP(pairs ? (block_size + 1) / 2 * D : 0), wpairs;
     std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), kscale(block_size),
         vscale(block_size), sbuf, m, l, corrections, tops;
     std::vector<int64_t> pos;
@@ -131,6 +134,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       l.assign(rows, 0.f);
       corrections.assign(rows, 1.f);
       tops.assign(rows, neg_inf);
+      if (pairs) wpairs.resize(rows * w_stride);
       pos.assign(rows, 0);
       for (int64_t i = 0; i < w.q1 - w.q0; ++i)
         for (int64_t g = 0; g < G; ++g) {
@@ -180,6 +184,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         if (pairs && got.k.bf16.base) transpose_pairs(got.k.bf16, got.n, D, kT.data());
 #endif
         if (values) read(slot >= 0 ? sv : vp, got.v, vbuf.data(), vscale.data());
+#if defined(__AVX512BF16__)
+        if (pairs && got.v.bf16.base) pair_values(got.v.bf16, got.n, D, vP.data());
+#endif
         return got;
       };
       // Rows [r, r + R) scored against the block's keys from skip on, n[i] of them for row r + i:
@@ -267,19 +274,50 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           }
           r += std::max(count, 1);
         }
+        // bf16 values with bf16 pair dot products: every row's weights go to pairs, the keys it
+        // does not see at 0, and all rows take the block's values in groups (zero weights add
+        // exact zeros, so a row gets the same bits in any group, a decode's or a prompt's).
+        const bool value_pairs = pairs && blk.v.bf16.base;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t skip = skip_of(r), visible = visible_of(r, skip);
-          if (visible <= 0) continue;
           float* s = sbuf.data() + r * block_size;
+          if (visible <= 0) {
+            corrections[r] = 1.f;
+#if defined(__AVX512BF16__)
+            if (value_pairs) weights_to_pairs(s, 0, 0, w_len, wpairs.data() + r * w_stride);
+#endif
+            continue;
+          }
           const float mx = std::max(m[r], tops[r]);
           // exp(-inf) = 0 on the first block; an unchanged max is exp(0) = 1 without the call.
           corrections[r] = mx == m[r] ? 1.f : std::exp(m[r] - mx);
           const float sum = exp_sub_sum(s, visible, mx);
           if (const float* vs = blk.v.scale)  // the weights onto unscaled values
             for (int64_t t = 0; t < visible; ++t) s[t] *= vs[skip + t];
+#if defined(__AVX512BF16__)
+          if (value_pairs) weights_to_pairs(s, skip, visible, w_len, wpairs.data() + r * w_stride);
+#endif
           l[r] = l[r] * corrections[r] + sum;
           m[r] = mx;
         }
+#if defined(__AVX512BF16__)
+        if (value_pairs) {
+          const int64_t npairs = (blk.n + 1) / 2;
+          auto run = [&](auto count, int64_t r) {
+            pair_accumulate<decltype(count)::value>(acc.data() + r * D, corrections.data() + r,
+                                                    wpairs.data() + r * w_stride, w_stride, vP.data(), npairs, D);
+          };
+          int64_t r = 0;
+          for (; r + 4 <= rows; r += 4) run(std::integral_constant<int, 4>{}, r);
+          switch (rows - r) {
+            case 3: run(std::integral_constant<int, 3>{}, r); break;
+            case 2: run(std::integral_constant<int, 2>{}, r); break;
+            case 1: run(std::integral_constant<int, 1>{}, r); break;
+            default: break;
+          }
+          continue;
+        }
+#endif
         for (int64_t r = 0; !together && r < rows; ++r) {
           const int64_t skip = skip_of(r), visible = visible_of(r, skip);
           if (visible <= 0) continue;
