@@ -31,6 +31,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
                            int64_t window, const at::Tensor& score_first, at::Tensor scores);
 void encode_write(const at::Tensor& x, const at::Tensor& slot_mapping, int64_t kind, const at::Tensor& codes,
                   const at::Tensor& scale, const at::Tensor& zero, int64_t group);
+// Dense pages: k, v [T, Hkv, D] (rows may be strided) into slot_mapping's flat slots (kv_encode.cpp).
+void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping);
 
 // linear_amx.cpp: out[:, :n] of linear_bf16 on AMX tiles, n a multiple of 32 (0: not done here,
 // without AMX, or outside 4-32 rows); returns n.

@@ -1,5 +1,6 @@
 // Encoding K or V rows into int8 / fp8 / int4 page fields, one token at a time (encode_write): the
-// cpu backend's writes and the decoder stack's, for pages the attention kernel reads.
+// cpu backend's writes and the decoder stack's, for pages the attention kernel reads; and dense
+// pages' plain copy (write_kv).
 #include "cpu_ops.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -137,5 +138,29 @@ void encode_write(const at::Tensor& x, const at::Tensor& slot_mapping, int64_t k
         }
       }
     }, kvserve::team_for(T, x.scalar_type()));
+  });
+}
+
+// Dense pages: k, v [T, Hkv, D] (rows may be strided) into slot_mapping's flat slots.
+void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "write_kv: contiguous head_dim expected");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "write_kv", [&] {
+    using cache_t = scalar_t;
+    auto write = [&](const at::Tensor& cache, const at::Tensor& x) {
+      TORCH_CHECK(x.scalar_type() == cache.scalar_type(), "write_kv: K/V dtype must match the cache");
+      cache_t* base = cache.data_ptr<cache_t>();
+      const cache_t* src = x.data_ptr<cache_t>();
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h) {
+          cache_t* dst = base + (slots[t] * H + h) * D;
+          const cache_t* s = src + t * x.stride(0) + h * x.stride(1);
+          std::copy(s, s + D, dst);
+        }
+    };
+    write(k_cache, k);
+    write(v_cache, v);
   });
 }

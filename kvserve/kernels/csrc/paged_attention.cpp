@@ -1,10 +1,13 @@
 // CPU kernels for kvserve: paged attention that reads KV pages in place (dense or compressed,
-// decoded block by block inside the kernel), and the KV write.
+// decoded block by block inside the kernel); dense pages' new keys and values are written first
+// (write_kv, kv_encode.cpp).
 //
 // Every op computes in fp32 and rounds once to the output dtype, so fp32 runs match the
 // reference to rounding, and bf16 runs differ from the eager ops only by their intermediate
-// roundings. int8 / fp8 codes are attended as code x scale in fp32, where the reference rounds
-// that product to the model dtype first.
+// roundings; bf16 values against a bf16 query on AVX512-BF16 are summed by pair dot products with
+// the softmax weights rounded to bf16 first, as the eager ops round their probabilities. int8 /
+// fp8 codes are attended as code x scale in fp32, where the reference rounds that product to the
+// model dtype first.
 #include "attention_math.h"
 #include "cpu_ops.h"
 #include "page_reads.h"
@@ -389,30 +392,6 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
 }
 
 }  // namespace
-
-// Dense pages: k, v [T, Hkv, D] (rows may be strided) into slot_mapping's flat slots.
-void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "write_kv: contiguous head_dim expected");
-  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "write_kv", [&] {
-    using cache_t = scalar_t;
-    auto write = [&](const at::Tensor& cache, const at::Tensor& x) {
-      TORCH_CHECK(x.scalar_type() == cache.scalar_type(), "write_kv: K/V dtype must match the cache");
-      cache_t* base = cache.data_ptr<cache_t>();
-      const cache_t* src = x.data_ptr<cache_t>();
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t h = 0; h < H; ++h) {
-          cache_t* dst = base + (slots[t] * H + h) * D;
-          const cache_t* s = src + t * x.stride(0) + h * x.stride(1);
-          std::copy(s, s + D, dst);
-        }
-    };
-    write(k_cache, k);
-    write(v_cache, v);
-  });
-}
 
 // q [T, H, D] (rows may be strided, the last dim contiguous); query_start [B + 1], context_lens
 // [B], block_tables [B, max_blocks] int64 on the CPU. K/V pages: see `Kind`. stage_of [num_blocks]
