@@ -163,8 +163,9 @@ inline void pair_scores(const c10::BFloat16* q, const uint32_t* kT, int64_t t0, 
   for (int i = 0; i < R; ++i) tops[i] = _mm512_reduce_max_ps(mx[i]);
 }
 
-// bf16 values are summed by pair dot products too, with the weights rounded to bf16 first (as
-// HF's eager attention rounds its probabilities to the model dtype before multiplying the values):
+// bf16 values are summed by pair dot products too, with the weights rounded to bf16 first (the
+// unnormalised exp(s - running max), where HF's eager attention rounds its normalised
+// probabilities to the model dtype: the same size of error, not its bits):
 // vP[(i * D / 16 + c) * 16 + lane] = channel 16c + lane of keys 2i and 2i + 1, for a block's n keys
 // (an odd last key is paired with itself; its partner takes weight 0). Half the instructions of
 // fp32 products, and the values are never widened.
@@ -199,8 +200,10 @@ inline void weights_to_pairs(const float* p, int64_t skip, int64_t n, int64_t le
 
 // Rows r < NR (sums a + r * D, weights w + r * w_stride from weights_to_pairs): a = a * c[r] + the
 // pair dot products of the weights' pairs [0, pairs) with pair_values' vP, CH vectors of channels
-// from d0. Each row takes the same operations in the same order whatever NR is (the same bits);
-// the rows share each load of the values.
+// from d0. Each row takes the same operations in the same order whatever NR is; a pair whose
+// weights are both 0 adds exact zeros for finite values (0 x inf is NaN, as in the eager ops'
+// product of probabilities and values), so a row summed over more pairs than it sees gets the
+// same bits. The rows share each load of the values.
 template <int NR, int CH>
 inline void pair_accumulate_pass(float* a, const float* c, const uint32_t* w, int64_t w_stride, const uint32_t* vP,
                                  int64_t pairs, int64_t D, int64_t d0) {

@@ -4,10 +4,11 @@
 //
 // Every op computes in fp32 and rounds once to the output dtype, so fp32 runs match the
 // reference to rounding, and bf16 runs differ from the eager ops only by their intermediate
-// roundings; bf16 values against a bf16 query on AVX512-BF16 are summed by pair dot products with
-// the softmax weights rounded to bf16 first, as the eager ops round their probabilities. int8 /
-// fp8 codes are attended as code x scale in fp32, where the reference rounds that product to the
-// model dtype first.
+// roundings; on AVX512-BF16, bf16 value pages (or staging slots) against a bf16 query with a head
+// dim that is a multiple of 32 are summed by pair dot products with the softmax weights rounded to
+// bf16 first, an error of the size the eager ops' rounded probabilities make. int8 / fp8 codes are
+// attended as code x scale in fp32, where the reference rounds that product to the model dtype
+// first.
 #include "attention_math.h"
 #include "cpu_ops.h"
 #include "page_reads.h"
@@ -156,8 +157,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       // the same keys again. Either way gives the same values (both widen exactly). bf16 pages
       // whose keys pair_scores scores are read in place by every item: it does not widen the keys,
       // a decode and a prompt's rows (a chunk, a verified draft) then get the same scores, bit
-      // for bit, and the values of a block all of a prompt item's rows see whole are accumulated
-      // rows 3 at a time, widened once for the three.
+      // for bit. bf16 values are summed by pair dot products, rows 4 at a time; other values of a
+      // block all of a prompt item's rows see whole are accumulated rows 3 at a time, widened once
+      // for the three.
       const bool direct = rows <= 8;
       // Block bi of the item's table: its keys (and with `values` its values) read in place or
       // decoded into kbuf / vbuf, with absmax scales into kscale / vscale; returns its tokens and
@@ -226,7 +228,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       auto accumulate_group = [&](int64_t bi, const Loaded& blk) {
         const int64_t k0 = bi * block_size, skip = std::max<int64_t>(0, first_key(pos[0]) - k0);
         const int64_t visible = std::min(blk.n, pos[0] + 1 - k0) - skip;
-        if (visible <= 0) return;  // the rows skipped the block too, leaving `corrections` stale
+        if (visible <= 0) return;  // the rows skipped the block too (their corrections are 1)
         const BlockRows v = blk.v.from(skip);
         auto run = [&](auto tile, int64_t r) {
           v.visit([&](auto vr) {
@@ -280,7 +282,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         // bf16 values with bf16 pair dot products: every row's weights go to pairs, the keys it
         // does not see at 0, and all rows take the block's values in groups (zero weights add
         // exact zeros, so a row gets the same bits in any group, a decode's or a prompt's).
-        const bool value_pairs = pairs && blk.v.bf16.base;
+        [[maybe_unused]] const bool value_pairs = pairs && blk.v.bf16.base;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t skip = skip_of(r), visible = visible_of(r, skip);
           float* s = sbuf.data() + r * block_size;
