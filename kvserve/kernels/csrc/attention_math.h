@@ -199,20 +199,20 @@ inline void weights_to_pairs(const float* p, int64_t skip, int64_t n, int64_t le
 }
 
 // Rows r < NR (sums a + r * D, weights w + r * w_stride from weights_to_pairs): a = a * c[r] + the
-// pair dot products of the weights' pairs [0, pairs) with pair_values' vP, CH vectors of channels
+// pair dot products of the weights' pairs [i0, i1) with pair_values' vP, CH vectors of channels
 // from d0. Each row takes the same operations in the same order whatever NR is; a pair whose
 // weights are both 0 adds exact zeros for finite values (0 x inf is NaN, as in the eager ops'
 // product of probabilities and values), so a row summed over more pairs than it sees gets the
 // same bits. The rows share each load of the values.
 template <int NR, int CH>
 inline void pair_accumulate_pass(float* a, const float* c, const uint32_t* w, int64_t w_stride, const uint32_t* vP,
-                                 int64_t pairs, int64_t D, int64_t d0) {
+                                 int64_t i0, int64_t i1, int64_t D, int64_t d0) {
   __m512 acc[NR][CH];
   for (int r = 0; r < NR; ++r) {
     const __m512 cv = _mm512_set1_ps(c[r]);
     for (int j = 0; j < CH; ++j) acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(a + r * D + d0 + 16 * j), cv);
   }
-  for (int64_t i = 0; i < pairs; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     __m512bh wv[NR];
     for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w[r * w_stride + i]));
     const uint32_t* x = vP + i * D + d0;
@@ -228,10 +228,10 @@ inline void pair_accumulate_pass(float* a, const float* c, const uint32_t* w, in
 // pair_accumulate_pass over all D channels (a multiple of 32), four vectors a pass.
 template <int NR>
 inline void pair_accumulate(float* a, const float* c, const uint32_t* w, int64_t w_stride, const uint32_t* vP,
-                            int64_t pairs, int64_t D) {
+                            int64_t i0, int64_t i1, int64_t D) {
   int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) pair_accumulate_pass<NR, 4>(a, c, w, w_stride, vP, pairs, D, d0);
-  if (d0 < D) pair_accumulate_pass<NR, 2>(a, c, w, w_stride, vP, pairs, D, d0);
+  for (; d0 + 64 <= D; d0 += 64) pair_accumulate_pass<NR, 4>(a, c, w, w_stride, vP, i0, i1, D, d0);
+  if (d0 < D) pair_accumulate_pass<NR, 2>(a, c, w, w_stride, vP, i0, i1, D, d0);
 }
 #endif
 

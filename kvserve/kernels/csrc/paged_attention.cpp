@@ -307,10 +307,15 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         }
 #if defined(__AVX512BF16__)
         if (value_pairs) {
-          const int64_t npairs = (blk.n + 1) / 2;
           auto run = [&](auto count, int64_t r) {
-            pair_accumulate<decltype(count)::value>(acc.data() + r * D, corrections.data() + r,
-                                                    wpairs.data() + r * w_stride, w_stride, vP.data(), npairs, D);
+            constexpr int NR = decltype(count)::value;
+            // Only pairs some row of the group sees (a scored item's early rows skip later blocks).
+            int64_t i0 = blk.n, i1 = 0;
+            for (int i = 0; i < NR; ++i)
+              if (const int64_t skip = skip_of(r + i), visible = visible_of(r + i, skip); visible > 0)
+                i0 = std::min(i0, skip / 2), i1 = std::max(i1, (skip + visible + 1) / 2);
+            pair_accumulate<NR>(acc.data() + r * D, corrections.data() + r, wpairs.data() + r * w_stride, w_stride,
+                                vP.data(), i0, std::max(i0, i1), D);
           };
           int64_t r = 0;
           for (; r + 4 <= rows; r += 4) run(std::integral_constant<int, 4>{}, r);
