@@ -115,12 +115,12 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   // bf16 keys read in place against a bf16 query take pair_scores (where the CPU has them).
   constexpr bool bf16_pairs = simd::kPairDots && std::is_same_v<T, c10::BFloat16>;
   const bool pairs = bf16_pairs && D % (2 * simd::kLanes) == 0;
-  const int64_t w_len = (block_size + 15) / 16 * 16, w_stride = w_len / 2;  // a row's weights, in pairs
+  const int64_t w_len = (block_size + 15) / 16 * 16, w_stride = w_len / 2;  // a block in 16-key tiles; in pairs
 
   const kvserve::Team team = kvserve::team_for(q.size(0), q.scalar_type());
   kvserve::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     std::vector<c10::BFloat16> qpairs;  // bf16 query rows, unscaled, for pair_scores
-    std::vector<uint32_t> kT(pairs ? (block_size + 15) / 16 * 16 * D / 2 : 0);  // a block's keys, transposed
+    std::vector<uint32_t> kT(pairs ? w_len * D / 2 : 0);  // a block's keys, transposed
     // A block's values in key pairs (pair_values), and each row's weights in pairs over the block.
     std::vector<uint32_t> vP(pairs ? (block_size + 1) / 2 * D : 0), wpairs;
     std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), kscale(block_size),
