@@ -52,11 +52,12 @@ class KVFormatOptions(Options):
     kv_exact_sink: bool = opt(False, "kivi keys: each block keeps its first key in fp16, outside the block's "
                                      "channel ranges, so a sequence's first token (the attention sink every "
                                      "query reads) is exact and cannot stretch its block's ranges; costs "
-                                     "16 / block_size bits per key value")
+                                     "16 / block_size bits per key value (kivi2_mix_unrope: its first value "
+                                     "too, the same again per value)")
     kv_key_wide_channels: int = opt(0, "kivi keys: this many channels per KV head (a multiple of 8; whole RoPE "
                                        "pairs) get one bit more, those with the largest E[q^2] * E[range^2], "
                                        "chosen at start-up on kv_calibration_tokens tokens; costs that many bits "
-                                       "per key; pair with kv_rotate_keys=false. kivi2_mix / kivi4_mix: that many "
+                                       "per key; pair with kv_rotate_keys=false. The *_mix formats: that many "
                                        "bits per KV head beyond 2 or 4 a channel, all of them spread over the "
                                        "channels by the same importance")
     kv_symmetric_values: bool = opt(False, "kivi values: codes symmetric about zero with a scale and no "
@@ -87,6 +88,13 @@ class KVFormatOptions(Options):
             raise FieldError(err.field, f"KVFormatOptions.{err}") from None
         except ValueError as err:  # a plan file's or a format's own error
             raise FieldError("kv_cache_dtype", f"KVFormatOptions.kv_cache_dtype: {err}") from None
+        if self.kv_rotation != "none" and self.kv_rotate_keys:
+            pairs = [self.format_pair(p) for p in self.format_names(torch.float32) if p != ("fp32", "fp32")]
+            if paired := sorted({k.name for k, _ in pairs if k.reads_rope_pairs}):
+                raise FieldError("kv_rotate_keys",
+                                 f"KVFormatOptions.kv_rotate_keys: {', '.join(paired)} turns keys back by their RoPE "
+                                 f"angle, channel i with i + head_dim/2, which kv_rotation={self.kv_rotation} would "
+                                 "mix; set kv_rotate_keys=false (--no-kv-rotate-keys) to rotate values only")
 
     def _check_names(self) -> None:
         for name in ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v"):

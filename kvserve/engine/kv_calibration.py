@@ -24,8 +24,10 @@ from kvserve.attention.rotation import KVRotation
 from kvserve.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
 from kvserve.cache.formats import KVFormat
 from kvserve.cache.formats.absmax import HeadScaleFormat
+from kvserve.cache.formats.block_rope import BlockRope
 from kvserve.cache.formats.fitted import FittedFormat
 from kvserve.cache.formats.kivi import ChannelFormat, MixedChannelFormat
+from kvserve.cache.formats.unroped import UnropedChannelFormat
 from kvserve.cache.kv_pool import KVPool
 from kvserve.cache.quantized_pool import LayerFormats
 from kvserve.model.llama import LlamaForCausalLM
@@ -54,10 +56,16 @@ class KVStats:
     key_mean: torch.Tensor  # [layers, kv_heads, D]: E[k_d] over the tokens stored
     key_spread: torch.Tensor  # [layers, kv_heads, D]: max |k_d - E[k_d]| over the tokens stored
     query_moment: torch.Tensor  # [layers, kv_heads, D, D]: E[q q^T] over the head's queries
+    # key_importance of the keys turned back by their offset in the block (UnropedChannelFormat), with
+    # E[q_d^2] averaged over each RoPE pair (their angle to the query varies with the offset), and
+    # each layer's RoPE angles at those offsets.
+    key_importance_unroped: torch.Tensor  # [layers, kv_heads, D]
+    block_ropes: tuple[BlockRope, ...]  # one a layer
 
     def heads(self, kv_heads: list[int]) -> "KVStats":
         return KVStats(self.amax[:, :, kv_heads], self.key_importance[:, kv_heads], self.key_mean[:, kv_heads],
-                       self.key_spread[:, kv_heads], self.query_moment[:, kv_heads])
+                       self.key_spread[:, kv_heads], self.query_moment[:, kv_heads],
+                       self.key_importance_unroped[:, kv_heads], self.block_ropes)
 
 
 class _QueryEnergy(TorchSDPABackend):
@@ -84,6 +92,16 @@ def _range_energy(keys: torch.Tensor, block_size: int, skip_first: bool) -> torc
     return (blocks.amax(1) - blocks.amin(1)).square().mean(0)
 
 
+def _block_rope(model: LlamaForCausalLM, layer: int, block_size: int) -> BlockRope:
+    cos, sin = model.model.rotary.tables(local=model.config.layer_windows[layer] is not None)
+    return BlockRope(cos[:block_size].float().cpu(), sin[:block_size].float().cpu())
+
+
+def _unroped(keys: torch.Tensor, rope: BlockRope, block_size: int) -> torch.Tensor:
+    """keys [n, H, D] of one sequence, each block's turned back by its offset (the last may be partial)."""
+    return torch.cat([rope.unrotate(block) for block in keys.split(block_size)])
+
+
 @torch.inference_mode()
 def measure_kv_stats(model: LlamaForCausalLM, ops: Ops, token_ids: list[int], rotation: KVRotation | None,
                      dtype: torch.dtype, device: torch.device, block_size: int = 16,
@@ -107,7 +125,11 @@ def measure_kv_stats(model: LlamaForCausalLM, ops: Ops, token_ids: list[int], ro
     importance = torch.stack([energy[i] * _range_energy(k, block_size, exact_sink) for i, (k, _) in enumerate(pages)])
     key_mean = torch.stack([k.mean(0) for k, _ in pages])
     key_spread = torch.stack([(k - k.mean(0)).abs().amax(0) for k, _ in pages])
-    return KVStats(amax.cpu(), importance.cpu(), key_mean.cpu(), key_spread.cpu(), moment.cpu())
+    ropes = tuple(_block_rope(model, i, block_size) for i in range(len(pages)))
+    pair_energy = (energy + energy.roll(cfg.head_dim // 2, -1)) / 2
+    unroped = torch.stack([pair_energy[i] * _range_energy(_unroped(k, ropes[i], block_size), block_size,
+                                                          exact_sink) for i, (k, _) in enumerate(pages)])
+    return KVStats(amax.cpu(), importance.cpu(), key_mean.cpu(), key_spread.cpu(), moment.cpu(), unroped.cpu(), ropes)
 
 
 def _calibrated(fmt: KVFormat, stats: KVStats, layer: int, role: int) -> KVFormat:
@@ -116,6 +138,8 @@ def _calibrated(fmt: KVFormat, stats: KVStats, layer: int, role: int) -> KVForma
         return fmt
     if isinstance(fmt, HeadScaleFormat):
         return fmt.calibrated(stats.amax[layer, role])
+    if isinstance(fmt, UnropedChannelFormat):
+        return fmt.calibrated(stats.key_importance_unroped[layer], stats.block_ropes[layer])
     if isinstance(fmt, (ChannelFormat, MixedChannelFormat)):
         return fmt.calibrated(stats.key_importance[layer])
     if isinstance(fmt, FittedFormat):

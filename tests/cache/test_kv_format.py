@@ -272,6 +272,7 @@ def expected_bytes(name: str, role: str, h: int, d: int, bs: int, g: int, outlie
                                    else d * bits / 8 + (d / g) * (2 + 2))
     per_head["kivi2_mix"] = per_head["kivi2"]  # kivi's bits, spread over channels by calibration
     per_head["kivi4_mix"] = per_head["kivi4"]
+    per_head["kivi2_mix_unrope"] = per_head["kivi2"]  # its sinks only with kv_exact_sink
     return h * per_head[name]
 
 

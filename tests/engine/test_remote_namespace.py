@@ -2,11 +2,13 @@
 setting that shapes pages changes the namespace."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
+from kvserve.cache.formats.block_rope import BlockRope
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_calibration import KVStats, calibrate_formats
 from kvserve.engine.remote_namespace import remote_namespace
@@ -15,14 +17,19 @@ LAYERS, KV_HEADS, DIM = 2, 2, 16
 MODEL = torch.nn.Linear(2, 2)  # one model throughout: its weights are part of the name
 
 
+def stats_of(importance: torch.Tensor) -> KVStats:
+    angles = BlockRope(torch.ones(16, DIM // 2), torch.zeros(16, DIM // 2))
+    return KVStats(torch.ones(LAYERS, 2, KV_HEADS), importance, torch.zeros(LAYERS, KV_HEADS, DIM),
+                   torch.ones(LAYERS, KV_HEADS, DIM), torch.zeros(LAYERS, KV_HEADS, DIM, DIM), importance,
+                   (angles,) * LAYERS)
+
+
 def namespace(sign: float = 1.0, **kw: Any) -> str:
     """The namespace of a kivi engine with `kw` changed; `sign` -1 calibrates other wide channels."""
     config = EngineConfig.of(**{"kv_cache_dtype": "kivi2", "kv_group_size": 16, **kw})
     formats = config.kv_layer_formats(LAYERS)
     importance = sign * torch.arange(LAYERS * KV_HEADS * DIM, dtype=torch.float32).reshape(LAYERS, KV_HEADS, DIM)
-    stats = KVStats(torch.ones(LAYERS, 2, KV_HEADS), importance, torch.zeros(LAYERS, KV_HEADS, DIM),
-                    torch.ones(LAYERS, KV_HEADS, DIM), torch.zeros(LAYERS, KV_HEADS, DIM, DIM))
-    return remote_namespace(MODEL, config, calibrate_formats(formats, stats))
+    return remote_namespace(MODEL, config, calibrate_formats(formats, stats_of(importance)))
 
 
 @pytest.mark.parametrize("change", [
@@ -31,6 +38,13 @@ def namespace(sign: float = 1.0, **kw: Any) -> str:
 ])
 def test_every_page_setting_changes_the_namespace(change: dict[str, Any]) -> None:
     assert namespace(**change) != namespace()
+
+
+def test_value_sinks_with_other_groups_are_other_pages() -> None:
+    """kivi2_mix_unrope's values with sinks keep their group size in the codes they wrap."""
+    unrope = {"kv_cache_dtype": "kivi2_mix_unrope", "kv_exact_sink": True, "kv_key_wide_channels": 8}
+    assert namespace(**unrope) != namespace(**unrope, kv_group_size=8)
+    assert namespace(**unrope) != namespace(kv_cache_dtype="kivi2_mix", kv_exact_sink=True, kv_key_wide_channels=8)
 
 
 def test_rotating_values_alone_and_other_wide_channels_are_other_pages() -> None:
@@ -43,9 +57,7 @@ def test_mixed_keys_with_other_bits_per_channel_are_other_pages() -> None:
     config = EngineConfig.of(kv_cache_dtype="kivi2_mix", kv_group_size=16, kv_key_wide_channels=8)
 
     def mixed(importance: torch.Tensor) -> str:
-        stats = KVStats(torch.ones(LAYERS, 2, KV_HEADS), importance, torch.zeros(LAYERS, KV_HEADS, DIM),
-                        torch.ones(LAYERS, KV_HEADS, DIM), torch.zeros(LAYERS, KV_HEADS, DIM, DIM))
-        return remote_namespace(MODEL, config, calibrate_formats(config.kv_layer_formats(LAYERS), stats))
+        return remote_namespace(MODEL, config, calibrate_formats(config.kv_layer_formats(LAYERS), stats_of(importance)))
 
     rising = torch.arange(LAYERS * KV_HEADS * DIM, dtype=torch.float32).reshape(LAYERS, KV_HEADS, DIM) ** 4
     assert mixed(rising) == mixed(rising.clone())
@@ -59,8 +71,7 @@ def test_fitted_keys_with_other_channel_spreads_are_other_pages() -> None:
     config = EngineConfig.of(kv_cache_dtype="int8_fit")
 
     def fitted(spread: torch.Tensor) -> str:
-        stats = KVStats(torch.ones(LAYERS, 2, KV_HEADS), torch.ones(LAYERS, KV_HEADS, DIM),
-                        torch.zeros(LAYERS, KV_HEADS, DIM), spread, torch.zeros(LAYERS, KV_HEADS, DIM, DIM))
+        stats = dataclasses.replace(stats_of(torch.ones(LAYERS, KV_HEADS, DIM)), key_spread=spread)
         return remote_namespace(MODEL, config, calibrate_formats(config.kv_layer_formats(LAYERS), stats))
 
     spread = torch.linspace(0.5, 4.0, LAYERS * KV_HEADS * DIM).reshape(LAYERS, KV_HEADS, DIM)

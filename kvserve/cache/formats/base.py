@@ -37,6 +37,12 @@ class KVFormat(ABC):
         (engine/kv_calibration.py), so that layers differ in what they encode with."""
         return False
 
+    @property
+    def reads_rope_pairs(self) -> bool:
+        """Whether the format codes keys by their RoPE pairs (channel i with i + D/2), which a rotation
+        of the keys before the pages would mix (EngineConfig refuses the two together)."""
+        return False
+
     @abstractmethod
     def fields(self, num_kv_heads: int, head_dim: int, block_size: int) -> FieldSpec:
         """Storage of one block: field name -> (shape, dtype). For per-token formats every shape
