@@ -25,11 +25,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 def _layout(fmt: KVFormat) -> str:
-    """A format's name and every option that changes its bytes (its layout's fields: group size,
-    sink, wide channels, symmetry, whether or not the format keeps them as attributes of its own)."""
-    layout = fmt.layout
-    options = (layout.group_size, layout.exact_sink, layout.wide, layout.symmetric)
-    return repr(fmt) + "".join(f"/{o}" for o in options)
+    """A format's name and every option that changes its bytes."""
+    options = ("group_size", "exact_sink", "wide", "symmetric")
+    return repr(fmt) + "".join(f"/{getattr(fmt, o)}" for o in options if hasattr(fmt, o))
 
 
 def remote_namespace(model: torch.nn.Module, config: EngineConfig, formats: list[LayerFormats] | None,

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from kvserve.cache.block_manager import BlockManager
 from kvserve.cache.formats import KVFormat, format_names, make_format
+from kvserve.cache.formats.block_rope import BlockRope
 from kvserve.cache.formats.kivi import ChannelFormat
+from kvserve.cache.formats.unroped import UnropedChannelFormat
 from kvserve.cache.quantized_pool import QuantizedKVPool, encode_blocks
 from kvserve.cache.staging_slots import StagingPlan
 from kvserve.attention import StepMetadata
@@ -19,11 +21,16 @@ from tests.backend_cases import heavy_case
 HEADS, KV_HEADS, DIM = 4, 2, 64  # GQA, 2 query heads per KV head
 
 
-def formats_of(name: str, seed: int = 0, **kw: object) -> tuple[KVFormat, KVFormat]:
-    """(keys, values) formats; wide KIVI key channels calibrated on random importances."""
+def formats_of(name: str, seed: int = 0, bs: int = 16, **kw: object) -> tuple[KVFormat, KVFormat]:
+    """(keys, values) formats; wide KIVI key channels calibrated on random importances, keys turned
+    back by RoPE (kivi2_mix_unrope) given the angles of a base-100 RoPE over blocks of `bs`."""
     k, v = make_format(name, "k", **kw), make_format(name, "v", **kw)  # type: ignore[arg-type]
-    if isinstance(k, ChannelFormat) and k.wide:
-        k = k.calibrated(torch.rand(KV_HEADS, DIM, generator=torch.Generator().manual_seed(seed)))
+    importance = torch.rand(KV_HEADS, DIM, generator=torch.Generator().manual_seed(seed))
+    if isinstance(k, UnropedChannelFormat):
+        angle = torch.arange(bs).float()[:, None] / 100.0 ** (torch.arange(0, DIM, 2).float() / DIM)
+        k = k.calibrated(importance, BlockRope(angle.cos(), angle.sin()))
+    elif isinstance(k, ChannelFormat) and k.wide:
+        k = k.calibrated(importance)
     return k, v
 
 
@@ -32,7 +39,7 @@ def roundtrip(name: str, role: str, x: torch.Tensor, bs: int, exact_from: int | 
     """What the cache should hold for one sequence's K or V [L, H, D], worked independently of the
     pool. Without staging (exact_from None) every token is encoded on its own; with it, whole
     blocks before `exact_from` are encoded and everything after is kept exactly."""
-    fmt = formats_of(name, **(fmt_kw or {}))["kv".index(role)]
+    fmt = formats_of(name, bs=bs, **(fmt_kw or {}))["kv".index(role)]
     fmt.fields(KV_HEADS, DIM, bs)  # binds head_dim (sparse)
     if exact_from is None:
         return fmt.decode(fmt.encode(x), x.dtype)
@@ -61,7 +68,7 @@ class Driver:
         g = torch.Generator().manual_seed(seed)
         self.bs, self.residual, self.fmt, self.fmt_kw = bs, residual, fmt, fmt_kw
         num_blocks = max(64, 1024 // bs)
-        formats = formats_of(fmt, **fmt_kw)
+        formats = formats_of(fmt, bs=bs, **fmt_kw)
         staging = QuantizedKVPool.staging_slots(4, bs, residual, [formats], sum(lens))
         self.bm = BlockManager(num_blocks, bs, enable_prefix_caching=False, staging_slots=staging, residual=residual)
         self.pool = QuantizedKVPool(num_blocks, bs, KV_HEADS, DIM, torch.float32, torch.device("cpu"), [formats],
@@ -150,6 +157,22 @@ def test_wide_key_channels_and_symmetric_values_equal_dense_over_decoded(fmt: st
     one-word vector path holds), values without zero-points, exact sinks, on every backend."""
     d = Driver(fmt, 16, 0, [16 + 5, 2 * 16 + 3, 7], backend=backend, exact_sink=True, key_wide_channels=wide,
                symmetric_values=True, group_size=32)
+    for new in ([1, 1, 1], [9, 1, 30], [1, 1, 1]):
+        d.step(new)
+        torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_unroped_keys_and_value_sinks_equal_dense_over_decoded(backend: str) -> None:
+    """kivi2_mix_unrope calibrated, with its int8 sinks (their scales in the first token's own slots):
+    the pool seals blocks and gathers them through block tables as the format encodes and decodes a
+    sequence's blocks alone (the format's own accuracy: test_kivi_unrope.py); later sinks far from
+    the rest, so a pool path that lost a sink's scale beside its codes would show it."""
+    d = Driver("kivi2_mix_unrope", 16, 0, [16 + 5, 2 * 16 + 3, 7], backend=backend, exact_sink=True,
+               key_wide_channels=8, symmetric_values=True, group_size=32)
+    for k, v, written in zip(d.k, d.v, d.len):
+        k[-(-written // 16) * 16::16] *= 30
+        v[-(-written // 16) * 16::16] *= 30
     for new in ([1, 1, 1], [9, 1, 30], [1, 1, 1]):
         d.step(new)
         torch.testing.assert_close(d.out, d.expected(), atol=2e-4, rtol=1e-4)

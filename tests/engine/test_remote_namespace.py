@@ -40,13 +40,6 @@ def test_every_page_setting_changes_the_namespace(change: dict[str, Any]) -> Non
     assert namespace(**change) != namespace()
 
 
-def test_value_sinks_with_other_groups_are_other_pages() -> None:
-    """kivi2_mix_unrope's values with sinks keep their group size in the codes they wrap."""
-    unrope = {"kv_cache_dtype": "kivi2_mix_unrope", "kv_exact_sink": True, "kv_key_wide_channels": 8}
-    assert namespace(**unrope) != namespace(**unrope, kv_group_size=8)
-    assert namespace(**unrope) != namespace(kv_cache_dtype="kivi2_mix", kv_exact_sink=True, kv_key_wide_channels=8)
-
-
 def test_rotating_values_alone_and_other_wide_channels_are_other_pages() -> None:
     assert namespace(kv_rotation="hadamard", kv_rotate_keys=False) != namespace(kv_rotation="hadamard")
     assert namespace(kv_key_wide_channels=8) == namespace(kv_key_wide_channels=8)

@@ -40,7 +40,7 @@ class KVFormat(ABC):
     @property
     def reads_rope_pairs(self) -> bool:
         """Whether the format codes keys by their RoPE pairs (channel i with i + D/2), which a rotation
-        of the keys before the pages would mix (EngineConfig refuses the two together)."""
+        of the keys before the pages would mix (KVFormatOptions refuses the two together)."""
         return False
 
     @abstractmethod
