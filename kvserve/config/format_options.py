@@ -81,15 +81,12 @@ class KVFormatOptions(Options):
         self._one_of("kv_rotation", ROTATIONS)
         # Every compressed format named is built once ('auto' pages are the model's dtype: valid).
         try:
-            for pair in self.format_names(torch.float32):
-                if pair != ("fp32", "fp32"):
-                    self.format_pair(pair)
+            pairs = [self.format_pair(p) for p in self.format_names(torch.float32) if p != ("fp32", "fp32")]
         except FieldError as err:
             raise FieldError(err.field, f"KVFormatOptions.{err}") from None
         except ValueError as err:  # a plan file's or a format's own error
             raise FieldError("kv_cache_dtype", f"KVFormatOptions.kv_cache_dtype: {err}") from None
         if self.kv_rotation != "none" and self.kv_rotate_keys:
-            pairs = [self.format_pair(p) for p in self.format_names(torch.float32) if p != ("fp32", "fp32")]
             if paired := sorted({k.name for k, _ in pairs if k.reads_rope_pairs}):
                 raise FieldError("kv_rotate_keys",
                                  f"KVFormatOptions.kv_rotate_keys: {', '.join(paired)} turns keys back by their RoPE "

@@ -171,9 +171,12 @@ class MixedChannelFormat(KVFormat):
         return True
 
     def calibrated(self, importance: torch.Tensor) -> "MixedChannelFormat":
-        bits = allocate_bits(importance.float().cpu(), self.bits * importance.shape[-1] + self.wide,
+        return MixedChannelFormat(self.name, self.bits, self.exact_sink, self.wide, self.allocated(importance))
+
+    def allocated(self, importance: torch.Tensor) -> torch.Tensor:
+        """Bits per channel [H, D] that `importance` [H, D] buys within this format's key bits."""
+        return allocate_bits(importance.float().cpu(), self.bits * importance.shape[-1] + self.wide,
                              bit_choices(self.bits))
-        return MixedChannelFormat(self.name, self.bits, self.exact_sink, self.wide, bits)
 
     def fields(self, num_kv_heads: int, head_dim: int, block_size: int) -> FieldSpec:
         if self.wide > self.bits * head_dim:

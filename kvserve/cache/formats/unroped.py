@@ -49,8 +49,7 @@ class UnropedChannelFormat(MixedChannelFormat):
         layer's angles (required: the engine's calibration passes them)."""
         if rope is None:
             raise ValueError(f"{self.name}: calibrated without the layer's RoPE angles")
-        plain = super().calibrated(importance)
-        return UnropedChannelFormat(self.name, self.bits, self.exact_sink, self.wide, plain.channel_bits, rope)
+        return UnropedChannelFormat(self.name, self.bits, self.exact_sink, self.wide, self.allocated(importance), rope)
 
     def fields(self, num_kv_heads: int, head_dim: int, block_size: int) -> FieldSpec:
         spec = super().fields(num_kv_heads, head_dim, block_size)
