@@ -52,7 +52,7 @@ class KVFormatOptions(Options):
     kv_exact_sink: bool = opt(False, "kivi keys: each block keeps its first key in fp16, outside the block's "
                                      "channel ranges, so a sequence's first token (the attention sink every "
                                      "query reads) is exact and cannot stretch its block's ranges; costs "
-                                     "16 / block_size bits per key value (kivi2_mix_unrope: the first key and "
+                                     "16 / block_size bits per key value (kivi2_mix_unrope, kivi2_vq: the first key and "
                                      "value in int8, 8 / block_size bits each)")
     kv_key_wide_channels: int = opt(0, "kivi keys: this many channels per KV head (a multiple of 8; whole RoPE "
                                        "pairs) get one bit more, those with the largest E[q^2] * E[range^2], "

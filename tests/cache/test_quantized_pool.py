@@ -163,12 +163,13 @@ def test_wide_key_channels_and_symmetric_values_equal_dense_over_decoded(fmt: st
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_unroped_keys_and_value_sinks_equal_dense_over_decoded(backend: str) -> None:
-    """kivi2_mix_unrope calibrated, with its int8 sinks (their scales in the first token's own slots):
+@pytest.mark.parametrize("name", ["kivi2_mix_unrope", "kivi2_vq"])
+def test_unroped_keys_and_value_sinks_equal_dense_over_decoded(name: str, backend: str) -> None:
+    """kivi2_mix_unrope and kivi2_vq calibrated, with their int8 sinks (their scales in the first token's own slots):
     the pool seals blocks and gathers them through block tables as the format encodes and decodes a
     sequence's blocks alone (the format's own accuracy: test_kivi_unrope.py); later sinks far from
     the rest, so a pool path that lost a sink's scale beside its codes would show it."""
-    d = Driver("kivi2_mix_unrope", 16, 0, [16 + 5, 2 * 16 + 3, 7], backend=backend, exact_sink=True,
+    d = Driver(name, 16, 0, [16 + 5, 2 * 16 + 3, 7], backend=backend, exact_sink=True,
                key_wide_channels=8, symmetric_values=True, group_size=32)
     for k, v, written in zip(d.k, d.v, d.len):
         k[-(-written // 16) * 16::16] *= 30

@@ -14,6 +14,8 @@ costs, 16 / block_size bits a value.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvserve.cache.formats.absmax import AbsMaxFormat
@@ -22,6 +24,7 @@ from kvserve.cache.formats.block_rope import BlockRope
 from kvserve.cache.formats.grouped import GroupFormat
 from kvserve.cache.formats.kivi import MixedChannelFormat
 from kvserve.cache.formats.layout import PageLayout
+from kvserve.cache.formats.vector import VectorFormat
 
 # A sink: int8 codes and one fp16 scale per head (the scale stored in the first token's own slot).
 _SINK = AbsMaxFormat("sink", torch.int8)
@@ -78,18 +81,18 @@ class UnropedChannelFormat(MixedChannelFormat):
 
 
 class SinkValueFormat(KVFormat):
-    """`GroupFormat`'s codes for every token of a block, and the block's first value also in int8
-    (field "sink"), its fp16 scale in that token's first group scale, which decoding puts in its
-    place. Encoded a block at a time (the sink is per block), so it is staged as KIVI keys are."""
+    """A per-token value format's codes (`GroupFormat`'s or `VectorFormat`'s) for every token of a
+    block, and the block's first value also in int8 (field "sink"), its fp16 scale in that token's
+    first scale slot, which decoding puts in its place. Encoded a block at a time (the sink is per
+    block), so it is staged as KIVI keys are."""
 
-    def __init__(self, codes: GroupFormat) -> None:
+    def __init__(self, codes: GroupFormat | VectorFormat) -> None:
         self.codes = codes
         self.name = codes.name
 
     @property
     def layout(self) -> PageLayout:
-        return PageLayout(None, per_token=False, bits=self.codes.bits, group_size=self.codes.group_size,
-                          symmetric=self.codes.symmetric, exact_sink=True)
+        return replace(self.codes.layout, kind=None, per_token=False, exact_sink=True)
 
     def fields(self, num_kv_heads: int, head_dim: int, block_size: int) -> FieldSpec:
         return {**self.codes.fields(num_kv_heads, head_dim, block_size),
@@ -102,7 +105,7 @@ class SinkValueFormat(KVFormat):
         return {**fields, "sink": sink["codes"]}
 
     def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
-        x = self.codes.dequantize({name: t for name, t in fields.items() if name != "sink"})
+        x = self.codes.decode({name: t for name, t in fields.items() if name != "sink"}, torch.float32)
         x[..., 0, :, :] = _SINK.decode({"codes": fields["sink"], "scale": fields["scale"][..., 0, :, 0]},
                                        torch.float32)
         return x.to(dtype)
