@@ -34,9 +34,9 @@ def remote_namespace(model: torch.nn.Module, config: EngineConfig, formats: list
                      rank: int = 0, world_size: int = 1) -> str:
     pages = "dense" if formats is None else ";".join(f"{_layout(k)}/{_layout(v)}" for k, v in formats)
     # Per-head fp8 scales, wide key channels, mixed keys' bits per channel and fitted keys' offsets,
-    # weights and channel spreads are calibrated, so blocks encoded with others decode (or encode)
-    # otherwise: their values are part of the name.
-    tables = ("head_scale", "wide_channels", "channel_bits", "offset", "weight", "spread")
+    # weights and channel spreads are calibrated, and a vector format's codebook is a shipped file,
+    # so blocks encoded with others decode (or encode) otherwise: their values are part of the name.
+    tables = ("head_scale", "wide_channels", "channel_bits", "offset", "weight", "spread", "codebook")
     calibrated = [t.float().flatten() for pair in formats or [] for f in pair
                   for t in (getattr(f, name, None) for name in tables) if t is not None]
     if calibrated:

@@ -68,6 +68,20 @@ def test_codes_past_255_keep_their_ninth_bit() -> None:
                                atol=1e-6, rtol=0)
 
 
+def test_tokens_near_fp16s_limit_decode_finite_in_fp16_and_a_non_finite_one_as_nan() -> None:
+    """Uncapped, the fitted scale times a far point reaches 1.3 x a token's largest entry: inf in an
+    fp16 pool for tokens inside fp16's range."""
+    fmt = VectorFormat("vq", load_codebook())
+    x = gaussian(2000, 2, 64, seed=5)
+    x = x / x.abs().amax(-1, keepdim=True) * 60000
+    x[0, 0] = -60000.0
+    x[1, 1, 3] = math.inf
+    got = fmt.decode(fmt.encode(x), torch.float16)
+    assert got[1, 1].isnan().all()
+    got[1, 1] = 0
+    assert got.isfinite().all()
+
+
 def test_value_sinks_over_vector_codes_keep_the_first_value() -> None:
     codes = VectorFormat("vq", load_codebook())
     fmt = SinkValueFormat(codes)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvserve.cache.formats.block_rope import BlockRope
+from kvserve.cache.formats.vector import VectorFormat, load_codebook
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_calibration import KVStats, calibrate_formats
 from kvserve.engine.remote_namespace import remote_namespace
@@ -70,3 +71,16 @@ def test_fitted_keys_with_other_channel_spreads_are_other_pages() -> None:
     spread = torch.linspace(0.5, 4.0, LAYERS * KV_HEADS * DIM).reshape(LAYERS, KV_HEADS, DIM)
     assert fitted(spread) == fitted(spread.clone())
     assert fitted(spread) != fitted(spread.flip(-1))
+
+
+def test_vector_values_with_another_codebook_are_other_pages() -> None:
+    """A vector format's codes index its codebook: blocks coded against one decode wrongly with another."""
+    config = EngineConfig.of(kv_cache_dtype="kivi2", kv_cache_dtype_v="kivi2_vq")
+    formats = config.kv_layer_formats(LAYERS)
+
+    def coded_with(book: torch.Tensor) -> str:
+        return remote_namespace(MODEL, config, [(k, VectorFormat("kivi2_vq", book)) for k, _ in formats])
+
+    shipped = load_codebook()
+    assert coded_with(shipped) == remote_namespace(MODEL, config, formats)
+    assert coded_with(shipped) != coded_with(-shipped)

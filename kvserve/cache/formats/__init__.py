@@ -3,8 +3,7 @@
 base.py: the `KVFormat` interface; layout.py: `PageLayout`, what a format's pages are to a kernel;
 options.py: the engine's format settings; registry.py: the one table of names; builtin.py: the
 formats kvserve ships (plain.py, absmax.py, fitted.py, grouped.py, kivi.py, unroped.py, vector.py,
-sparse.py); codes.py: the
-quantization arithmetic they share. Importing this package registers the built-ins.
+sparse.py); codes.py: the quantization arithmetic they share. Importing this package registers the built-ins.
 """
 from kvserve.cache.formats import builtin  # noqa: F401  (registers the built-in formats)
 from kvserve.cache.formats.base import FieldSpec, Fields, KVFormat, PerTokenFormat

@@ -74,8 +74,8 @@ register("kivi4_mix", _kivi("kivi4_mix", 4, MixedChannelFormat), default_residua
 # and values (unroped.py): at 2.5 bits a value a third less KL than kivi2_mix on SmolLM2 (issue 42).
 register("kivi2_mix_unrope", _kivi("kivi2_mix_unrope", 2, UnropedChannelFormat, value_sinks=True),
          default_residual=KIVI_RESIDUAL)
-# kivi2_mix_unrope's keys, values as 9-bit codes of 4-channel pieces (vector.py: a quarter of a bit a
-# value more than kivi2's, paid for with 16 fewer wide key channels, a quarter off SmolLM2's KL at 2.5 bits).
+# kivi2_mix_unrope's keys, values as 9-bit codes of 4-channel pieces (vector.py: 2 bytes a head and token
+# more than 2-bit groups of 64, paid for with 16 fewer wide key channels, 14-26% off SmolLM2's KL at 2.5 bits).
 register("kivi2_vq", _kivi("kivi2_vq", 2, UnropedChannelFormat, value_sinks=True, vector_values=True),
          default_residual=KIVI_RESIDUAL)
 register("outlier", lambda role, options: OutlierFormat(options.group_size, options.outliers), default_in=("eval",))

@@ -5,8 +5,9 @@ fp16 scale per token and head.
 Why (BENCHMARKS.md, issue 42, the 2.5-bit row): at 2 bits a value the best scalar grid leaves
 0.118 of a Gaussian's variance as error; 512 points placed by k-means in 4 dimensions leave 0.070 at
 2.25 bits, where the best split of 9 bits over 4 scalar codes (2, 2, 2, 3) leaves 0.097. On SmolLM2
-at 2.5 bits a value the quarter-bit more on the values, paid for by 16 fewer wide key channels,
-took 15-26% off kivi2_mix_unrope's KL on five texts.
+at 2.5 bits a value 2 more bytes a head and token on the values (a quarter of a bit a value at
+head_dim 64), paid for by 16 fewer wide key channels, took 14-26% off kivi2_mix_unrope's KL on
+five texts.
 
 One codebook for every layer and model: values rotated by kv_rotation are close to Gaussian
 channel by channel, and each token is divided by its own root mean square before its pieces are
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy
 import torch
 
 from kvserve.cache.formats.base import FieldSpec, Fields, PerTokenFormat
@@ -30,6 +32,8 @@ from kvserve.cache.formats.layout import PageLayout
 
 CODEBOOK_FILE = Path(__file__).with_name("codebook_4x512.f32")
 CODEBOOK_SHAPE = (512, 4)
+# The largest decoded entry: fp16's largest value, less the fp16 rounding of the scale that produces it.
+_DECODE_MAX = torch.finfo(torch.float16).max * (1 - 2.0 ** -10)
 # Pieces matched against the codebook at once: bounds the distance table (this x 512 fp32, 32 MiB)
 # whatever a prefill hands over.
 _CHUNK = 16384
@@ -58,8 +62,10 @@ def nearest_points(x: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
 
 def load_codebook() -> torch.Tensor:
     """The shipped codebook, [512, 4] fp32."""
-    data = bytearray(CODEBOOK_FILE.read_bytes())
-    return torch.frombuffer(data, dtype=torch.float32).view(CODEBOOK_SHAPE).clone()
+    data = CODEBOOK_FILE.read_bytes()
+    if len(data) != 4 * math.prod(CODEBOOK_SHAPE):
+        raise ValueError(f"{CODEBOOK_FILE}: {len(data)} bytes, not the {CODEBOOK_SHAPE} fp32 codebook")
+    return torch.from_numpy(numpy.frombuffer(data, dtype="<f4").astype("=f4")).view(CODEBOOK_SHAPE)
 
 
 class VectorFormat(PerTokenFormat):
@@ -95,12 +101,15 @@ class VectorFormat(PerTokenFormat):
         unit = (x / rms).unflatten(-1, (pieces, -1))
         index = nearest_points(unit.reshape(-1, unit.shape[-1]), book).view(unit.shape[:-1])
         points = book[index].flatten(-2)
-        # Least squares: the scale that brings scale * points closest to x.
+        # Least squares: the scale that brings scale * points closest to x; capped so that no decoded
+        # entry passes fp16's largest value (the fitted scale times a far point can reach 1.3 x the
+        # token's largest entry), and NaN for a token that is not finite, as other formats decode it.
         scale = (x * points).sum(-1, keepdim=True) / points.square().sum(-1, keepdim=True).clamp_min(1e-30)
+        cap = _DECODE_MAX / points.abs().amax(-1, keepdim=True).clamp_min(1.0)
+        scale = torch.where(x.isfinite().all(-1, keepdim=True), scale.clamp(-cap, cap), math.nan)
         high = (index >> 8).to(torch.uint8)
         padded = torch.nn.functional.pad(high, (0, -pieces % 8))
-        return {"codes": (index & 255).to(torch.uint8), "high": pack(padded, 1),
-                "scale": scale.clamp(-65504, 65504).to(torch.float16)}
+        return {"codes": (index & 255).to(torch.uint8), "high": pack(padded, 1), "scale": scale.to(torch.float16)}
 
     def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
         codes = fields["codes"]
