@@ -332,7 +332,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                             "(default 32)")
     cache.add_argument("--exact-sink", action="store_true",
                        help="kivi keys keep each block's first key in fp16, as the engine's --kv-exact-sink "
-                            "(16 / block size more bits per key value)")
+                            "(16 / block size more bits per key value; kivi2_mix_unrope and kivi2_vq: the first "
+                            "key and value in int8, 8 / block size bits each)")
     cache.add_argument("--key-wide-channels", type=int, default=0,
                        help="kivi keys: channels per KV head with one bit more, as the engine's "
                             "--kv-key-wide-channels (a multiple of 8; default 0)")
