@@ -18,6 +18,7 @@ from kvserve.cache.formats.block_rope import BlockRope
 from kvserve.cache.formats.grouped import GroupFormat
 from kvserve.cache.formats.kivi import MixedChannelFormat
 from kvserve.cache.formats.unroped import SinkValueFormat, UnropedChannelFormat
+from kvserve.cache.formats.vector import VectorFormat, load_codebook
 from kvserve.config import EngineConfig
 
 BLOCK, HEADS, DIM = 32, 2, 16
@@ -76,8 +77,10 @@ def test_an_uncalibrated_format_codes_keys_as_they_come_and_calibration_needs_th
         fmt.calibrated(torch.ones(HEADS, DIM))
 
 
-def test_value_sinks_keep_the_first_value_and_the_rest_decode_as_group_codes() -> None:
-    codes = GroupFormat("v", 2, 8, symmetric=True)
+@pytest.mark.parametrize("codes", [GroupFormat("v", 2, 8, symmetric=True), VectorFormat("v", load_codebook())],
+                         ids=["groups", "vectors"])
+def test_value_sinks_keep_the_first_value_and_the_rest_decode_as_their_codes(
+        codes: GroupFormat | VectorFormat) -> None:
     fmt = SinkValueFormat(codes)
     x = torch.randn(3, BLOCK, HEADS, DIM, generator=torch.Generator().manual_seed(4))
     got = fmt.decode(fmt.encode(x), torch.float32)

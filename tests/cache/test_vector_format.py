@@ -1,8 +1,8 @@
 """kivi2_vq's values (cache/formats/vector.py): the trainer finds the centroids worked by hand for a
 Gaussian; the shipped codebook leaves less error than the best scalar codes at its rate (Max's
 tables); each piece decodes to its nearest codebook point, found by brute force, times the
-least-squares scale; codes past 255 survive their bit plane; the sinks and the bytes are as the
-format says; the engine runs it with kivi2_mix_unrope's keys."""
+least-squares scale; codes past 255 survive their bit plane; the bytes are as the format says (its
+value sinks: test_kivi_unrope.py); the engine runs it with kivi2_mix_unrope's keys."""
 from __future__ import annotations
 
 import math
@@ -80,16 +80,6 @@ def test_tokens_near_fp16s_limit_decode_finite_in_fp16_and_a_non_finite_one_as_n
     assert got[1, 1].isnan().all()
     got[1, 1] = 0
     assert got.isfinite().all()
-
-
-def test_value_sinks_over_vector_codes_keep_the_first_value() -> None:
-    codes = VectorFormat("vq", load_codebook())
-    fmt = SinkValueFormat(codes)
-    x = gaussian(3, 16, 2, 32, seed=3)
-    got = fmt.decode(fmt.encode(x), torch.float32)
-    torch.testing.assert_close(got[:, 1:], codes.decode(codes.encode(x), torch.float32)[:, 1:])
-    step = x[:, 0].abs().amax(-1, keepdim=True) / 127
-    assert ((got[:, 0] - x[:, 0]).abs() <= step * 0.51 + 1e-6).all()
 
 
 def test_it_costs_kivi2_mix_unropes_bytes_with_16_wide_key_channels_fewer() -> None:
