@@ -14,6 +14,7 @@ import torch
 
 from kvserve.cache.compaction import Compaction, move_slots
 from kvserve.cache.page_step import PageStep
+from kvserve.huge_pages import huge_page_zeros
 
 if TYPE_CHECKING:
     from kvserve.cache.block_manager import HostBlock
@@ -63,7 +64,7 @@ class KVPool:
         # Zeros, not empty: masked-out slots are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaN, which 0 does not cancel.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (huge_page_zeros(shape, dtype, device), huge_page_zeros(shape, dtype, device))
             for _ in range(num_layers)]
         # Cold blocks of sequences longer than the device pool; block id num_blocks + i is host
         # block i. Pinned on CUDA so bringing them in for attention is a fast copy.

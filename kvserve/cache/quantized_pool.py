@@ -37,6 +37,7 @@ from kvserve.cache.compaction import Compaction, move_slots
 from kvserve.cache.formats import Fields, KVFormat
 from kvserve.cache.page_step import PageStep, WritePlan
 from kvserve.cache.staging_slots import StagingPlan
+from kvserve.huge_pages import huge_page_zeros
 
 
 def encode_blocks(fmt: KVFormat, x: torch.Tensor) -> Fields:
@@ -59,7 +60,7 @@ class QuantizedLayerKV:
         self.pool = pool
         self.formats = formats
         p = pool
-        self.fields = [{name: torch.zeros((p.num_blocks, *shape), dtype=dtype, device=p.device)
+        self.fields = [{name: huge_page_zeros((p.num_blocks, *shape), dtype, p.device)
                         for name, (shape, dtype) in fmt.fields(p.num_kv_heads, p.head_dim, p.block_size).items()}
                        for fmt in formats]
         staging = (p.num_staging, p.block_size, p.num_kv_heads, p.head_dim)

@@ -33,6 +33,7 @@ from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.step_plan import StepPlan, TokenFill
+from kvserve.huge_pages import move_to_huge_pages
 from kvserve.model.cpu_linear import SMALL_BATCH, cpu_linear_kind, replace_linears
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.ops import resolve_ops
@@ -105,6 +106,8 @@ class ModelRunner:
         self.linear_kind = cpu_linear_kind(device, next(model.parameters()).dtype, kernels)
         if self.linear_kind is not None:
             replace_linears(model, self.linear_kind, kernels)
+        if device.type == "cpu":
+            move_to_huge_pages(model)
         self.graphs = None if cuda_graphs is None else DecodeGraphs(model, backend, self.ops, self.rotation,
                                                                     *cuda_graphs, device)
         self.stack = None

@@ -1,0 +1,95 @@
+"""Weights and KV pools in transparent huge pages (kvserve/huge_pages.py)."""
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kvserve import SamplingParams
+from kvserve.huge_pages import HUGE_PAGE, huge_page_bytes, huge_page_zeros, move_to_huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+needs_thp = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not THP.exists() or "[never]" in THP.read_text(),
+                               reason="this system has no transparent huge pages to ask for")
+
+
+def thp_eligible(t: torch.Tensor) -> bool:
+    """Whether the kernel lists the mapping that holds t's first byte as eligible for huge pages
+    (its `THPeligible` line in /proc/self/smaps: set by madvise(MADV_HUGEPAGE) under the `madvise`
+    mode, for every anonymous mapping under `always`)."""
+    address, inside = t.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+@needs_thp
+def test_zeros_start_on_a_huge_page_and_are_eligible() -> None:
+    t = huge_page_zeros((300, 16, 3, 64), torch.bfloat16, torch.device("cpu"))
+    assert t.shape == (300, 16, 3, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE == 0 and thp_eligible(t)
+    assert not t.any()
+    t[7] = 2.0  # writable, and two regions never share memory
+    other = huge_page_zeros((300, 16, 3, 64), torch.bfloat16, torch.device("cpu"))
+    assert t.sum().item() == 2.0 * 16 * 3 * 64 and not other.any()
+
+
+def test_plain_torch_memory_where_huge_pages_cannot_be_asked_for() -> None:
+    assert huge_page_bytes(0) is None
+    meta = huge_page_zeros((4, 8), torch.float16, torch.device("meta"))  # not the CPU: torch.zeros
+    assert meta.device.type == "meta" and meta.shape == (4, 8)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.proj = nn.Linear(32, 48)
+        self.head = nn.Linear(32, 50, bias=False)
+        self.head.weight = self.embed.weight  # tied, as SmolLM2's LM head is
+        # a second tensor object on the same storage, as SmallBatchLinear's kernel-layout buffer is
+        self.register_buffer("head_rows", self.embed.weight.detach(), persistent=False)
+        self.register_buffer("table", torch.arange(96, dtype=torch.float32).view(3, 32))
+        self.register_buffer("rows", self.table[1:], persistent=False)  # a view of another buffer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids) + self.table.sum(0) + self.rows.sum(0)
+        return self.head(h) + self.proj(h).sum(-1, keepdim=True)
+
+
+@needs_thp
+def test_move_keeps_values_sharing_and_kinds() -> None:
+    torch.manual_seed(0)
+    model = Tied()
+    ids = torch.tensor([[1, 7, 49, 3]])
+    before = model(ids)
+    expected_bytes = sum(-(-t.nbytes // 64) * 64 for t in (model.embed.weight, model.proj.weight, model.proj.bias))
+    assert move_to_huge_pages(model) == expected_bytes
+    assert torch.equal(model(ids), before)
+    assert model.head.weight is model.embed.weight and isinstance(model.embed.weight, nn.Parameter)
+    assert model.head_rows.data_ptr() == model.embed.weight.data_ptr() and not isinstance(model.head_rows, nn.Parameter)
+    assert model.proj.weight.requires_grad
+    moved = [model.embed.weight, model.proj.weight, model.proj.bias]
+    base = min(t.data_ptr() for t in moved)
+    assert base % HUGE_PAGE == 0 and all(t.data_ptr() % 64 == 0 and thp_eligible(t) for t in moved)
+    assert max(t.data_ptr() + t.nbytes for t in moved) - base <= expected_bytes  # one region
+    # A buffer with a view of it on the model stays, with its view: writes to one still show in the other.
+    assert not thp_eligible(model.table) and model.rows.data_ptr() == model.table[1:].data_ptr()
+
+
+@needs_thp
+def test_engine_weights_and_pages_are_in_huge_pages(tiny_llm) -> None:  # type: ignore[no-untyped-def]
+    llm = tiny_llm(dtype="bfloat16")
+    runner = llm.engine.runner
+    assert all(thp_eligible(p) for p in runner.model.parameters())
+    assert all(thp_eligible(t) for t in runner.pool.block_tensors)
+    out = llm.generate([[5, 9, 17, 3, 60]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4  # the pages written and read, the weights read
