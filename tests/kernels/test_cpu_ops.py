@@ -178,7 +178,21 @@ def test_paged_attention_decodes_every_absmax_code_exactly(code_dtype: torch.dty
     assert torch.equal(out[:, 0], want)
 
 
-@pytest.mark.parametrize("rows", [1, 6, 33, 70])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_linear_bf16_gives_a_column_the_same_bits_wherever_it_sits(rows: int) -> None:
+    """Up to 8 rows, a column's sums never depend on its neighbours: at 8 rows the kernel takes
+    weight rows in pairs, and one weight row fewer in front pairs every column with the other
+    neighbour (and leaves the last one alone)."""
+    if not kernels.has_bf16_gemm():
+        pytest.skip("built without AVX512-BF16 or AVX2")
+    x, w = rand(rows, 256, dtype=torch.bfloat16, seed=14), rand(101, 256, dtype=torch.bfloat16, seed=15)
+    b = rand(101, dtype=torch.bfloat16, seed=16)
+    full = kernels.linear_bf16(x, kernel_layout(w, kernels), b)[:, :101]
+    shifted = kernels.linear_bf16(x, kernel_layout(w[1:], kernels), b[1:])[:, :100]
+    assert torch.equal(full[:, 1:], shifted)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 8, 33, 70])  # 8: two weight rows at a time
 def test_linear_bf16_gives_the_same_bits_on_any_thread_count(rows: int) -> None:
     """Parallel test workers run one thread each: here the kernel's split of the output columns
     across threads is checked (1030 columns: full tiles on both threads and a tail)."""

@@ -9,13 +9,15 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 #ifdef __AVX512BF16__
 namespace {
 
 // One MR x NR tile of out = x @ w^T: the NR weight rows are read from memory once per K step and
-// reused for every row of x, with MR * NR fp32 accumulators in registers (VDPBF16PS).
-template <int MR, int NR>
+// reused for every row of x, with MR * NR fp32 accumulators in registers (VDPBF16PS). AHEAD: how
+// many weight rows ahead the tile asks for into L2.
+template <int MR, int NR, int AHEAD = 16 * NR>
 inline void gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias,
                       c10::BFloat16* out, int64_t K, int64_t N) {
   __m512 acc[MR][NR];
@@ -27,25 +29,25 @@ inline void gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
     // at K = 576): enough misses in flight to keep memory busy. One 4-row tile ahead into L1 kept
     // too few, and a decode step's linears streamed at ~21 GB/s of the machine's ~32 (AMD Zen4:
     // one-stream step 16.6-18.0 -> 12.1-13.9 ms).
-    for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (16 * NR + j) * K + k), _MM_HINT_T1);
+    for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (AHEAD + j) * K + k), _MM_HINT_T1);
     for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
   }
-  if constexpr (MR == 4 && NR == 4) {
-    // All 16 sums in one transposed reduction: lane 4i + j is out[i][j]. Summed one by one, the
-    // reductions cost a third of the tile at K = 576.
+  if constexpr (MR * NR == 16) {
+    // All 16 sums in one transposed reduction: lane NR * i + j is out[i][j]. Summed one by one,
+    // the reductions cost a third of the tile at K = 576.
     __m512 sums = simd::transpose_sums(&acc[0][0]);
     if (bias) {
-      float b[4];
-      for (int j = 0; j < 4; ++j) b[j] = static_cast<float>(bias[j]);
-      sums = _mm512_add_ps(sums, _mm512_broadcast_f32x4(_mm_loadu_ps(b)));
+      alignas(64) float b[16];
+      for (int l = 0; l < 16; ++l) b[l] = static_cast<float>(bias[l % NR]);
+      sums = _mm512_add_ps(sums, _mm512_load_ps(b));
     }
     alignas(32) c10::BFloat16 rounded[16];
     _mm256_store_si256(reinterpret_cast<__m256i*>(rounded), (__m256i)_mm512_cvtneps_pbh(sums));
-    for (int i = 0; i < 4; ++i) std::copy(rounded + 4 * i, rounded + 4 * i + 4, out + i * N);
+    for (int i = 0; i < MR; ++i) std::copy(rounded + NR * i, rounded + NR * i + NR, out + i * N);
   } else {
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) {
@@ -55,16 +57,38 @@ inline void gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
   }
 }
 
-// Up to 8 rows of x against one weight row at a time: the weights stream as one sequential run
-// per thread. Four rows at a time (gemm_rows<4>) read four interleaved runs, and a decode step's
+// Up to 8 rows of x against one weight row at a time (two at 8 rows, stream_rows): the weights
+// stream as one sequential run per thread. Four rows at a time (gemm_rows<4>) read four interleaved runs, and a decode step's
 // linears streamed at 35 GB/s where one run reached 40-42 (AMD Zen 5, 2 threads, 1 to 8 rows;
 // at 16 rows and more the 4 x 4 tiles' shared reductions win; BENCHMARKS.md).
 constexpr int64_t kStreamRows = 8;
 
+// Eight rows take two weight rows at a time: one row's tile loads 9 vectors for 8 VDPBF16PS, and
+// on a CPU that loads one 512-bit vector a cycle (AMD Zen 4) the loads, not memory, set its pace.
+// 8 rows x SmolLM2's 30 layers of linears (212 MB), alternated three times: 8.2-8.5 -> 7.1-7.7 ms
+// in 4 KiB pages, 6.8-7.5 -> 6.5-7.1 in huge pages, 7.1-7.2 -> 5.6-6.1 with the weights in cache
+// (BENCHMARKS.md). Two interleaved runs, not the four that lost on Zen 5 (not measured there).
+// A lone column (an odd chunk's last) goes through the pair tile beside a copy of itself, so that
+// it gets the bits it gets in a pair: the reduction differs from one row's, and which columns pair
+// up depends on where a thread's chunk starts.
 template <int MR>
 void stream_rows(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
                  int64_t begin, int64_t end, int64_t K, int64_t N) {
-  for (int64_t n = begin; n < end; ++n) gemm_tile<MR, 1>(x, w + n * K, bias ? bias + n : nullptr, out + n, K, N);
+  if constexpr (MR == 8) {
+    int64_t n = begin;
+    for (; n + 2 <= end; n += 2) gemm_tile<8, 2, 16>(x, w + n * K, bias ? bias + n : nullptr, out + n, K, N);
+    if (n < end) {
+      std::vector<c10::BFloat16> twice(2 * K);
+      std::copy(w + n * K, w + (n + 1) * K, twice.begin());
+      std::copy(w + n * K, w + (n + 1) * K, twice.begin() + K);
+      const c10::BFloat16 b[2] = {bias ? bias[n] : c10::BFloat16(0.f), bias ? bias[n] : c10::BFloat16(0.f)};
+      c10::BFloat16 pair[16];
+      gemm_tile<8, 2, 0>(x, twice.data(), bias ? b : nullptr, pair, K, 2);
+      for (int i = 0; i < 8; ++i) out[i * N + n] = pair[2 * i];
+    }
+  } else {
+    for (int64_t n = begin; n < end; ++n) gemm_tile<MR, 1>(x, w + n * K, bias ? bias + n : nullptr, out + n, K, N);
+  }
 }
 
 template <int NR>
