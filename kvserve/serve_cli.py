@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -70,6 +71,16 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def freeze_startup_heap() -> None:
+    """Moves every object alive now (the model, tokenizer and engine: ~230,000 objects for SmolLM2)
+    out of the collector's reach. They live as long as the server, and each oldest-generation
+    collection walked them all, with the whole server stopped: 131 ms in a 13-second multi-turn
+    run, where the same collection after freezing took 0.5 ms (AMD Zen 4, BENCHMARKS.md). vLLM
+    freezes its engine and API processes so too."""
+    gc.collect()
+    gc.freeze()
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -110,6 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
         on_start()
+        freeze_startup_heap()
         print(f"kvserve: serving {serving} on http://{args.host}:{args.port}", flush=True)
         yield
         # uvicorn has already waited for open requests (up to the timeout); abort what is left.

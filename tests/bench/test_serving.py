@@ -210,3 +210,44 @@ def test_the_sweep_table_reads_each_summary() -> None:
             (math.inf, ServingSummary(10, 1, 2.5, 4.0, 128.0, 600.0, 3.5, ms))]
     assert sweep_table(rows)[2:] == ["| 2 | 2.00 | 64.0 | 120 / 481 | 20.0 / 35.1 | - |",
                                      "| inf | 4.00 | 128.0 | 120 / 481 | 20.0 / 35.1 | 3.50 |"]
+
+
+def test_the_collector_pauses_only_between_runs() -> None:
+    """The client shares the machine with the server it measures: while its streams run the
+    collector is off (a stand-in server reads the state mid-request), and afterwards it is back as
+    the caller had it."""
+    import gc
+    import http.server
+    import json
+    import threading
+
+    seen: list[bool] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(gc.isenabled())  # the same process: the client's own collector
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            chunk = {"choices": [{"text": "a", "index": 0, "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    try:
+        assert gc.isenabled()
+        run_load(url, [[WorkloadRequest([1, 2, 3], 1)]])
+        assert seen == [False] and gc.isenabled()
+        gc.disable()
+        try:
+            run_load(url, [[WorkloadRequest([1, 2, 3], 1)]])
+            assert seen == [False, False] and not gc.isenabled()  # a caller's choice is kept
+        finally:
+            gc.enable()
+    finally:
+        httpd.shutdown()
