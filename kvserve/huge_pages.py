@@ -7,8 +7,8 @@ GB/s where 4 KiB pages gave 28 (AMD Zen 4, BENCHMARKS.md). Linux's usual THP mod
 memory gets huge pages only where a program asks, and torch's allocator does not ask (unless
 THP_MEM_ALLOC_ENABLE is set before its first allocation, and then for every tensor of 2 MiB and
 more, and for none smaller: most of a small model's weight matrices are under 2 MiB). So the
-weights move into one region that asks (`move_to_huge_pages`), and the KV pools are allocated in
-such regions (`huge_page_zeros`).
+weights move into one region that asks (`move_to_huge_pages`), and each KV pool is allocated in
+one such region (`huge_page_zeros`).
 
 A region is an anonymous private mapping, zero until written and resident only where touched; a
 tensor made from it keeps it mapped for as long as the tensor lives. Where the system has no
@@ -43,52 +43,66 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor | None:
     return whole[start:start + nbytes]
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype, device=device); on the CPU in huge pages where the system
-    has them."""
-    region = None
-    if device.type == "cpu":
-        region = huge_page_bytes(math.prod(shape) * torch.empty(0, dtype=dtype).element_size())
-    return torch.zeros(shape, dtype=dtype, device=device) if region is None else region.view(dtype).view(shape)
+def huge_page_zeros(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
+    """torch.zeros(shape, dtype=dtype, device=device) for each (shape, dtype) of `specs`; on the CPU
+    all in one huge-page region (each tensor on a cache line) where the system has them, its
+    memory written now. One region, not one each: a region's last huge page is resident whole,
+    and a pool of 120 small tensors in regions of their own took 4x its budget. Written now, as
+    torch.zeros is: a budget past the free memory fails at start-up, not in the step that first
+    touches it."""
+    nbytes = [math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in specs]
+    offsets = [sum(-(-n // ALIGN) * ALIGN for n in nbytes[:i]) for i in range(len(specs) + 1)]
+    region = huge_page_bytes(offsets[-1]) if device.type == "cpu" else None
+    if region is None:
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    region.zero_()
+    return [region[at:at + n].view(dtype).view(shape) for (shape, dtype), at, n in zip(specs, offsets, nbytes)]
 
 
 def move_to_huge_pages(model: nn.Module) -> int:
     """Moves `model`'s CPU parameters and buffers into one huge-page region, in place (each keeps
     its values, shape, dtype and kind; tensors that alias one storage, as a tied LM head's
     weight and its embedding do, stay aliases). A storage moves only if every tensor of the
-    model on it is the whole of it: a view and its base keep sharing where they were. Returns the
-    bytes moved (0 where the system has no huge pages to ask for)."""
+    model on it is the whole of it: a view and its base keep sharing where they were. One storage
+    at a time, each freed as its copy takes its place, so the weights are never all held twice.
+    Returns the bytes moved (0 where the system has no huge pages to ask for).
+
+    A moved tensor is a view of the region: pickling one (torch.save) writes the whole region;
+    clone it first."""
     holders = [(module._parameters, name) for module in model.modules() for name in module._parameters] + \
               [(module._buffers, name) for module in model.modules() for name in module._buffers]
     # Plain CPU tensors only: oneDNN's prepacked weights (PackedLinear) have no storage to move.
-    tensors = {id(t): t for table, name in holders
-               if (t := table[name]) is not None and t.device.type == "cpu" and t.layout == torch.strided
-               and not t.is_mkldnn}
-    storages: dict[int, list[torch.Tensor]] = {}
-    for t in tensors.values():
-        storages.setdefault(t.untyped_storage().data_ptr(), []).append(t)
-    groups = [group for group in storages.values()
-              if all(_whole(t) and t.shape == group[0].shape and t.dtype == group[0].dtype for t in group)]
-    offsets, end = [], 0
-    for group in groups:
-        offsets.append(end)
-        end += -(-group[0].nbytes // ALIGN) * ALIGN
-    region = huge_page_bytes(end)
-    if region is None:
-        return 0
-    moved: dict[int, torch.Tensor] = {}
-    for group, offset in zip(groups, offsets):
-        first = group[0]
-        view = region[offset:offset + first.nbytes].view(first.dtype).view(first.shape)
-        view.copy_(first.detach())
-        for t in group:
-            moved[id(t)] = nn.Parameter(view, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else view
+    by_storage: dict[int, list[tuple[dict, str]]] = {}
     for table, name in holders:
         t = table[name]
-        if t is not None and id(t) in moved:
-            table[name] = moved[id(t)]
-    return end
+        if t is not None and t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn \
+                and not t.is_quantized:
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((table, name))
+    groups = [group for group in by_storage.values()
+              if all(_whole(table[name], group[0][0][group[0][1]]) for table, name in group)]
+    sizes = [group[0][0][group[0][1]].nbytes for group in groups]
+    del by_storage
+    region = huge_page_bytes(sum(-(-n // ALIGN) * ALIGN for n in sizes))
+    if region is None:
+        return 0
+    at = 0
+    for group, nbytes in zip(groups, sizes):
+        first = group[0][0][group[0][1]]
+        view = region[at:at + nbytes].view(first.dtype).view(first.shape)
+        view.copy_(first.detach())
+        new: dict[int, torch.Tensor] = {}  # a tensor object several modules hold stays one object
+        for table, name in group:
+            old = table[name]
+            if id(old) not in new:
+                new[id(old)] = nn.Parameter(view, requires_grad=old.requires_grad) \
+                    if isinstance(old, nn.Parameter) else view
+            table[name] = new[id(old)]
+        del first, old, new
+        at += -(-nbytes // ALIGN) * ALIGN
+    return at
 
 
-def _whole(t: torch.Tensor) -> bool:
-    return t.is_contiguous() and t.nbytes > 0 and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+def _whole(t: torch.Tensor, first: torch.Tensor) -> bool:
+    """Whether `t` is all of its storage, with the shape and dtype of the group's first tensor."""
+    return t.is_contiguous() and t.nbytes > 0 and t.storage_offset() == 0 and \
+        t.untyped_storage().nbytes() == t.nbytes and t.shape == first.shape and t.dtype == first.dtype

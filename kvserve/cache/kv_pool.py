@@ -63,9 +63,8 @@ class KVPool:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: masked-out slots are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaN, which 0 does not cancel.
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (huge_page_zeros(shape, dtype, device), huge_page_zeros(shape, dtype, device))
-            for _ in range(num_layers)]
+        pages = huge_page_zeros([(shape, dtype)] * (2 * num_layers), device)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = list(zip(pages[0::2], pages[1::2]))
         # Cold blocks of sequences longer than the device pool; block id num_blocks + i is host
         # block i. Pinned on CUDA so bringing them in for attention is a fast copy.
         pin = device.type == "cuda"

@@ -56,13 +56,13 @@ def _plan_of(step: PageStep) -> WritePlan:
 
 
 class QuantizedLayerKV:
-    def __init__(self, pool: "QuantizedKVPool", formats: LayerFormats) -> None:
+    def __init__(self, pool: "QuantizedKVPool", formats: LayerFormats, fields: list[Fields]) -> None:
+        """`fields`: each format's zeroed tensors, [num_blocks, *shape] (QuantizedKVPool makes
+        every layer's in one region)."""
         self.pool = pool
         self.formats = formats
         p = pool
-        self.fields = [{name: huge_page_zeros((p.num_blocks, *shape), dtype, p.device)
-                        for name, (shape, dtype) in fmt.fields(p.num_kv_heads, p.head_dim, p.block_size).items()}
-                       for fmt in formats]
+        self.fields = fields
         staging = (p.num_staging, p.block_size, p.num_kv_heads, p.head_dim)
         self.staging = [torch.zeros(staging, dtype=p.dtype, device=p.device) for _ in range(2)]
 
@@ -111,7 +111,12 @@ class QuantizedKVPool:
         self.residual = residual
         self.staged = num_staging > 0
         self.num_staging = num_staging
-        self.kv = [QuantizedLayerKV(self, formats) for formats in layer_formats]
+        # Every layer's fields in one region (huge_pages.py), in layer, format, field order.
+        specs = [[(name, (num_blocks, *shape), dtype) for name, (shape, dtype) in
+                  fmt.fields(num_kv_heads, head_dim, block_size).items()] for formats in layer_formats for fmt in formats]
+        tensors = iter(huge_page_zeros([(shape, dtype) for fields in specs for _, shape, dtype in fields], device))
+        made = iter([{name: next(tensors) for name, _, _ in fields} for fields in specs])
+        self.kv = [QuantizedLayerKV(self, formats, [next(made) for _ in formats]) for formats in layer_formats]
         # Without staging every step's plan is the same: encode each token into its slot.
         none = torch.zeros(0, dtype=torch.long, device=device)
         self._per_token_plan = WritePlan(True, none, none, none, none, None)

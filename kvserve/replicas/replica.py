@@ -22,6 +22,7 @@ from kvserve.replicas.block_keys import block_key
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import AsyncEngine, Done
 from kvserve.server.metrics import Metrics
+from kvserve.server.startup_heap import freeze_startup_heap
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class EngineReplica:
         self.engine = LLMEngine(with_kv_events(config, replica_id) if kv_events else config)
         self.aengine = AsyncEngine(self.engine, Metrics(), max_waiting)
         self.aengine.start()
+        freeze_startup_heap()
         self.tag = Accepted(replica_id, os.getpid())
 
     def describe(self, pin: str | None = None) -> ReplicaDescription:

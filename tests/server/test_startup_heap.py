@@ -1,4 +1,4 @@
-"""`kvserve serve`'s process setup (kvserve/serve_cli.py); its HTTP behaviour is tested in tests/server."""
+"""The server's frozen startup heap (kvserve/server/startup_heap.py)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 PROBE = """
 import gc, json
 from kvserve import LLM
-from kvserve.serve_cli import freeze_startup_heap
+from kvserve.server.startup_heap import freeze_startup_heap
 from tests.conftest import TINY
 llm = LLM(model=TINY, dtype="float32", device="cpu", kv_cache_memory="4MiB", max_model_len=256)
 before = len(gc.get_objects())
@@ -24,7 +24,7 @@ def test_the_startup_heap_is_out_of_the_collectors_reach() -> None:
     """After the server's startup, what a full collection walks is what the requests make, not
     the engine: every object alive then (the engine among them) is frozen."""
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parent.parent)
+                          cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
     assert counts["before"] > 50_000  # the engine, torch and the rest of the startup heap
