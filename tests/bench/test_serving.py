@@ -3,8 +3,13 @@ shape; and the client against a real `kvserve serve`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import http.server
+import json
 import math
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -114,9 +119,6 @@ def test_a_server_that_sends_no_usage_is_counted_one_token_per_chunk() -> None:
     servers send): five tokens, four gaps, no error. On a loaded machine the client may read
     several chunks at once, so only the gaps' sum is bounded: chunks 400 ms apart from first to
     last cannot all arrive in one read unless the client stalls that long."""
-    import http.server
-    import json
-    import threading
     import time
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -145,21 +147,15 @@ def test_a_server_that_sends_no_usage_is_counted_one_token_per_chunk() -> None:
     assert all(gap >= 0 for gap in record.itls) and 0.1 < sum(record.itls) < 2
 
 
-def test_a_request_the_server_dropped_unanswered_is_sent_again() -> None:
-    """A stand-in server closes the first connection without a response, as a server does with
-    a kept-alive connection when its idle timeout races the next request: the client sends the
-    request again and it completes, its time counted from the first send; a second drop is an error."""
-    import http.server
-    import json
-    import threading
-
-    drops = {"left": 1}
+@contextlib.contextmanager
+def one_token_server(answers: Callable[[http.server.BaseHTTPRequestHandler], bool]) -> Iterator[str]:
+    """A stand-in streaming server on a free port (its URL): each request streams one token,
+    unless `answers(handler)`, called first, returns False: then it closes the connection unanswered."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers["Content-Length"]))
-            if drops["left"] > 0:
-                drops["left"] -= 1
+            if not answers(self):
                 self.close_connection = True
                 self.connection.shutdown(2)
                 return
@@ -174,15 +170,28 @@ def test_a_request_the_server_dropped_unanswered_is_sent_again() -> None:
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_port}"
     try:
+        yield f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
+
+
+def test_a_request_the_server_dropped_unanswered_is_sent_again() -> None:
+    """A stand-in server closes the first connection without a response, as a server does with
+    a kept-alive connection when its idle timeout races the next request: the client sends the
+    request again and it completes, its time counted from the first send; a second drop is an error."""
+    drops = {"left": 1}
+
+    def answers(_: http.server.BaseHTTPRequestHandler) -> bool:
+        drops["left"] -= 1
+        return drops["left"] < 0
+
+    with one_token_server(answers) as url:
         [record], _ = run_load(url, [[WorkloadRequest([1, 2, 3], 1)]])
         assert record.error is None and record.output_tokens == 1
         drops["left"] = 2
         [record], _ = run_load(url, [[WorkloadRequest([1, 2, 3], 1)]])
         assert record.error is not None and "Server disconnected" in record.error
-    finally:
-        httpd.shutdown()
 
 
 def test_a_sweep_runs_each_rate_on_its_own_draw_and_draws_the_curve(server: ServerProcess, tmp_path: Path) -> None:
@@ -216,30 +225,13 @@ def test_the_collector_pauses_only_between_runs() -> None:
     """The client shares the machine with the server it measures: while its streams run the
     collector is off (a stand-in server reads the state mid-request), and afterwards it is back as
     the caller had it."""
-    import gc
-    import http.server
-    import json
-    import threading
-
     seen: list[bool] = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
-            seen.append(gc.isenabled())  # the same process: the client's own collector
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            chunk = {"choices": [{"text": "a", "index": 0, "finish_reason": None}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+    def answers(_: http.server.BaseHTTPRequestHandler) -> bool:
+        seen.append(gc.isenabled())  # the same process: the client's own collector
+        return True
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_port}"
-    try:
+    with one_token_server(answers) as url:
         assert gc.isenabled()
         run_load(url, [[WorkloadRequest([1, 2, 3], 1)]])
         assert seen == [False] and gc.isenabled()
@@ -249,5 +241,3 @@ def test_the_collector_pauses_only_between_runs() -> None:
             assert seen == [False, False] and not gc.isenabled()  # a caller's choice is kept
         finally:
             gc.enable()
-    finally:
-        httpd.shutdown()
