@@ -18,12 +18,33 @@ from __future__ import annotations
 
 import math
 import mmap
+from pathlib import Path
 
 import torch
 from torch import nn
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each tensor of an arena starts on a cache line
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode(path: Path = THP_MODE) -> str | None:
+    """The system's transparent huge page mode (`always`, `madvise` or `never`: the bracketed
+    word of `path`), or None where there is no such file (not Linux, THP compiled out)."""
+    try:
+        words = path.read_text().split()
+    except OSError:
+        return None
+    return next((w[1:-1] for w in words if w.startswith("[")), None)
+
+
+def huge_page_mib(smaps: Path = Path("/proc/self/smaps_rollup")) -> float | None:
+    """This process's memory in transparent huge pages (AnonHugePages), or None where unknown."""
+    try:
+        line = next(line for line in smaps.read_text().splitlines() if line.startswith("AnonHugePages:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) / 1024
 
 
 def huge_page_bytes(nbytes: int) -> torch.Tensor | None:

@@ -115,3 +115,15 @@ def test_engine_weights_and_pages_are_in_huge_pages(tiny_llm) -> None:  # type: 
     assert all(thp_eligible(t) for t in runner.pool.block_tensors)
     out = llm.generate([[5, 9, 17, 3, 60]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4  # the pages written and read, the weights read
+
+
+def test_the_thp_mode_is_the_bracketed_word(tmp_path: Path) -> None:
+    from kvserve.huge_pages import huge_page_mib, thp_mode
+
+    mode = tmp_path / "enabled"
+    mode.write_text("always [madvise] never\n")
+    assert thp_mode(mode) == "madvise"
+    assert thp_mode(tmp_path / "missing") is None
+    rollup = tmp_path / "smaps_rollup"
+    rollup.write_text("Rss:  900 kB\nAnonHugePages:    4096 kB\n")
+    assert huge_page_mib(rollup) == 4.0 and huge_page_mib(tmp_path / "missing") is None

@@ -25,6 +25,7 @@ from kvserve.cache.quantized_pool import QuantizedKVPool
 from kvserve.diagnostics import checks, performance
 from kvserve.diagnostics.checks import Check
 from kvserve.engine_args import add_engine_args, llm_from_args
+from kvserve.huge_pages import huge_page_mib, thp_mode
 from kvserve.texts import DATA_HELP, load_text
 
 DEFAULT_FORMATS = ("int8", "fp8_e4m3", "int4", "kivi4")
@@ -164,6 +165,7 @@ def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
             "batching": progress.run("batch fill", partial(
                 performance.batch_efficiency, llm, [tokens[i:i + 16 + 8 * i] for i in range(8)],
                 [8 + 4 * (i % 3) for i in range(8)]))}
+        perf["huge_pages"] = {"mode": thp_mode(), "resident_mib": huge_page_mib()}
         report["performance"]["advice"] = performance_advice(perf)
     return report
 
@@ -204,7 +206,17 @@ def performance_advice(perf: dict[str, Any]) -> str:
                            "--cpu-kernels on"}[top]
     if perf["batching"]["steps_with_a_stalled_stream"] > 0.1:
         advice += "; running streams waited for prefills: keep --enable-chunked-prefill on"
+    if perf["huge_pages"]["mode"] == "never":
+        advice += ("; transparent huge pages are off (never): the weights and KV pages stream from 4 KiB pages, and "
+                   "decode steps ran 15-20% slower so (AMD Zen 4, BENCHMARKS.md): echo madvise | sudo tee "
+                   "/sys/kernel/mm/transparent_hugepage/enabled")
     return f"{top} takes the largest share of a decode step: {advice}"
+
+
+def huge_pages_line(huge: dict[str, Any]) -> str:
+    mode = "none on this system" if huge["mode"] is None else f"THP mode {huge['mode']}"
+    held = "" if huge["resident_mib"] is None else f"; {huge['resident_mib']:.0f} MiB of this process in them"
+    return f"huge pages: {mode}{held}"
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -223,6 +235,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", f"decode step of {d['batch']} sequences: {d['step_ms']:.2f} ms ({split} ms)",
                   f"reads {d['bytes_per_step'] / 1e6:.1f} MB per step: {d['bandwidth_pct']:.0f}% of the "
                   f"{d['read_gb_s']:.1f} GB/s measured now; {d['compute_pct']:.1f}% of the matmul peak",
+                  huge_pages_line(report["performance"]["huge_pages"]),
                   f"batching: {100 * b['mean_batch_fill']:.0f}% of max_num_seqs filled on average; "
                   f"{100 * b['steps_with_a_stalled_stream']:.0f}% of steps left a running stream without a token",
                   f"-> {report['performance']['advice']}"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -162,6 +163,12 @@ def test_performance_section_splits_the_step(capfd: pytest.CaptureFixture[str]) 
     assert sum(split.values()) == pytest.approx(perf["decode"]["step_ms"], rel=0.05)
     assert 0 < perf["batching"]["mean_batch_fill"] <= 1 and perf["advice"]
     assert "decode step of" in doctor.format_report(report)
+    # The system's THP mode as /sys gives it, and with huge pages asked for, the pool is in them.
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = next(w.strip("[]") for w in thp.read_text().split() if w.startswith("[")) if thp.exists() else None
+    assert perf["huge_pages"]["mode"] == mode
+    if mode in ("always", "madvise"):
+        assert perf["huge_pages"]["resident_mib"] >= 2 and f"THP mode {mode}" in doctor.format_report(report)
     # One group of every layer: the tiny model has no sliding window.
     assert "KV cache groups: full: layers 0,1" in doctor.format_report(report)
 
@@ -177,3 +184,11 @@ def test_bundled_model_passes(kv: str) -> None:
         ["doctor", "--tokens", "64", "--formats", "", "--skip-performance", "--kv-cache-dtype", kv]))
     failed = [c for c in report["checks"] if c["correctness"] and c["status"] == "fail"]
     assert not failed, failed
+
+
+def test_the_advice_names_huge_pages_turned_off() -> None:
+    perf = {"decode": {"split_ms": {"linears_and_layer_ops": 5.0, "attention": 1.0}},
+            "batching": {"steps_with_a_stalled_stream": 0.0}, "huge_pages": {"mode": "never", "resident_mib": 0.0}}
+    assert "transparent huge pages are off (never)" in doctor.performance_advice(perf)
+    perf["huge_pages"]["mode"] = "madvise"
+    assert "huge pages" not in doctor.performance_advice(perf)
