@@ -10,9 +10,10 @@ more, and for none smaller: most of a small model's weight matrices are under 2 
 weights move into one region that asks (`move_to_huge_pages`), and each KV pool is allocated in
 one such region (`huge_page_zeros`).
 
-A region is an anonymous private mapping, zero until written and resident only where touched; a
-tensor made from it keeps it mapped for as long as the tensor lives. Where the system has no
-MADV_HUGEPAGE (not Linux, or THP compiled out) the same calls return ordinary torch memory.
+A region is an anonymous private mapping, zero until written and resident only where touched
+(the pools' regions are written at once, the weights' as they are copied in); a tensor made from it
+keeps it mapped for as long as the tensor lives. Where the system has no MADV_HUGEPAGE (not Linux,
+or THP compiled out) the same calls return ordinary torch memory.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from torch import nn
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each tensor of an arena starts on a cache line
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+Holder = tuple[dict[str, torch.Tensor | None], str]  # a module's parameter or buffer table, and a name in it
 
 
 def thp_mode(path: Path = THP_MODE) -> str | None:
@@ -90,10 +92,10 @@ def move_to_huge_pages(model: nn.Module) -> int:
 
     A moved tensor is a view of the region: pickling one (torch.save) writes the whole region;
     clone it first."""
-    holders = [(module._parameters, name) for module in model.modules() for name in module._parameters] + \
-              [(module._buffers, name) for module in model.modules() for name in module._buffers]
+    holders: list[Holder] = [(table, name) for module in model.modules()
+                             for table in (module._parameters, module._buffers) for name in table]
     # Plain CPU tensors only: oneDNN's prepacked weights (PackedLinear) have no storage to move.
-    by_storage: dict[int, list[tuple[dict, str]]] = {}
+    by_storage: dict[int, list[Holder]] = {}
     for table, name in holders:
         t = table[name]
         if t is not None and t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn \
