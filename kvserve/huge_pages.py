@@ -49,6 +49,15 @@ def huge_page_mib(smaps: Path = Path("/proc/self/smaps_rollup")) -> float | None
     return int(line.split()[1]) / 1024
 
 
+def _offsets(nbytes: list[int]) -> list[int]:
+    """Where each of tensors of `nbytes` starts in one region, each on a cache line; last: the
+    region's size."""
+    offsets = [0]
+    for n in nbytes:
+        offsets.append(offsets[-1] + -(-n // ALIGN) * ALIGN)
+    return offsets
+
+
 def huge_page_bytes(nbytes: int) -> torch.Tensor | None:
     """A uint8 CPU tensor of `nbytes` zero bytes starting on a 2 MiB boundary, in a mapping asked
     to be backed by huge pages; None where the system cannot be asked."""
@@ -73,8 +82,8 @@ def huge_page_zeros(specs: list[tuple[tuple[int, ...], torch.dtype]], device: to
     and a pool of 120 small tensors in regions of their own took 4x its budget. Written now, as
     torch.zeros is: a budget past the free memory fails at start-up, not in the step that first
     touches it."""
-    nbytes = [math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in specs]
-    offsets = [sum(-(-n // ALIGN) * ALIGN for n in nbytes[:i]) for i in range(len(specs) + 1)]
+    nbytes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    offsets = _offsets(nbytes)
     region = huge_page_bytes(offsets[-1]) if device.type == "cpu" else None
     if region is None:
         return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
@@ -103,15 +112,15 @@ def move_to_huge_pages(model: nn.Module) -> int:
             by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((table, name))
     groups = [group for group in by_storage.values()
               if all(_whole(table[name], group[0][0][group[0][1]]) for table, name in group)]
-    sizes = [group[0][0][group[0][1]].nbytes for group in groups]
+    nbytes = [group[0][0][group[0][1]].nbytes for group in groups]
     del by_storage
-    region = huge_page_bytes(sum(-(-n // ALIGN) * ALIGN for n in sizes))
+    offsets = _offsets(nbytes)
+    region = huge_page_bytes(offsets[-1])
     if region is None:
         return 0
-    at = 0
-    for group, nbytes in zip(groups, sizes):
+    for group, at in zip(groups, offsets):
         first = group[0][0][group[0][1]]
-        view = region[at:at + nbytes].view(first.dtype).view(first.shape)
+        view = region[at:at + first.nbytes].view(first.dtype).view(first.shape)
         view.copy_(first.detach())
         new: dict[int, torch.Tensor] = {}  # a tensor object several modules hold stays one object
         for table, name in group:
@@ -121,8 +130,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
                     if isinstance(old, nn.Parameter) else view
             table[name] = new[id(old)]
         del first, old, new
-        at += -(-nbytes // ALIGN) * ALIGN
-    return at
+    return offsets[-1]
 
 
 def _whole(t: torch.Tensor, first: torch.Tensor) -> bool:

@@ -112,11 +112,10 @@ class QuantizedKVPool:
         self.staged = num_staging > 0
         self.num_staging = num_staging
         # Every layer's fields in one region (huge_pages.py), in layer, format, field order.
-        specs = [[(name, (num_blocks, *shape), dtype)
-                  for name, (shape, dtype) in fmt.fields(num_kv_heads, head_dim, block_size).items()]
-                 for formats in layer_formats for fmt in formats]
-        tensors = iter(huge_page_zeros([(shape, dtype) for fields in specs for _, shape, dtype in fields], device))
-        made = iter([{name: next(tensors) for name, _, _ in fields} for fields in specs])
+        specs = [fmt.fields(num_kv_heads, head_dim, block_size) for formats in layer_formats for fmt in formats]
+        tensors = iter(huge_page_zeros([((num_blocks, *shape), dtype) for fields in specs
+                                        for shape, dtype in fields.values()], device))
+        made = iter([{name: next(tensors) for name in fields} for fields in specs])
         self.kv = [QuantizedLayerKV(self, formats, [next(made) for _ in formats]) for formats in layer_formats]
         # Without staging every step's plan is the same: encode each token into its slot.
         none = torch.zeros(0, dtype=torch.long, device=device)

@@ -58,9 +58,10 @@ inline void gemm_tile(const c10::BFloat16* x, const c10::BFloat16* w, const c10:
 }
 
 // Up to 8 rows of x against one weight row at a time (two at 8 rows, stream_rows): the weights
-// stream as one sequential run per thread. Four rows at a time (gemm_rows<4>) read four interleaved runs, and a decode step's
-// linears streamed at 35 GB/s where one run reached 40-42 (AMD Zen 5, 2 threads, 1 to 8 rows;
-// at 16 rows and more the 4 x 4 tiles' shared reductions win; BENCHMARKS.md).
+// stream as one sequential run per thread. Four rows at a time (gemm_rows<4>) read four
+// interleaved runs, and a decode step's linears streamed at 35 GB/s where one run reached 40-42
+// (AMD Zen 5, 2 threads, 1 to 8 rows; at 16 rows and more the 4 x 4 tiles' shared reductions
+// win; BENCHMARKS.md).
 constexpr int64_t kStreamRows = 8;
 
 // Eight rows take two weight rows at a time: one row's tile loads 9 vectors for 8 VDPBF16PS, and
