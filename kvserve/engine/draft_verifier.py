@@ -11,17 +11,20 @@ the same seed with speculation off, greedy and sampled alike.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvserve.device_copy import to_device
 from kvserve.engine.sampler import sample
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.spec_state import SpecDecodeStats
+from kvserve.model.ops import EagerOps
 
 
 class DraftVerifier:
-    def __init__(self) -> None:
-        self.stats = SpecDecodeStats()
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = EagerOps.argmax) -> None:
+        self.stats, self.argmax = SpecDecodeStats(), argmax  # the model's ops' (engine/sampler.py)
 
     def verify(self, seqs: list[Sequence], drafts: list[tuple[int, ...]], last_logits: torch.Tensor,
                draft_logits: torch.Tensor | None) -> list[list[int]]:
@@ -41,7 +44,7 @@ class DraftVerifier:
         params = [s.params for s, k in zip(seqs, lengths) for _ in range(k + 1)]
         seeds = [s.seed for s, k in zip(seqs, lengths) for _ in range(k + 1)]
         positions = [len(s.output_token_ids) + j for s, k in zip(seqs, lengths) for j in range(k + 1)]
-        targets = sample(logits, params, seeds, positions).tolist()
+        targets = sample(logits, params, seeds, positions, self.argmax).tolist()
         new_tokens, offset = [], 0
         for seq, draft in zip(seqs, drafts):
             wanted = targets[offset:offset + len(draft) + 1]

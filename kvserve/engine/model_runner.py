@@ -220,8 +220,7 @@ class ModelRunner:
                                                                  attention.scores.cpu().unbind(1)))
         return StepResult.split(logits, step, scores)
 
-    @staticmethod
-    def sample(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """[len(seqs)] next tokens, where `logits` are (reading them is the caller's sync)."""
         return sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                      [len(s.output_token_ids) for s in seqs])
+                      [len(s.output_token_ids) for s in seqs], self.ops.argmax)

@@ -7,10 +7,12 @@ depend on its batch or on preemption.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 
 from kvserve.device_copy import to_device
+from kvserve.model.ops import EagerOps
 from kvserve.sampling_params import SamplingParams
 
 
@@ -21,10 +23,11 @@ def draw_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           positions: list[int]) -> torch.Tensor:
-    """logits: [B, vocab] fp32. `positions[i]` is the index of the token being drawn."""
-    greedy = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
+           argmax: Callable[[torch.Tensor], torch.Tensor] = EagerOps.argmax) -> torch.Tensor:
+    """logits: [B, vocab] fp32. `positions[i]` is the index of the token being drawn; `argmax`: the
+    model's ops' (model/ops.py; the runner's are the compiled kernels' on CPU)."""
+    greedy = argmax(logits)
     if all(p.greedy for p in params):
         return greedy
     device = logits.device

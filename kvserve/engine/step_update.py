@@ -77,7 +77,7 @@ class StepUpdate:
         self.counter = counter
         self.output_processor = output_processor
         self.async_scheduling = async_scheduling
-        self.verifier = DraftVerifier()
+        self.verifier = DraftVerifier(runner.ops.argmax)
         self.requests: dict[str, list[Sequence]] = {}  # unfinished requests: their samples
         self.pending: PendingTokens | None = None  # the last step's tokens, not read yet
 

@@ -27,6 +27,8 @@ class Ops(Protocol):
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor: ...
+
 
 class EagerOps:
     @staticmethod
@@ -72,6 +74,11 @@ class EagerOps:
         """GeGLU with the tanh GELU (`gelu_pytorch_tanh`, Gemma), in the model dtype as transformers."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] -> [B] int64: each row's first largest value (a NaN counts as the largest)."""
+        return logits.argmax(dim=-1)
 
 
 def resolve_ops(kernels: Any | None) -> Ops:

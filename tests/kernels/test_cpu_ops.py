@@ -116,6 +116,35 @@ def test_gated_activations(op: str, dtype: torch.dtype, spread: float) -> None:
     torch.testing.assert_close(getattr(kernels, op)(gate_up), getattr(EagerOps, op)(gate_up), **TOL[dtype])
 
 
+def argmax_cases(width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose first largest value torch.argmax must be matched on: plain, ties within and
+    across 256-value runs and in the short last run, NaNs (in a run, in the last run, several),
+    an inf beside a -inf, all -inf, and a maximum that is negative."""
+    rows = rand(12, width, dtype=torch.float32, seed=20)
+    rows[1, [3, width // 2, width - 1]] = 9.0               # a tie: the first wins
+    rows[2, [width - 1, width - 2]] = 9.0                   # the largest only in the last values
+    rows[3, width // 3] = float("nan")
+    rows[4, [width - 1, 1]] = float("nan")                  # the first NaN, not the last
+    rows[5, [2, width - 3]] = torch.tensor([float("inf"), float("-inf")])
+    rows[6] = float("-inf")
+    rows[7] = -rows[7].abs() - 1                            # every value negative
+    rows[8, width - 1] = float("nan")                       # a NaN only in the last values
+    rows[9] = 0.0                                           # all tied
+    rows[10, [0, width - 1]] = float("inf")
+    return rows.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16, torch.float64])
+@pytest.mark.parametrize("width", [7, 256, 700, 49152 + 13])  # under a run; one run; runs and a tail
+def test_argmax_picks_what_torch_argmax_picks(dtype: torch.dtype, width: int) -> None:
+    x = argmax_cases(width, dtype)
+    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
+    strided = torch.cat([x, x], dim=1)[:, :width]            # rows apart in memory
+    assert torch.equal(kernels.argmax(strided), x.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="argmax: x must be"):
+        kernels.argmax(x.t())
+
+
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_encode_write_is_bit_identical_to_the_format(name: str, dtype: torch.dtype) -> None:

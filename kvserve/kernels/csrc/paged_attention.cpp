@@ -117,6 +117,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const bool pairs = bf16_pairs && D % (2 * simd::kLanes) == 0;
   const int64_t w_len = (block_size + 15) / 16 * 16, w_stride = w_len / 2;  // a block in 16-key tiles; in pairs
 
+  // A staged format's full-precision slots, read as dense pages (stage_of).
+  const Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
+  const Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
   const kvserve::Team team = kvserve::team_for(q.size(0), q.scalar_type());
   kvserve::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     std::vector<c10::BFloat16> qpairs;  // bf16 query rows, unscaled, for pair_scores
@@ -168,8 +171,6 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       auto load_block = [&](int64_t bi, bool values) {
         const int64_t block = tables[w.b * table_stride + bi];
         const int64_t slot = stage ? stage[block] : -1;
-        const Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
-        const Pages sv{kDense, &v_staging, nullptr, nullptr, nullptr, 0};
         const int64_t at = slot >= 0 ? slot : block;
         Loaded got{std::min(block_size, last + 1 - bi * block_size), {{kbuf.data(), D}}, {{vbuf.data(), D}}};
         auto read = [&](const Pages& page, BlockRows& rows, float* buf, float* scales) {
