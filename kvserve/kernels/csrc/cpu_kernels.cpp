@@ -32,7 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_split", &rope_split, "RoPE in place on the q and k heads of qkv, then q, k, v views");
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "gate_up [T, 2I] -> gelu_tanh(gate) * up (GeGLU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("argmax", &argmax, "each row's first largest value's index, as torch.argmax (the greedy pick)");
+  // Without the GIL, as torch.argmax (which it replaces) runs.
+  m.def("argmax", &argmax, "each row's first largest value's index, as torch.argmax (the greedy pick)", py::arg("x"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("thread_pool_stats", [] {
     const kvserve::PoolStats s = kvserve::pool_stats();
     return std::map<std::string, int64_t>{{"parallel_regions", s.parallel_regions},
