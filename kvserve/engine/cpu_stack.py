@@ -31,7 +31,7 @@ from kvserve.model.llama import LlamaForCausalLM
 class CPUDecodeStack:
     def __init__(self, model: LlamaForCausalLM, backend: CPUPagedBackend, kernels: ModuleType) -> None:
         """`model` with its linears already replaced by `SmallBatchLinear` (model/cpu_linear.py)."""
-        self.model = model
+        self.model, self.widen = model, kernels.widen
         inner, cfg, e = model.model, model.config, torch.empty(0)
         weights = []
         for layer in inner.layers:
@@ -80,4 +80,4 @@ class CPUDecodeStack:
         """fp32 logits [len(rows), vocab] after the step's tokens at `rows`, as the model gives."""
         hidden = self.stack.forward(self.model.model.embed_tokens(input_ids), step.positions, step.slot_mapping,
                                     step.query_start, step.context_lens, step.block_tables)
-        return self.model.lm_head(hidden[rows]).float()
+        return self.widen(self.model.lm_head(hidden[rows]))

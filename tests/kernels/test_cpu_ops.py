@@ -145,6 +145,19 @@ def test_argmax_picks_what_torch_argmax_picks(dtype: torch.dtype, width: int) ->
         kernels.argmax(x.t())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [7, 100, 49152 + 13])  # under a vector; vectors and a tail
+def test_widen_is_float_exactly(dtype: torch.dtype, width: int) -> None:
+    x = argmax_cases(width, torch.float32).to(dtype)  # ties, infs, NaNs
+    strided = torch.cat([x, x], dim=1)[:, :width]
+    for rows in (x, strided):
+        got = kernels.widen(rows)
+        assert got.dtype == torch.float32 and torch.equal(got.isnan(), rows.isnan())
+        assert torch.equal(got.nan_to_num(), rows.float().nan_to_num())
+    with pytest.raises(RuntimeError, match="widen: x must be"):
+        kernels.widen(x.float())
+
+
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_encode_write_is_bit_identical_to_the_format(name: str, dtype: torch.dtype) -> None:

@@ -35,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL, as torch.argmax (which it replaces) runs.
   m.def("argmax", &argmax, "each row's first largest value's index, as torch.argmax (the greedy pick)", py::arg("x"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("widen", &widen, "bf16 / fp16 rows -> fp32, exactly, on the kernels' pool (the stack's logits)", py::arg("x"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("thread_pool_stats", [] {
     const kvserve::PoolStats s = kvserve::pool_stats();
     return std::map<std::string, int64_t>{{"parallel_regions", s.parallel_regions},

@@ -18,6 +18,7 @@ std::vector<at::Tensor> rope_split(const at::Tensor& qkv, const at::Tensor& posi
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
 at::Tensor argmax(const at::Tensor& x);
+at::Tensor widen(const at::Tensor& x);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                            const at::Tensor& slot_mapping, const at::Tensor& query_start,
                            const at::Tensor& context_lens, const at::Tensor& block_tables, int64_t k_kind,
