@@ -38,9 +38,9 @@ def measure_machine(dtype: torch.dtype, device: torch.device = torch.device("cpu
     # fp32: its sum streams at memory speed, where a bf16 sum is bound by the conversions. 1 GiB
     # is well past the caches (this machine's L3 alone is 260 MiB). In huge pages, as the engine's
     # weights and pages are (huge_pages.py): in 4 KiB pages a read of SmolLM2's weights measured 28
-    # GB/s on AMD Zen 4, below the 31-33 its 8-row linears then streamed them at.
+    # GB/s on AMD Zen 4, below the 31-33 its 8-row linears then streamed them at. Zeros: written
+    # once, so resident, and a sum reads them as it reads any value.
     [big] = huge_page_zeros([((2**30 // 4,), torch.float32)], device)
-    big.fill_(1.0)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def read() -> None:

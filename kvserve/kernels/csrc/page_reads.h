@@ -95,7 +95,10 @@ inline const float* absmax_scales(const Pages& p, int64_t block, int64_t n, int6
 // prefetcher would find only after its first misses. Not L1: a block's keys and values are 64
 // lines (16 tokens of 64 bf16 channels), which filled the core's few L1 miss buffers, and the
 // loop stalled behind its own prefetches (8 x 1,100-token decodes over 30 layers' pages: 710 us
-// a layer into L1 one block ahead, 470 into L2 two ahead; four ahead, no better).
+// a layer into L1 one block ahead, 470 into L2 two ahead; four ahead, no better). It still asks
+// the at::Tensor per block, where bf16_rows and code_rows read PageRows: written over PageRows
+// (Pages::holding) and inlined, the same prefetches left decode attention 2.2x slower (8 x
+// 500-token decodes, 30 layers: 10.5 ms against 4.5), not understood (BENCHMARKS.md).
 constexpr int64_t kAhead = 2;
 inline void prefetch_block(const Pages& p, int64_t block, int64_t h, int64_t n) {
   if (p.kind != kDense && p.kind != kAbsMax && p.kind != kHeadAbsMax) return;

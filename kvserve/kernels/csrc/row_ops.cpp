@@ -1,5 +1,6 @@
 // The per-row ops between a layer's linears, each one pass in fp32 rounded once to the dtype:
-// RMSNorm with the residual add, RoPE on q and k, and the gated MLP's activation.
+// RMSNorm with the residual add, RoPE on q and k, and the gated MLP's activation; and two on the
+// logits after the last: the greedy pick (argmax) and their widening to fp32 (widen).
 #include "cpu_ops.h"
 #include "simd.h"
 #include "thread_pool.h"
