@@ -145,6 +145,12 @@ def test_argmax_picks_what_torch_argmax_picks(dtype: torch.dtype, width: int) ->
         kernels.argmax(x.t())
 
 
+def test_argmax_tells_apart_float64_values_that_float32_would_tie() -> None:
+    x = torch.tensor([[1.0, 1.0 + 1e-12], [1e39, 2e39], [-1e-300, -1e-310]], dtype=torch.float64)
+    assert kernels.argmax(x).tolist() == x.argmax(dim=-1).tolist() == [1, 1, 1]
+    assert kernels.argmax(x[:0]).shape == (0,)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width", [7, 100, 49152 + 13])  # under a vector; vectors and a tail
 def test_widen_is_float_exactly(dtype: torch.dtype, width: int) -> None:
@@ -154,8 +160,9 @@ def test_widen_is_float_exactly(dtype: torch.dtype, width: int) -> None:
         got = kernels.widen(rows)
         assert got.dtype == torch.float32 and torch.equal(got.isnan(), rows.isnan())
         assert torch.equal(got.nan_to_num(), rows.float().nan_to_num())
+    assert kernels.widen(got) is got  # fp32 stays itself, as .float() leaves it
     with pytest.raises(RuntimeError, match="widen: x must be"):
-        kernels.widen(x.float())
+        kernels.widen(x.double())
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2", "int4"])

@@ -230,10 +230,12 @@ int64_t argmax_row(const T* x, int64_t n) {
         if (to_f(x[c]) == *best) return c;
     }
   }
+  // Compared in fp32, or in fp64 for fp64 rows: rounded to fp32, two fp64 values could tie.
+  using Compare = std::conditional_t<std::is_same_v<T, double>, double, float>;
   int64_t at = 0;
-  float best = to_f(x[0]);
+  Compare best = static_cast<Compare>(x[0]);
   for (int64_t i = 0; i < n; ++i) {
-    const float v = to_f(x[i]);
+    const Compare v = static_cast<Compare>(x[i]);
     if (std::isnan(v)) return i;
     if (v > best) best = v, at = i;
   }
@@ -242,6 +244,7 @@ int64_t argmax_row(const T* x, int64_t n) {
 
 // x [B, V] (rows contiguous) -> int64 [B]: each row's argmax (argmax_row), rows over the pool.
 at::Tensor argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "argmax: x must be on the CPU, got ", x.device());
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, "argmax: x must be [B, V] with contiguous rows");
   const int64_t B = x.size(0), V = x.size(1), stride = x.stride(0);
   at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
@@ -256,12 +259,14 @@ at::Tensor argmax(const at::Tensor& x) {
 }
 
 // x [R, C] bf16 or fp16 (rows contiguous) -> fp32 [R, C], exactly: the decoder stack's logits as
-// the sampler takes them, rows over the pool. torch's `.float()` ran on its OpenMP team, whose
-// second thread waited for the core the pool's spinning worker held: ~0.2 ms of a 16-ms decode
-// step for 8 x 49,152 logits.
+// the sampler takes them, rows over the pool; fp32 x is returned as it is, as `.float()` does.
+// torch's `.float()` ran on its OpenMP team, whose second thread waited for the core the pool's
+// spinning worker held: ~0.2 ms of a 16-ms decode step for 8 x 49,152 logits.
 at::Tensor widen(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "widen: x must be on the CPU, got ", x.device());
+  if (x.scalar_type() == at::kFloat) return x;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
-              "widen: x must be bf16 or fp16 [R, C] with contiguous rows");
+              "widen: x must be bf16, fp16 or fp32 [R, C] with contiguous rows");
   const int64_t R = x.size(0), C = x.size(1), stride = x.stride(0);
   at::Tensor out = at::empty({R, C}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();

@@ -86,11 +86,13 @@ thread_local bool in_region = false;  // nested regions run inline
 // priority run until they block: a worker spinning through the Python between a step's regions
 // held its core, and `kvserve serve`'s event loop got the other only when the engine thread
 // blocked, so streams went out in bursts (multi-turn under `chrt -f 1`: ITL p50 0 ms, p99
-// 228-484 ms; without it 15.6 and 191). Read once per thread: a pool's threads inherit the policy.
+// 228-484 ms; without it 15.6 and 191). Read once per thread (a pool's threads inherit the policy,
+// except under `chrt -R`, whose flag Linux adds to the policy read back and whose children start
+// under the normal one); a policy changed later on a running thread is not seen.
 bool realtime_policy() {
 #if defined(__linux__)
   thread_local const bool realtime = [] {
-    const int policy = sched_getscheduler(0);
+    const int policy = sched_getscheduler(0) & ~SCHED_RESET_ON_FORK;
     return policy == SCHED_FIFO || policy == SCHED_RR;
   }();
   return realtime;
