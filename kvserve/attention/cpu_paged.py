@@ -26,9 +26,17 @@ from kvserve.kernels import cpu_extension
 
 
 def _encodes(layout: PageLayout) -> bool:
-    """Whether the kernel's encoder writes these codes: int8 / fp8 per token, 4-bit groups with zero-points."""
-    return layout.kind == PageKind.ABSMAX or (layout.kind == PageKind.GROUPED and layout.bits == 4
-                                              and not layout.symmetric)
+    """Whether the kernel's encoder writes these codes: int8 / fp8 per token with absmax scales,
+    4-bit groups with zero-points."""
+    return (layout.kind == PageKind.ABSMAX and not layout.fitted) or (
+        layout.kind == PageKind.GROUPED and layout.bits == 4 and not layout.symmetric)
+
+
+def _query_scale(layout: PageLayout, num_heads: int) -> torch.Tensor | None:
+    """[num_heads, D] fp32: the keys' channel scale (`PageLayout.query_scale`) for each query head
+    (a GQA group's heads share their KV head's); None where the keys have none."""
+    scale = layout.query_scale
+    return None if scale is None else scale.float().repeat_interleave(num_heads // scale.shape[0], dim=0)
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class CPUPagedBackend(AttentionBackend[CPUMetadata]):
             # Layers whose codes the kernel also encodes (bit for bit as the format does) when no token is staged.
             self.encodes = [all(_encodes(layout) for layout in layouts) for layouts in self.layouts]
             self.layer_args = [self._layer_args(kv, layouts) for kv, layouts in zip(pool.kv, self.layouts)]
+            self.query_scales = [_query_scale(layouts[0], num_heads) for layouts in self.layouts]
 
     @classmethod
     def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
@@ -114,6 +123,8 @@ class CPUPagedBackend(AttentionBackend[CPUMetadata]):
             else:
                 kv.write(k, v, meta.step)
             new, staging = (self._empty, self._empty, self._empty), kv.staging
+            if self.query_scales[layer] is not None:  # keys' channel scale, folded into the query
+                q = (q.float() * self.query_scales[layer]).to(q.dtype)
         out = self.ext.paged_attention(q, *new, query_start, context_lens, tables, *self.layer_args[layer],
                                        stage_of, *staging, scale, self.pool.block_size, self.pool.num_kv_heads,
                                        meta.window, score_first, scores)

@@ -67,7 +67,7 @@ class TritonPagedBackend(AttentionBackend[TritonMetadata]):
             if pool.host_layers:
                 return "offloaded host blocks are not reachable from a GPU kernel"
             return None
-        names = kernel_unsupported(pool.formats)
+        names = kernel_unsupported(pool.formats) or sorted({f.name for f in pool.formats if f.layout.fitted})
         return f"no in-register decoder for {', '.join(names)} pages" if names else None
 
     def prepare(self, step: StepMetadata) -> TritonMetadata:

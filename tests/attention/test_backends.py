@@ -20,6 +20,7 @@ from kvserve.attention import StepMetadata
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import BACKENDS
 from kvserve.bench.peer_weights import cpu_flags
+from kvserve.cache.formats import KVFormat, make_format
 from kvserve.cache.kv_pool import KVPool
 from tests.torch_threads import torch_threads
 
@@ -338,16 +339,16 @@ def test_a_prompt_row_and_a_decode_get_the_same_bits(dim: int, block_size: int) 
         assert torch.equal(chunk[i:i + 1], decode), i
 
 
-def outputs_over_compressed_pages(fmt: str, heads: int, kv_heads: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Each backend's output (the reference's first) for one mixed step over pages of `fmt` that a
-    prefill step wrote."""
-    from kvserve.cache.formats import make_format
+def outputs_over_compressed_pages(fmt: str, heads: int, kv_heads: int, dtype: torch.dtype,
+                                  keys: KVFormat | None = None) -> list[torch.Tensor]:
+    """Each backend's output (the reference's first) for one mixed step over pages of `fmt` (keys:
+    `keys` where given) that a prefill step wrote."""
     from kvserve.cache.quantized_pool import QuantizedKVPool
 
     seqs, _, _ = make_case(MIXED, heads, kv_heads, 16, seed=21)
     outs = []
     for name in BACKEND_NAMES:
-        formats = make_format(fmt, "k", group_size=16), make_format(fmt, "v", group_size=16)
+        formats = keys or make_format(fmt, "k", group_size=16), make_format(fmt, "v", group_size=16)
         pool = QuantizedKVPool(64, 16, kv_heads, HEAD_DIM, dtype, CPU, [formats], 0, 0)
         if BACKENDS[name].unsupported(pool, CPU) is not None:  # e.g. triton not installed here
             continue
@@ -378,6 +379,24 @@ def test_bf16_compressed_pages_match_the_reference_backend(fmt: str) -> None:
     outs = outputs_over_compressed_pages(fmt, 8, 2, torch.bfloat16)
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 3])  # GQA groups of 4 and 3 query heads (of 8 and 9)
+@pytest.mark.parametrize("fmt", ["int8_fit", "fp8_e4m3_fit"])
+def test_fitted_pages_match_the_reference_backend(fmt: str, kv_heads: int) -> None:
+    """Fitted keys decode as codes x scale x spread + offset (the reference backend, through the
+    format); the cpu kernel reads the codes x scale in place, the spread folded into the query and
+    the offset left out (it moves every logit of a query alike): the same attention to fp32
+    rounding of the shifted logits. Triton does not read them."""
+    g = torch.Generator().manual_seed(30)
+    offset = 3 * torch.randn(kv_heads, HEAD_DIM, generator=g)
+    a = torch.randn(kv_heads, HEAD_DIM, HEAD_DIM, generator=g)
+    spread = torch.rand(kv_heads, HEAD_DIM, generator=g) * 4 + 0.25
+    keys = make_format(fmt, "k").calibrated(offset, a @ a.transpose(-1, -2) / HEAD_DIM, spread)
+    assert (keys.layout.query_scale is None) == (fmt == "fp8_e4m3_fit")
+    outs = outputs_over_compressed_pages(fmt, 9 if kv_heads == 3 else 8, kv_heads, torch.float32, keys)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4, 3])  # GQA groups of 4, 2 and 3 query heads (of 8, 8, 9)

@@ -38,8 +38,10 @@ Values (no calibration asked) take the fitted scale with plain squared error and
 an offline probe of attention outputs on the Python docs, a mean subtracted from values made their
 error larger, not smaller).
 
-No kernel reads these pages (the layout has no kind): the C++ encoder writes plain absmax
-scales, and the offset must be added back, so the torch backend decodes them through `decode`.
+The pages are ABSMAX's (codes, one fp16 scale per token and head), so the cpu kernel reads them in
+place (`PageLayout.fitted`): a key's offset adds q.offset to every logit of a query alike, which
+softmax cancels, and the spread is folded into the query (`query_scale`). Only the format writes
+them (the kernel's encoder writes plain absmax scales). The Triton kernel does not read them.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import torch
 
 from kvserve.cache.formats.base import FieldSpec, Fields, PerTokenFormat
 from kvserve.cache.formats.codes import MIN_SCALE, fp16_rounded
-from kvserve.cache.formats.layout import PageLayout
+from kvserve.cache.formats.layout import PageKind, PageLayout
 
 # Scales tried per token and head, evenly spaced in log over one binade. 64 measured better than
 # 32 (attention KL of fp8 keys on the Python docs, summed over layers, 0.0206 vs 0.0252 with
@@ -55,6 +57,9 @@ from kvserve.cache.formats.layout import PageLayout
 FIT_STEPS = 64
 # The least spread a channel is equalised by, as a share of its head's mean spread (see above).
 SPREAD_FLOOR = 1 / 8
+# Values per chunk of the candidates' codes (FIT_STEPS copies of the tokens encoded at once): 16 MB
+# of fp32 a temporary, whatever the prompt's length.
+_CANDIDATE_VALUES = 1 << 22
 
 
 class FittedFormat(PerTokenFormat):
@@ -80,7 +85,7 @@ class FittedFormat(PerTokenFormat):
 
     @property
     def layout(self) -> PageLayout:
-        return PageLayout(None)
+        return PageLayout(PageKind.ABSMAX, fitted=True, query_scale=self.spread)
 
     @property
     def calibrated_per_layer(self) -> bool:
@@ -116,25 +121,27 @@ class FittedFormat(PerTokenFormat):
             x = x - self.offset.to(x.device)
         if self.spread is not None:
             x = x / self.spread.to(x.device)
-        amax = x.abs().amax(-1)
-        best_codes, best_scale, best_cost = None, None, None
-        for target in self.targets.tolist():
-            # Rounded up, so that the largest entry stays within the code's range (e4m3 has no
-            # infinity: an overflow would become NaN). Codes are kept as fp32 while compared
-            # (torch.where takes no fp8); they are code values, so the last cast is exact.
-            scale = fp16_rounded((amax / target).clamp_min(MIN_SCALE), up=True)
-            codes = (x / scale.float().unsqueeze(-1)).clamp(-self.qmax, self.qmax)
-            # float8 casts round to nearest; integer casts would truncate
-            codes = codes.to(self.code_dtype).float() if self.is_float else codes.round()
-            cost = self._cost(codes * scale.float().unsqueeze(-1) - x)
-            if best_cost is None:
-                best_codes, best_scale, best_cost = codes, scale, cost
-                continue
-            better = cost < best_cost
-            best_codes = torch.where(better.unsqueeze(-1), codes, best_codes)
-            best_scale = torch.where(better, scale, best_scale)
-            best_cost = torch.where(better, cost, best_cost)
-        return {"codes": best_codes.to(self.code_dtype), "scale": best_scale}
+        # Every candidate scale at once, tokens in chunks that bound the candidates' copies of x: a
+        # loop over the candidates cost ~10 torch calls each, 640 a layer, most of a decode step.
+        flat = x.reshape(-1, *x.shape[-2:])
+        step = max(1, _CANDIDATE_VALUES // (FIT_STEPS * flat[0].numel()))
+        codes, scales = zip(*(self._fit(flat[i:i + step]) for i in range(0, len(flat), step)))
+        return {"codes": torch.cat(codes).reshape(x.shape), "scale": torch.cat(scales).reshape(x.shape[:-1])}
+
+    def _fit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, H, D] -> codes [n, H, D] and fp16 scales [n, H]: of the candidate scales, each
+        token and head's of least cost (the first such)."""
+        targets = self.targets.to(x.device).view(-1, 1, 1)
+        # Rounded up, so that the largest entry stays within the code's range (e4m3 has no
+        # infinity: an overflow would become NaN). Codes stay fp32 while compared; they are code
+        # values, so the last cast is exact.
+        scale = fp16_rounded((x.abs().amax(-1) / targets).clamp_min(MIN_SCALE), up=True)  # [S, n, H]
+        codes = (x / scale.float().unsqueeze(-1)).clamp(-self.qmax, self.qmax)
+        # float8 casts round to nearest; integer casts would truncate
+        codes = codes.to(self.code_dtype).float() if self.is_float else codes.round()
+        best = self._cost(codes * scale.float().unsqueeze(-1) - x).argmin(0, keepdim=True)  # [1, n, H]
+        chosen = codes.gather(0, best.unsqueeze(-1).expand(1, *codes.shape[1:]))[0]
+        return chosen.to(self.code_dtype), scale.gather(0, best)[0]
 
     def decode(self, fields: Fields, dtype: torch.dtype) -> torch.Tensor:
         codes = fields["codes"]
