@@ -84,6 +84,25 @@ def test_each_scale_is_the_best_candidate_under_the_weight() -> None:
             assert got == pytest.approx(want, rel=1e-4, abs=1e-9)
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3_fit", "int8_fit"])
+def test_a_long_prompt_encodes_in_chunks_as_its_tokens_do_one_by_one(name: str) -> None:
+    """1,100 tokens of 2 heads x 64 are encoded in chunks of 512 (the candidates' copies bounded):
+    each token's error is the least the search finds for it alone (the same candidate, but for a
+    near-tie that the sums' order may break either way)."""
+    x = outlier_keys(1100, 2, 64, seed=11)
+    weight = psd(2, 64)
+    fmt = make_format(name, "k").calibrated(x.mean(0), weight, x.std(0))
+    whole = fmt.decode(fmt.encode(x), torch.float32)
+
+    def cost(y: torch.Tensor, t: int) -> list[float]:
+        err = ((y - x[t]) / fmt.spread).double() if fmt.spread is not None else (y - x[t]).double()
+        return [(err[h] @ fmt.weight[h].double() @ err[h]).item() for h in range(2)]
+
+    for t in (0, 511, 512, 1023, 1024, 1099):
+        alone = fmt.decode(fmt.encode(x[t:t + 1]), torch.float32)[0]
+        assert cost(whole[t], t) == pytest.approx(cost(alone, t), rel=1e-4, abs=1e-9)
+
+
 def test_values_fit_plain_squared_error_and_never_lose_to_absmax_fp8() -> None:
     """Values take no calibration; the absmax scale is among the candidates, so no token's error grows."""
     x = outlier_keys(50, 3, 64)
