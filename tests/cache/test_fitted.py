@@ -101,6 +101,8 @@ def test_a_long_prompt_encodes_in_chunks_as_its_tokens_do_one_by_one(name: str) 
     for t in (0, 511, 512, 1023, 1024, 1099):
         alone = fmt.decode(fmt.encode(x[t:t + 1]), torch.float32)[0]
         assert cost(whole[t], t) == pytest.approx(cost(alone, t), rel=1e-4, abs=1e-9)
+    none = fmt.encode(x[:0])
+    assert none["codes"].shape == (0, 2, 64) and none["scale"].shape == (0, 2)
 
 
 def test_values_fit_plain_squared_error_and_never_lose_to_absmax_fp8() -> None:

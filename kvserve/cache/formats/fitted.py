@@ -124,8 +124,8 @@ class FittedFormat(PerTokenFormat):
         # Every candidate scale at once, tokens in chunks that bound the candidates' copies of x: a
         # loop over the candidates cost ~10 torch calls each, 640 a layer, most of a decode step.
         flat = x.reshape(-1, *x.shape[-2:])
-        step = max(1, _CANDIDATE_VALUES // (FIT_STEPS * flat[0].numel()))
-        codes, scales = zip(*(self._fit(flat[i:i + step]) for i in range(0, len(flat), step)))
+        step = max(1, _CANDIDATE_VALUES // (FIT_STEPS * x.shape[-2] * x.shape[-1]))
+        codes, scales = zip(*(self._fit(flat[i:i + step]) for i in range(0, max(len(flat), 1), step)))
         return {"codes": torch.cat(codes).reshape(x.shape), "scale": torch.cat(scales).reshape(x.shape[:-1])}
 
     def _fit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
