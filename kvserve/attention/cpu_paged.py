@@ -33,9 +33,9 @@ def _encodes(layout: PageLayout) -> bool:
 
 
 def _query_scale(layout: PageLayout, num_heads: int) -> torch.Tensor | None:
-    """[num_heads, D] fp32: the keys' channel scale (`PageLayout.query_scale`) for each query head
-    (a GQA group's heads share their KV head's); None where the keys have none."""
-    scale = layout.query_scale
+    """[num_heads, D] fp32: fitted keys' channel spread (`FitTables.spread`) for each query head (a
+    GQA group's heads share their KV head's); None where the keys have none."""
+    scale = None if layout.fit is None else layout.fit.spread
     return None if scale is None else scale.float().repeat_interleave(num_heads // scale.shape[0], dim=0)
 
 
@@ -71,6 +71,8 @@ class CPUPagedBackend(AttentionBackend[CPUMetadata]):
             self.encodes = [all(_encodes(layout) for layout in layouts) for layouts in self.layouts]
             self.layer_args = [self._layer_args(kv, layouts) for kv, layouts in zip(pool.kv, self.layouts)]
             self.query_scales = [_query_scale(layouts[0], num_heads) for layouts in self.layouts]
+            # Layers whose keys and values are both fitted codes, which `encode_fitted_write` writes.
+            self.fits = [all(layout.fit is not None for layout in layouts) for layouts in self.layouts]
 
     @classmethod
     def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
@@ -120,6 +122,13 @@ class CPUPagedBackend(AttentionBackend[CPUMetadata]):
                 for x, layout, fields in zip((k, v), self.layouts[layer], kv.fields):
                     self.ext.encode_write(x, meta.step.slot_mapping, int(layout.kind), fields["codes"],
                                           fields["scale"], fields.get("zero", self._empty), layout.group_size)
+            elif self.fits[layer] and plan.per_token:
+                for x, layout, fields in zip((k, v), self.layouts[layer], kv.fields):
+                    fit, e = layout.fit, self._empty
+                    self.ext.encode_fitted_write(x, meta.step.slot_mapping, fields["codes"], fields["scale"],
+                                                 e if fit.offset is None else fit.offset,
+                                                 e if fit.spread is None else fit.spread,
+                                                 e if fit.weight is None else fit.weight, fit.targets)
             else:
                 kv.write(k, v, meta.step)
             new, staging = (self._empty, self._empty, self._empty), kv.staging

@@ -393,7 +393,7 @@ def test_fitted_pages_match_the_reference_backend(fmt: str, kv_heads: int) -> No
     a = torch.randn(kv_heads, HEAD_DIM, HEAD_DIM, generator=g)
     spread = torch.rand(kv_heads, HEAD_DIM, generator=g) * 4 + 0.25
     keys = make_format(fmt, "k").calibrated(offset, a @ a.transpose(-1, -2) / HEAD_DIM, spread)
-    assert (keys.layout.query_scale is None) == (fmt == "fp8_e4m3_fit")
+    assert (keys.layout.fit.spread is None) == (fmt == "fp8_e4m3_fit")
     outs = outputs_over_compressed_pages(fmt, 9 if kv_heads == 3 else 8, kv_heads, torch.float32, keys)
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=1e-4, rtol=1e-4)

@@ -189,6 +189,47 @@ def test_encode_write_is_bit_identical_to_the_format(name: str, dtype: torch.dty
     assert not fields["codes"][untouched].view(torch.uint8).any()
 
 
+@pytest.mark.parametrize("name", ["int8_fit", "fp8_e4m3_fit"])
+@pytest.mark.parametrize("role", ["k", "v"])  # calibrated keys (offset, weight, int8_fit's spread); plain values
+@pytest.mark.parametrize("heads,dim", [(3, 64), (1, 256)])
+def test_encode_fitted_write_makes_the_formats_choice(name: str, role: str, heads: int, dim: int) -> None:
+    """The kernel's fitted encoder picks the format's candidate for each token and head (or, where
+    a near-tie broke the other way, one of the same cost), into the slots named."""
+    from kvserve.cache.formats import make_format
+
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(37, heads, dim, generator=g) * 3
+    x[:, :, 5] += 20     # an outlier channel the offset takes out
+    x[3, 0] = 0          # an all-zero token-head: the minimum scale
+    fmt = make_format(name, role)
+    if role == "k":
+        a = torch.randn(heads, dim, dim, generator=g)
+        fmt = fmt.calibrated(x.mean(0), a @ a.transpose(-1, -2) / dim, (x - x.mean(0)).abs().amax(0))
+    x = x.to(torch.bfloat16)
+    want = fmt.encode(x)
+    fields = {key: torch.zeros((50, *t.shape[1:]), dtype=t.dtype) for key, t in want.items()}
+    slots = torch.randperm(50, generator=torch.Generator().manual_seed(13))[:37]
+    fit, e = fmt.layout.fit, torch.empty(0)
+    kernels.encode_fitted_write(x, slots, fields["codes"], fields["scale"], *(e if t is None else t for t in
+                                (fit.offset, fit.spread, fit.weight)), fit.targets)
+    got = {key: t[slots] for key, t in fields.items()}
+    same = (got["scale"] == want["scale"]) & (got["codes"].float() == want["codes"].float()).all(-1)
+    assert same.float().mean() > 0.97
+
+    def cost(f: dict[str, torch.Tensor]) -> torch.Tensor:
+        err = (fmt.decode(f, torch.float32) - x.float()).double()
+        if fmt.spread is not None:
+            err = err / fmt.spread.double()
+        if fmt.weight is None:
+            return err.square().sum(-1)
+        return torch.einsum("thd,hde,the->th", err, fmt.weight.double(), err)
+
+    torch.testing.assert_close(cost(got), cost(want), rtol=1e-4, atol=1e-6)
+    untouched = torch.ones(50, dtype=torch.bool)
+    untouched[slots] = False
+    assert not fields["codes"][untouched].view(torch.uint8).any()
+
+
 def test_kernels_build_from_a_copy_in_their_cache_directory() -> None:
     """ninja rebuilds when a source's path changes: builds name the cache's own copy, so another
     install or copy of the same version reuses the build instead of compiling again."""

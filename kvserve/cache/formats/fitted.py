@@ -40,8 +40,12 @@ error larger, not smaller).
 
 The pages are ABSMAX's (codes, one fp16 scale per token and head), so the cpu kernel reads them in
 place (`PageLayout.fitted`): a key's offset adds q.offset to every logit of a query alike, which
-softmax cancels, and the spread is folded into the query (`query_scale`). Only the format writes
-them (the kernel's encoder writes plain absmax scales). The Triton kernel does not read them.
+softmax cancels, and the spread is folded into the query. The cpu backend writes them with the
+kernels' `encode_fitted_write`, the same search per token as `encode` (a near-tie may break the
+other way: the costs are summed in another order). SmolLM2, 8 rows decoding at ~450 tokens: 356-378
+ms a step on the torch backend, which decoded every page each step; 35-37 ms so (int8: 15-17). What
+is left is the search's e^T W e, D^2 a candidate for each key token and head (BENCHMARKS.md). The
+Triton kernel does not read them.
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ import torch
 
 from kvserve.cache.formats.base import FieldSpec, Fields, PerTokenFormat
 from kvserve.cache.formats.codes import MIN_SCALE, fp16_rounded
-from kvserve.cache.formats.layout import PageKind, PageLayout
+from kvserve.cache.formats.layout import FitTables, PageKind, PageLayout
 
 # Scales tried per token and head, evenly spaced in log over one binade. 64 measured better than
 # 32 (attention KL of fp8 keys on the Python docs, summed over layers, 0.0206 vs 0.0252 with
@@ -77,15 +81,16 @@ class FittedFormat(PerTokenFormat):
         self.is_float = code_dtype.is_floating_point
         # int8 drops -128 (as AbsMaxFormat): a symmetric range, -x encodes as -code.
         self.qmax = torch.finfo(code_dtype).max if self.is_float else torch.iinfo(code_dtype).max
-        self.offset = None if offset is None else offset.float()  # [num_kv_heads, D]
-        self.weight = None if weight is None else weight.float()  # [num_kv_heads, D, D]
-        self.spread = None if spread is None else spread.float()  # [num_kv_heads, D]
+        self.offset = None if offset is None else offset.float().contiguous()  # [num_kv_heads, D]
+        self.weight = None if weight is None else weight.float().contiguous()  # [num_kv_heads, D, D]
+        self.spread = None if spread is None else spread.float().contiguous()  # [num_kv_heads, D]
         steps = torch.arange(FIT_STEPS, dtype=torch.float32)
         self.targets = self.qmax * 2.0 ** (-steps / FIT_STEPS)  # what the largest |x| maps to
 
     @property
     def layout(self) -> PageLayout:
-        return PageLayout(PageKind.ABSMAX, fitted=True, query_scale=self.spread)
+        fit = FitTables(self.targets, self.offset, self.spread, self.weight)
+        return PageLayout(PageKind.ABSMAX, fitted=True, fit=fit)
 
     @property
     def calibrated_per_layer(self) -> bool:

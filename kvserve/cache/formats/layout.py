@@ -40,14 +40,24 @@ class PageLayout:
     symmetric: bool = False  # midrise codes with a scale and no zero-point
     exact_sink: bool = False  # each block's first token kept in fp16 (field "sink")
     wide: int = 0           # channels per KV head with one bit more (field "wide", a bit plane)
-    # ABSMAX codes whose scales the format's own search chose (fitted.py): kernels read them, only
-    # the format writes them. Fitted keys decode with a per-channel offset added, which a kernel
-    # leaves out: it adds the same q.offset to every logit of a query, and softmax cancels it
-    # (exact where logits are not soft-capped, as on the cpu backend).
+    # ABSMAX codes whose scales a search chose (`FitTables`, fitted.py): the absmax encoder does not
+    # write them. Fitted keys decode with a per-channel offset added, which a kernel leaves out: it
+    # adds the same q.offset to every logit of a query, and softmax cancels it (exact where logits
+    # are not soft-capped, as on the cpu backend).
     fitted: bool = False
     head_scale: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [kv_heads] fp32
     wide_channels: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [kv_heads, wide]
-    # [kv_heads, D] fp32: keys decode as codes x scale x this per channel (int8_fit's spread); a
-    # kernel multiplies the query by it instead, q.(c * s) = (q * s).c. None: no channel scale.
-    query_scale: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    fit: FitTables | None = field(default=None, compare=False, repr=False)  # with `fitted`
+
+
+@dataclass(frozen=True)
+class FitTables:
+    """What an encoder of fitted codes reads (fitted.py): each token less `offset`, divided by
+    `spread`, takes of the scales its largest |x| / `targets` the one of least e^T `weight` e.
+    `spread` is also what a kernel multiplies the query by (keys decode as codes x scale x spread
+    per channel: q.(c * s) = (q * s).c). None: no offset, no spread, plain squared error."""
+    targets: torch.Tensor                # [candidates] fp32
+    offset: torch.Tensor | None = None   # [kv_heads, D] fp32
+    spread: torch.Tensor | None = None   # [kv_heads, D] fp32
+    weight: torch.Tensor | None = None   # [kv_heads, D, D] fp32
 

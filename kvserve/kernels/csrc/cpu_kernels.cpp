@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether linear_bf16 reads weights interleaved in groups of 16 rows (the AVX2 kernel)");
   m.def("paged_attention", &paged_attention, "attention over paged KV, pages read in place");
   m.def("encode_write", &encode_write, "encode K or V rows into int8 / fp8 / int4 page fields");
+  m.def("encode_fitted_write", &encode_fitted_write, "encode K or V rows into fitted int8 / fp8 page fields");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after adding into a residual");
   m.def("offset_rms_norm", &offset_rms_norm, "Gemma's RMSNorm (times 1 + weight), optionally after a residual add");
   m.def("rope_split", &rope_split, "RoPE in place on the q and k heads of qkv, then q, k, v views");

@@ -33,6 +33,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
                            int64_t window, const at::Tensor& score_first, at::Tensor scores);
 void encode_write(const at::Tensor& x, const at::Tensor& slot_mapping, int64_t kind, const at::Tensor& codes,
                   const at::Tensor& scale, const at::Tensor& zero, int64_t group);
+void encode_fitted_write(const at::Tensor& x, const at::Tensor& slot_mapping, const at::Tensor& codes,
+                         const at::Tensor& scale, const at::Tensor& offset, const at::Tensor& spread,
+                         const at::Tensor& weight, const at::Tensor& targets);
 // Dense pages: k, v [T, Hkv, D] (rows may be strided) into slot_mapping's flat slots (kv_encode.cpp).
 void write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping);

@@ -1,6 +1,6 @@
 // Encoding K or V rows into int8 / fp8 / int4 page fields, one token at a time (encode_write): the
-// cpu backend's writes and the decoder stack's, for pages the attention kernel reads; and dense
-// pages' plain copy (write_kv).
+// cpu backend's writes and the decoder stack's, for pages the attention kernel reads; fitted int8 /
+// fp8 codes (encode_fitted_write); and dense pages' plain copy (write_kv).
 #include "cpu_ops.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <vector>
 
 using namespace cpu_kernels;
 
@@ -105,7 +107,112 @@ void encode_group4(const T* x, uint8_t* codes, c10::Half* scale, c10::Half* zero
   }
 }
 
+// One token and head of fitted codes (cache/formats/fitted.py, FittedFormat.encode): the row less
+// `off`, divided by `spr` (each null: none), then of the candidate scales amax / targets[j] (fp16,
+// rounded up) the one whose error e gives the least e^T W e (|e|^2 with W null), the first such.
+// The same operations per value as the format's; a cost is summed in another order than torch's
+// einsum, so a near-tie between two candidates may go the other way. buf: 5 * D floats.
+template <typename T, typename Code>
+void encode_fitted(const T* x, const float* off, const float* spr, const float* W, const float* targets, int64_t S,
+                   Code* codes, c10::Half* scale, int64_t D, float qmax, bool is_float, float* buf) {
+  float* xr = buf;
+  float* c = buf + D;
+  float* best = buf + 2 * D;
+  float* e = buf + 3 * D;
+  float* wt = buf + 4 * D;
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    float v = static_cast<float>(x[d]);
+    if (off) v -= off[d];
+    if (spr) v /= spr[d];
+    xr[d] = v;
+    amax = std::max(amax, std::abs(v));
+  }
+  float best_cost = std::numeric_limits<float>::infinity();
+  c10::Half best_scale(kMinScale);
+  for (int64_t j = 0; j < S; ++j) {
+    const c10::Half sh = fp16_rounded(std::max(amax / targets[j], kMinScale), true);
+    const float sf = static_cast<float>(sh);
+    for (int64_t d = 0; d < D; ++d) {
+      const float v = std::min(std::max(xr[d] / sf, -qmax), qmax);
+      c[d] = is_float ? static_cast<float>(Code(v)) : std::nearbyint(v);
+    }
+    for (int64_t d = 0; d < D; ++d) e[d] = c[d] * sf - xr[d];
+    // e^T W e as e . (W^T e), W^T e summed row by row of W: the inner loop runs along a row, in
+    // vectors (a dot product per row would be one dependent chain the compiler may not reorder).
+    const float* y = e;  // W^T e, or e without a weight
+    if (W) {
+      std::fill(wt, wt + D, 0.f);
+      for (int64_t k = 0; k < D; ++k) {
+        const float ek = e[k];
+        const float* w = W + k * D;
+        for (int64_t d = 0; d < D; ++d) wt[d] += w[d] * ek;
+      }
+      y = wt;
+    }
+    float cost = 0.f;
+    for (int64_t d = 0; d < D; ++d) cost += e[d] * y[d];
+    if (j == 0 || cost < best_cost) {
+      best_cost = cost, best_scale = sh;
+      std::copy(c, c + D, best);
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) codes[d] = static_cast<Code>(best[d]);
+  *scale = best_scale;
+}
+
 }  // namespace
+
+// Fitted int8 / fp8 codes (encode_fitted) of x [T, H, D] into the page fields at slot_mapping: the
+// cpu backend's writes of int8_fit and fp8_e4m3_fit pages, whose torch encode ran ~20 torch calls
+// a layer on 64 copies of the step's rows. offset, spread [H, D] and weight [H, D, D] fp32, each
+// empty where the format has none; targets [S] fp32, the candidates (FittedFormat.targets).
+void encode_fitted_write(const at::Tensor& x, const at::Tensor& slot_mapping, const at::Tensor& codes,
+                         const at::Tensor& scale, const at::Tensor& offset, const at::Tensor& spread,
+                         const at::Tensor& weight, const at::Tensor& targets) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1,
+              "encode_fitted_write: x must be [T, H, D] on the CPU with contiguous D");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), S = targets.numel();
+  auto table = [&](const at::Tensor& t, std::vector<int64_t> shape, const char* name) -> const float* {
+    if (t.numel() == 0) return nullptr;
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == at::IntArrayRef(shape),
+                "encode_fitted_write: ", name, " must be contiguous fp32 of the heads' shape");
+    return t.data_ptr<float>();
+  };
+  const float* off = table(offset, {H, D}, "offset");
+  const float* spr = table(spread, {H, D}, "spread");
+  const float* W = table(weight, {H, D, D}, "weight");
+  TORCH_CHECK(S > 0 && targets.scalar_type() == at::kFloat && targets.is_contiguous(),
+              "encode_fitted_write: targets must be contiguous fp32");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf, "encode_fitted_write: scales are fp16");
+  const float* tg = targets.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto* sc = scale.data_ptr<c10::Half>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "encode_fitted_write", [&] {
+    const scalar_t* xd = x.data_ptr<scalar_t>();
+    kvserve::parallel_for(0, T * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(5 * D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / H, h = i % H, slot = slots[t] * H + h;
+        const scalar_t* row = xd + t * x.stride(0) + h * x.stride(1);
+        const float* o = off ? off + h * D : nullptr;
+        const float* sp = spr ? spr + h * D : nullptr;
+        const float* w = W ? W + h * D * D : nullptr;
+        switch (codes.scalar_type()) {
+          case at::kChar:
+            encode_fitted(row, o, sp, w, tg, S, codes.data_ptr<int8_t>() + slot * D, sc + slot, D, 127.f, false,
+                          buf.data());
+            break;
+          case at::kFloat8_e4m3fn:
+            encode_fitted(row, o, sp, w, tg, S, codes.data_ptr<c10::Float8_e4m3fn>() + slot * D, sc + slot, D, 448.f,
+                          true, buf.data());
+            break;
+          default: TORCH_CHECK(false, "encode_fitted_write: unsupported code dtype ", codes.scalar_type());
+        }
+      }
+    }, kvserve::team_for(T, x.scalar_type()));
+  });
+}
 
 // Encodes x [T, H, D] (rows may be strided) token by token into the page fields at slot_mapping,
 // exactly as kvserve.cache.kv_format's int8 / fp8 (absmax) and int4 (group) formats do.
