@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -107,6 +108,18 @@ void encode_group4(const T* x, uint8_t* codes, c10::Half* scale, c10::Half* zero
   }
 }
 
+// The e4m3 value nearest v (ties to even) for |v| <= 448, as float: what c10's Float8_e4m3fn cast
+// and back gives, without its per-value conversion (a fitted search rounds 64 candidates a value).
+// Normals keep 3 of float's 23 mantissa bits; below 2^-6, e4m3's subnormals are steps of 2^-9.
+inline float e4m3_value(float v) {
+  if (std::abs(v) < 0x1p-6f) return std::nearbyint(v * 512.f) / 512.f;
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  b = (b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
+}
+
 // One token and head of fitted codes (cache/formats/fitted.py, FittedFormat.encode): the row less
 // `off`, divided by `spr` (each null: none), then of the candidate scales amax / targets[j] (fp16,
 // rounded up) the one whose error e gives the least e^T W e (|e|^2 with W null), the first such.
@@ -135,7 +148,7 @@ void encode_fitted(const T* x, const float* off, const float* spr, const float* 
     const float sf = static_cast<float>(sh);
     for (int64_t d = 0; d < D; ++d) {
       const float v = std::min(std::max(xr[d] / sf, -qmax), qmax);
-      c[d] = is_float ? static_cast<float>(Code(v)) : std::nearbyint(v);
+      c[d] = is_float ? e4m3_value(v) : std::nearbyint(v);
     }
     for (int64_t d = 0; d < D; ++d) e[d] = c[d] * sf - xr[d];
     // e^T W e as e . (W^T e), W^T e summed row by row of W: the inner loop runs along a row, in
