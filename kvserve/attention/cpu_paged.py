@@ -82,6 +82,12 @@ class CPUPagedBackend(AttentionBackend[CPUMetadata]):
             names = kernel_unsupported(pool.formats)
             if names:
                 return f"no in-kernel decoder for {', '.join(names)} pages"
+            fitted = sorted({f.name for f in pool.formats if f.layout.fitted})
+            if fitted and pool.staged:
+                # The kernel reads staged keys as they are, with the offset it leaves out of the
+                # fitted ones and undivided by the spread it folds into the query.
+                return (f"{', '.join(fitted)} pages with full-precision staging (kv_residual, or a KIVI layer "
+                        f"beside them): the staged keys would be read without the fitted keys' offset")
         if cpu_extension.load() is None:
             return "the C++ kernels could not be built (see the log)"
         return None

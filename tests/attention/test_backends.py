@@ -399,6 +399,36 @@ def test_fitted_pages_match_the_reference_backend(fmt: str, kv_heads: int) -> No
         torch.testing.assert_close(out, outs[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["int8_fit", "fp8_e4m3_fit"])
+def test_fitted_pages_with_staging_go_to_the_reference_backend(fmt: str) -> None:
+    """Staged keys are read as they are, with the offset and the spread in them, beside fitted
+    codes read without: the cpu kernel refuses such a pool, and auto picks the torch backend, whose
+    attention over staged and encoded keys matches the dense keys' to the codes' error."""
+    from kvserve.attention.selector import make_backend
+    from kvserve.cache.quantized_pool import QuantizedKVPool
+    from kvserve.cache.staging_slots import StagingPlan
+
+    kv_heads, heads, g = 2, 4, torch.Generator().manual_seed(31)
+    k, v, q = (torch.randn(20, n, HEAD_DIM, generator=g) for n in (kv_heads, kv_heads, heads))
+    k[..., 3] += 10
+    a = torch.randn(kv_heads, HEAD_DIM, HEAD_DIM, generator=g)
+    keys = make_format(fmt, "k").calibrated(k.mean(0), a @ a.transpose(-1, -2) / HEAD_DIM,
+                                            (k - k.mean(0)).abs().amax(0))
+    pool = QuantizedKVPool(8, 16, kv_heads, HEAD_DIM, torch.float32, CPU, [(keys, make_format(fmt, "v"))], 16, 4)
+    assert "staging" in (BACKENDS["cpu"].unsupported(pool, CPU) or "")
+    backend = make_backend("auto", pool, heads, CPU)
+    assert backend.name == "torch"
+    backend.forward(0, q[:16], k[:16], v[:16], backend.prepare(
+        StepMetadata.build([16], [16], [[0, 1]], 16, CPU, kv_plan=pool.write_plan(None))), HEAD_DIM ** -0.5)
+    plan = pool.write_plan(StagingPlan(staged=((0, 0, 4),), seals=(), reads=((1, 0),), copies=()))
+    out = backend.forward(0, q[16:], k[16:], v[16:], backend.prepare(
+        StepMetadata.build([4], [20], [[0, 1]], 16, CPU, kv_plan=plan)), HEAD_DIM ** -0.5)
+    dense = F.scaled_dot_product_attention(q[16:].transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
+                                           v.repeat_interleave(2, 1).transpose(0, 1), is_causal=False,
+                                           attn_mask=torch.ones(4, 20, dtype=torch.bool).tril(16))
+    torch.testing.assert_close(out, dense.transpose(0, 1), atol=0.05, rtol=0)
+
+
 @pytest.mark.parametrize("kv_heads", [2, 4, 3])  # GQA groups of 4, 2 and 3 query heads (of 8, 8, 9)
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 def test_absmax_pages_match_the_reference_backend(fmt: str, kv_heads: int) -> None:

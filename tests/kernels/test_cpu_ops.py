@@ -228,6 +228,10 @@ def test_encode_fitted_write_makes_the_formats_choice(name: str, role: str, head
     untouched = torch.ones(50, dtype=torch.bool)
     untouched[slots] = False
     assert not fields["codes"][untouched].view(torch.uint8).any()
+    tables = (*(e if t is None else t for t in (fit.offset, fit.spread, fit.weight)), fit.targets)
+    for bad in (slots[:-1], torch.full_like(slots, 50), -slots - 1):  # one slot short; past the pages; negative
+        with pytest.raises(RuntimeError, match="encode_fitted_write: "):
+            kernels.encode_fitted_write(x, bad, fields["codes"], fields["scale"], *tables)
 
 
 def test_kernels_build_from_a_copy_in_their_cache_directory() -> None:

@@ -198,8 +198,17 @@ void encode_fitted_write(const at::Tensor& x, const at::Tensor& slot_mapping, co
   TORCH_CHECK(S > 0 && targets.scalar_type() == at::kFloat && targets.is_contiguous(),
               "encode_fitted_write: targets must be contiguous fp32");
   TORCH_CHECK(scale.scalar_type() == at::kHalf, "encode_fitted_write: scales are fp16");
+  TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous() && codes.dim() >= 2 && codes.size(-1) == D &&
+                  codes.size(-2) == H && scale.numel() * D == codes.numel(),
+              "encode_fitted_write: codes [..., H, D] and scales [..., H], contiguous, of x's heads and dim");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
+              "encode_fitted_write: one int64 slot per token of x");
+  const int64_t num_slots = scale.numel() / std::max<int64_t>(H, 1);
   const float* tg = targets.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "encode_fitted_write: slot ", slots[t], " outside the ",
+                num_slots, " slots of the pages");
   auto* sc = scale.data_ptr<c10::Half>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "encode_fitted_write", [&] {
     const scalar_t* xd = x.data_ptr<scalar_t>();
