@@ -43,8 +43,8 @@ place (`PageLayout.fitted`): a key's offset adds q.offset to every logit of a qu
 softmax cancels, and the spread is folded into the query. The cpu backend writes them with the
 kernels' `encode_fitted_write`, the same search per token as `encode` (a near-tie may break the
 other way: the costs are summed in another order). SmolLM2, 8 rows decoding at ~450 tokens with
-int8_fit: 387-402 ms a step on the torch backend, which decoded every page each step; 37 ms so
-(int8: 15-18). What is left is the search's e^T W e, D^2 a candidate for each key token and head
+int8_fit: 371-409 ms a step on the torch backend, which decoded every page each step; 34-36 ms so
+(int8: 16). What is left is the search's e^T W e, D^2 a candidate for each key token and head
 (BENCHMARKS.md). The Triton kernel does not read them.
 """
 from __future__ import annotations
