@@ -6,6 +6,9 @@ fp32 buffer (dequantizing int8 / fp8 / int4 / KIVI codes there, or reading the b
 full-precision staging slot), and keeps an online softmax. The query heads of a GQA group share every decoded
 block. Offloaded host blocks are read in place too. A sliding-window layer's items start at the
 block holding their first query's first key (`with_window`): earlier blocks are never read.
+Fitted int8 / fp8 codes (cache/formats/fitted.py) are read as absmax ones: their keys' offset is
+left out (softmax cancels it), their spread folded into the query, and `encode_fitted_write`
+writes them; beside full-precision staging they are refused (the staged keys keep the offset).
 """
 from __future__ import annotations
 
