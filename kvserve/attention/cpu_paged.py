@@ -22,7 +22,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.metadata import StepMetadata
 from kvserve.attention.scores import ScorePlan
-from kvserve.attention.page_kinds import kernel_unsupported, wide_slots
+from kvserve.attention.page_kinds import fitted_names, kernel_unsupported, wide_slots
 from kvserve.cache.formats import PageKind, PageLayout
 from kvserve.cache.kv_pool import KVPool
 from kvserve.kernels import cpu_extension
@@ -75,7 +75,7 @@ class CPUPagedBackend(AttentionBackend[CPUMetadata]):
             self.layer_args = [self._layer_args(kv, layouts) for kv, layouts in zip(pool.kv, self.layouts)]
             self.query_scales = [_query_scale(layouts[0], num_heads) for layouts in self.layouts]
             # Layers whose keys and values are both fitted codes, which `encode_fitted_write` writes.
-            self.fits = [all(layout.fit is not None for layout in layouts) for layouts in self.layouts]
+            self.fits = [all(layout.fitted for layout in layouts) for layouts in self.layouts]
 
     @classmethod
     def unsupported(cls, pool: Pool, device: torch.device) -> str | None:
@@ -85,7 +85,7 @@ class CPUPagedBackend(AttentionBackend[CPUMetadata]):
             names = kernel_unsupported(pool.formats)
             if names:
                 return f"no in-kernel decoder for {', '.join(names)} pages"
-            fitted = sorted({f.name for f in pool.formats if f.layout.fitted})
+            fitted = fitted_names(pool.formats)
             if fitted and pool.staged:
                 # The kernel reads staged keys as they are, with the offset it leaves out of the
                 # fitted ones and undivided by the spread it folds into the query.
@@ -133,11 +133,8 @@ class CPUPagedBackend(AttentionBackend[CPUMetadata]):
                                           fields["scale"], fields.get("zero", self._empty), layout.group_size)
             elif self.fits[layer] and plan.per_token:
                 for x, layout, fields in zip((k, v), self.layouts[layer], kv.fields):
-                    fit, e = layout.fit, self._empty
                     self.ext.encode_fitted_write(x, meta.step.slot_mapping, fields["codes"], fields["scale"],
-                                                 e if fit.offset is None else fit.offset,
-                                                 e if fit.spread is None else fit.spread,
-                                                 e if fit.weight is None else fit.weight, fit.targets)
+                                                 *layout.fit.kernel_args(self._empty))
             else:
                 kv.write(k, v, meta.step)
             new, staging = (self._empty, self._empty, self._empty), kv.staging

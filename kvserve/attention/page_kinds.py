@@ -19,6 +19,11 @@ def kernel_unsupported(formats: Iterable[KVFormat]) -> list[str]:
     return sorted({f.name for f in formats if f.layout.kind is None})
 
 
+def fitted_names(formats: Iterable[KVFormat]) -> list[str]:
+    """The names of `formats` whose pages are fitted codes (`PageLayout.fitted`), sorted, once each."""
+    return sorted({f.name for f in formats if f.layout.fitted})
+
+
 def wide_slots(layout: PageLayout, head_dim: int) -> torch.Tensor | None:
     """[kv_heads, D] int32 on the CPU: each channel's bit in a wide KIVI key's extra plane, -1 where
     it has none; None for a layout without calibrated wide channels."""

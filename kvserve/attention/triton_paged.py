@@ -18,7 +18,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, Pool
 from kvserve.attention.metadata import StepMetadata
-from kvserve.attention.page_kinds import kernel_unsupported, wide_slots
+from kvserve.attention.page_kinds import fitted_names, kernel_unsupported, wide_slots
 from kvserve.cache.formats import PageKind
 from kvserve.cache.kv_pool import KVPool
 
@@ -67,7 +67,7 @@ class TritonPagedBackend(AttentionBackend[TritonMetadata]):
             if pool.host_layers:
                 return "offloaded host blocks are not reachable from a GPU kernel"
             return None
-        names = kernel_unsupported(pool.formats) or sorted({f.name for f in pool.formats if f.layout.fitted})
+        names = kernel_unsupported(pool.formats) or fitted_names(pool.formats)
         return f"no in-register decoder for {', '.join(names)} pages" if names else None
 
     def prepare(self, step: StepMetadata) -> TritonMetadata:

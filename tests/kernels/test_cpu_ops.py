@@ -209,9 +209,8 @@ def test_encode_fitted_write_makes_the_formats_choice(name: str, role: str, head
     want = fmt.encode(x)
     fields = {key: torch.zeros((50, *t.shape[1:]), dtype=t.dtype) for key, t in want.items()}
     slots = torch.randperm(50, generator=torch.Generator().manual_seed(13))[:37]
-    fit, e = fmt.layout.fit, torch.empty(0)
-    kernels.encode_fitted_write(x, slots, fields["codes"], fields["scale"], *(e if t is None else t for t in
-                                (fit.offset, fit.spread, fit.weight)), fit.targets)
+    tables = fmt.layout.fit.kernel_args(torch.empty(0))
+    kernels.encode_fitted_write(x, slots, fields["codes"], fields["scale"], *tables)
     got = {key: t[slots] for key, t in fields.items()}
     same = (got["scale"] == want["scale"]) & (got["codes"].float() == want["codes"].float()).all(-1)
     assert same.float().mean() > 0.97
@@ -228,7 +227,6 @@ def test_encode_fitted_write_makes_the_formats_choice(name: str, role: str, head
     untouched = torch.ones(50, dtype=torch.bool)
     untouched[slots] = False
     assert not fields["codes"][untouched].view(torch.uint8).any()
-    tables = (*(e if t is None else t for t in (fit.offset, fit.spread, fit.weight)), fit.targets)
     for bad in (slots[:-1], torch.full_like(slots, 50), -slots - 1):  # one slot short; past the pages; negative
         with pytest.raises(RuntimeError, match="encode_fitted_write: "):
             kernels.encode_fitted_write(x, bad, fields["codes"], fields["scale"], *tables)

@@ -61,3 +61,6 @@ class FitTables:
     spread: torch.Tensor | None = None   # [kv_heads, D] fp32
     weight: torch.Tensor | None = None   # [kv_heads, D, D] fp32
 
+    def kernel_args(self, none: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """offset, spread and weight (`none` where absent), then targets: encode_fitted_write's."""
+        return (*(none if t is None else t for t in (self.offset, self.spread, self.weight)), self.targets)
