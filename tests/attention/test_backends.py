@@ -314,28 +314,35 @@ def test_bf16_steps_round_the_exact_attention_once(shapes: list[tuple[int, int]]
     assert ((out - ref).abs() <= bound).all(), ((out - ref).abs() - bound).max()
 
 
+@pytest.mark.parametrize("window", [0, 58])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_a_prompt_row_and_a_decode_get_the_same_bits(dim: int, block_size: int) -> None:
+def test_a_prompt_row_and_a_decode_get_the_same_bits(dim: int, block_size: int, window: int) -> None:
     """The cpu kernel reads a decode's few rows and a prompt chunk's many differently (in place
     against decoded blocks; bf16 values by pair dot products in groups of rows over the pairs any
     of them sees, a row's unseen keys at weight 0), in the same operations per row: each token of
     a 5-token chunk gets the output bits that token gets as a decode, so a verified draft, a chunk
     after a prefix-cache hit and a decode agree exactly (where neither is split across threads: a
     decode over more than 512 keys merges its pieces in another order). Block 5 puts a block's
-    boundary inside the chunk and gives blocks an odd count of keys."""
+    boundary inside the chunk and gives blocks an odd count of keys. Block 16 attends spans of 4
+    blocks: the chunk ends inside one, and a window of 58 starts its rows' keys in two blocks of another,
+    where the chunk's item starts a block earlier than a decode's."""
     heads, kv_heads, bf16, ctx = 9, 3, torch.bfloat16, 300
     seqs, k0, v0 = make_case([(ctx, 5)], heads, kv_heads, block_size, seed=dim, head_dim=dim)
     seq = seqs[0]
     k_exp, v_exp = expected_pool(seqs, k0, v0, block_size)
     backend = make_backend("cpu", k_exp.to(bf16), v_exp.to(bf16), heads)
     q, k, v = seq.q.to(bf16), seq.k.to(bf16), seq.v.to(bf16)
-    chunk = attend(backend, q, k[ctx - 5:], v[ctx - 5:],
-                   StepMetadata.build([5], [ctx], [seq.table], block_size, CPU), dim ** -0.5)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMetadata) -> torch.Tensor:
+        meta = backend.prepare(step)
+        return backend.forward(0, q, k, v, backend.with_window(meta, window) if window else meta, dim ** -0.5)
+
+    chunk = run(q, k[ctx - 5:], v[ctx - 5:], StepMetadata.build([5], [ctx], [seq.table], block_size, CPU))
     for i in range(5):
         at = ctx - 5 + i  # the token's position: a decode of it sees at + 1 keys
-        decode = attend(backend, q[i:i + 1], k[at:at + 1], v[at:at + 1],
-                        StepMetadata.build([1], [at + 1], [seq.table], block_size, CPU), dim ** -0.5)
+        decode = run(q[i:i + 1], k[at:at + 1], v[at:at + 1],
+                     StepMetadata.build([1], [at + 1], [seq.table], block_size, CPU))
         assert torch.equal(chunk[i:i + 1], decode), i
 
 

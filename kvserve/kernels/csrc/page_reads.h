@@ -66,6 +66,12 @@ inline Rows<c10::BFloat16> bf16_rows(const Pages& p, int64_t block, int64_t h) {
   return {src.at<c10::BFloat16>(block, h), src.token_stride};
 }
 
+// Whether every block of these pages (device and host) is dense bf16, which bf16_rows reads in place.
+inline bool bf16_pages(const Pages& p) {
+  return p.kind == kDense && p.rows.base != nullptr && p.rows.dtype == at::kBFloat16 &&
+         (p.host_rows.base == nullptr || p.host_rows.dtype == at::kBFloat16);
+}
+
 // The rows of head h of an absmax block of R codes (int8 or fp8), read in place; base is null
 // for other pages.
 template <typename R>

@@ -31,6 +31,13 @@ using namespace cpu_kernels;
 
 namespace {
 
+// Dense bf16 keys and values, read by pair dot products, are attended this many blocks at a time
+// (64 keys at block 16): a row's softmax update, its pass over the sums and the calls that set
+// them up come once a span, where block by block they and the keys' transposes were most of a
+// decode row's time (a GQA group's 3 rows against 16 keys). Spans start at multiples of it in
+// the block table, so a decode and a prompt's rows see each key in the same span: the same bits.
+constexpr int64_t kSpanBlocks = 4;
+
 template <typename T>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& query_start,
                     const at::Tensor& context_lens, const at::Tensor& block_tables,
@@ -115,7 +122,12 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   // bf16 keys read in place against a bf16 query take pair_scores (where the CPU has them).
   constexpr bool bf16_pairs = simd::kPairDots && std::is_same_v<T, c10::BFloat16>;
   const bool pairs = bf16_pairs && D % (2 * simd::kLanes) == 0;
-  const int64_t w_len = (block_size + 15) / 16 * 16, w_stride = w_len / 2;  // a block in 16-key tiles; in pairs
+  // Dense bf16 keys and values (both read by pair dot products) are attended a span of blocks at a
+  // time (spans), other pages block by block.
+  const bool spans = pairs && block_size % 16 == 0 && bf16_pages(kp) && bf16_pages(vp) && stage == nullptr;
+  const int64_t span = spans ? kSpanBlocks : 1, span_len = span * block_size;
+  // A span in 16-key tiles; in pairs.
+  const int64_t w_len = span * ((block_size + 15) / 16 * 16), w_stride = w_len / 2;
 
   // A staged format's full-precision slots, read as dense pages (stage_of).
   const Pages sk{kDense, &k_staging, nullptr, nullptr, nullptr, 0};
@@ -125,7 +137,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
     std::vector<c10::BFloat16> qpairs;  // bf16 query rows, unscaled, for pair_scores
     std::vector<uint32_t> kT(pairs ? w_len * D / 2 : 0);  // a block's keys, transposed
     // A block's values in key pairs (pair_values), and each row's weights in pairs over the block.
-    std::vector<uint32_t> vP(pairs ? (block_size + 1) / 2 * D : 0), wpairs;
+    std::vector<uint32_t> vP(pairs ? span * ((block_size + 1) / 2) * D : 0), wpairs;
     std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), kscale(block_size),
         vscale(block_size), sbuf, m, l, corrections, tops;
     std::vector<int64_t> pos;
@@ -136,7 +148,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       qbuf.assign(rows * D, 0.f);
       if (pairs) qpairs.resize(rows * D);
       acc.assign(rows * D, 0.f);
-      sbuf.assign(rows * block_size, 0.f);
+      sbuf.assign(rows * span_len, 0.f);
       m.assign(rows, neg_inf);
       l.assign(rows, 0.f);
       corrections.assign(rows, 1.f);
@@ -165,10 +177,12 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       // for the three.
       const bool direct = rows <= 8;
       // Block bi of the item's table: its keys (and with `values` its values) read in place or
-      // decoded into kbuf / vbuf, with absmax scales into kscale / vscale; returns its tokens and
-      // rows. A block inside the full-precision window is read from its staging slot instead.
+      // decoded into kbuf / vbuf, with absmax scales into kscale / vscale, and for pair dot
+      // products transposed into kT and paired into vP from key `into` of the span on; returns its
+      // tokens and rows. A block inside the full-precision window is read from its staging slot
+      // instead.
       struct Loaded { int64_t n; BlockRows k, v; };
-      auto load_block = [&](int64_t bi, bool values) {
+      auto load_block = [&](int64_t bi, bool values, [[maybe_unused]] int64_t into) {
         const int64_t block = tables[w.b * table_stride + bi];
         const int64_t slot = stage ? stage[block] : -1;
         const int64_t at = slot >= 0 ? slot : block;
@@ -187,28 +201,47 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         };
         read(slot >= 0 ? sk : kp, got.k, kbuf.data(), kscale.data());
 #if defined(__AVX512BF16__)
-        if (pairs && got.k.bf16.base) transpose_pairs(got.k.bf16, got.n, D, kT.data());
+        if (pairs && got.k.bf16.base) transpose_pairs(got.k.bf16, got.n, D, kT.data() + into * D / 2);
 #endif
         if (values) read(slot >= 0 ? sv : vp, got.v, vbuf.data(), vscale.data());
 #if defined(__AVX512BF16__)
-        if (pairs && got.v.bf16.base) pair_values(got.v.bf16, got.n, D, vP.data());
+        if (pairs && got.v.bf16.base) pair_values(got.v.bf16, got.n, D, vP.data() + into / 2 * D);
 #endif
+        return got;
+      };
+      // Blocks [b0, b1) as one span of keys (b0 < b1; several only where spans: only the last can
+      // be partial, and the span's keys are read from kT and vP alone): returns the span's tokens,
+      // and the rows of its last block. With `prefetch`, each block asks for the one kAhead on
+      // (the item's first, for all up to it). Not a span on: asked for in a burst, a span's blocks
+      // filled the miss buffers and the loads stalled behind them (8 x 450-token decodes over 30
+      // layers' pages: 3.6-4.0 ms a span ahead, 3.6-3.9 two blocks, 4.0-4.1 block by block).
+      auto load_span = [&](int64_t b0, int64_t b1, bool values, bool prefetch) {
+        Loaded got{};
+        for (int64_t bi = b0; bi < b1; ++bi) {
+          for (int64_t a = bi == w.bi0 ? 1 : kAhead; prefetch && !stage && a <= kAhead && bi + a < w.bi1; ++a) {
+            const int64_t next = tables[w.b * table_stride + bi + a];
+            prefetch_block(kp, next, w.h, block_size);
+            prefetch_block(vp, next, w.h, block_size);
+          }
+          got = load_block(bi, values, (bi - b0) * block_size);
+        }
+        got.n += (b1 - 1 - b0) * block_size;
         return got;
       };
       // Rows [r, r + R) scored against the block's keys from skip on, n[i] of them for row r + i:
       // sbuf's row r + i gets q . k[skip + t] * scale[skip + t], tops[r + i] their max.
       auto score_rows = [&](auto count, int64_t r, const BlockRows& block, int64_t skip, const int64_t* n) {
         constexpr int R = decltype(count)::value;
-        float* s = sbuf.data() + r * block_size;
+        float* s = sbuf.data() + r * span_len;
 #if defined(__AVX512BF16__)
         if (pairs && block.bf16.base) {
           const int64_t a = skip / 16 * 16;  // pair_scores starts at a tile
           int64_t ends[R];
           for (int i = 0; i < R; ++i) ends[i] = skip + n[i];
-          pair_scores<R>(qpairs.data() + r * D, kT.data(), a, ends, D, fscale, s, block_size, tops.data() + r);
+          pair_scores<R>(qpairs.data() + r * D, kT.data(), a, ends, D, fscale, s, span_len, tops.data() + r);
           if (a != skip)
             for (int i = 0; i < R; ++i) {
-              float* si = s + i * block_size;
+              float* si = s + i * span_len;
               std::memmove(si, si + (skip - a), n[i] * sizeof(float));
               tops[r + i] = *std::max_element(si, si + n[i]);
             }
@@ -217,7 +250,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
 #endif
         const BlockRows k = block.from(skip);
         for (int i = 0; i < R; ++i) {
-          float* si = s + i * block_size;
+          float* si = s + i * span_len;
           tops[r + i] = k.visit([&](auto kr) { return dots(qbuf.data() + (r + i) * D, kr, n[i], D, si); });
           if (k.scale == nullptr) continue;
           float mx = neg_inf;
@@ -234,7 +267,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         auto run = [&](auto tile, int64_t r) {
           v.visit([&](auto vr) {
             scale_accumulate_group<decltype(tile)::value>(acc.data() + r * D, corrections.data() + r,
-                                                          sbuf.data() + r * block_size, block_size, vr, visible, D);
+                                                          sbuf.data() + r * span_len, span_len, vr, visible, D);
           });
         };
         int64_t r = 0;
@@ -245,14 +278,11 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       // One query token's rows (a decode item, or a prompt's one-token chunk) see the same keys:
       // their values are accumulated together (scale_accumulate_group).
       const bool grouped = w.q1 - w.q0 == 1 && groups_accumulate(D);
-      for (int64_t bi = w.bi0; bi < w.bi1; ++bi) {
-        // kAhead blocks ahead (the first block's loop asks for all of them).
-        for (int64_t ahead = bi == w.bi0 ? 1 : kAhead; !stage && ahead <= kAhead && bi + ahead < w.bi1; ++ahead) {
-          const int64_t next = tables[w.b * table_stride + bi + ahead];
-          prefetch_block(kp, next, w.h, block_size);
-          prefetch_block(vp, next, w.h, block_size);
-        }
-        const Loaded blk = load_block(bi, true);
+      for (int64_t bi = w.bi0, end; bi < w.bi1; bi = end) {
+        // A span ends at a multiple of `span` blocks: a sequence's spans are the same whichever
+        // item reads them, and so are a row's bits.
+        end = std::min(w.bi1, (bi / span + 1) * span);
+        const Loaded blk = load_span(bi, end, true, true);
         const int64_t k0 = bi * block_size;
         // A prompt item's rows that all see the whole block take its values together too (the
         // same bits as one row at a time where scale_accumulate has a register tile for D).
@@ -286,7 +316,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         [[maybe_unused]] const bool value_pairs = pairs && blk.v.bf16.base;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t skip = skip_of(r), visible = visible_of(r, skip);
-          float* s = sbuf.data() + r * block_size;
+          float* s = sbuf.data() + r * span_len;
           if (visible <= 0) {
             corrections[r] = 1.f;
 #if defined(__AVX512BF16__)
@@ -333,7 +363,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
           const int64_t skip = skip_of(r), visible = visible_of(r, skip);
           if (visible <= 0) continue;
           blk.v.from(skip).visit([&](auto vr) {
-            scale_accumulate(acc.data() + r * D, corrections[r], sbuf.data() + r * block_size, vr, visible, D);
+            scale_accumulate(acc.data() + r * D, corrections[r], sbuf.data() + r * span_len, vr, visible, D);
           });
         }
         if (together) accumulate_group(bi, blk);
@@ -343,12 +373,12 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         float* row_scores = sc + w.b * sc_b + w.h * sc_h;
         const int64_t r0 = (first[w.b] - (w.q0 - qs[w.b])) * G;  // the first counted row
         for (int64_t bi = 0; bi < nblocks; ++bi) {
-          const Loaded blk = load_block(bi, false);
+          const Loaded blk = load_span(bi, bi + 1, false, false);
           const int64_t k0 = bi * block_size;
           for (int64_t r = std::max<int64_t>(r0, 0); r < rows; ++r) {
             const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);
             if (visible <= 0) continue;
-            float* s = sbuf.data() + r * block_size;
+            float* s = sbuf.data() + r * span_len;
             score_rows(std::integral_constant<int, 1>{}, r, blk.k, 0, &visible);  // the first pass's scores, recomputed
             const float inv = 1.f / (l[r] * G);
             for (int64_t t = 0; t < visible; ++t) row_scores[k0 + t] += std::exp(s[t] - m[r]) * inv;
