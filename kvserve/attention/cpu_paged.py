@@ -4,7 +4,8 @@ No dense copy of the context and no padding to the longest sequence: each (seque
 query tile) work item walks its own block table, decodes one block at a time into a small
 fp32 buffer (dequantizing int8 / fp8 / int4 / KIVI codes there, or reading the block's
 full-precision staging slot), and keeps an online softmax. The query heads of a GQA group share every decoded
-block. Offloaded host blocks are read in place too. A sliding-window layer's items start at the
+block. Dense bf16 pages are attended a span of 4 blocks at a time (one softmax update per span),
+spans fixed in the block table so that a decode and a prompt's rows get the same bits. Offloaded host blocks are read in place too. A sliding-window layer's items start at the
 block holding their first query's first key (`with_window`): earlier blocks are never read.
 Fitted int8 / fp8 codes (cache/formats/fitted.py) are read as absmax ones: their keys' offset is
 left out (softmax cancels it), their spread folded into the query, and `encode_fitted_write`
