@@ -212,9 +212,10 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
       // Blocks [b0, b1) as one span of keys (b0 < b1; several only where spans: only the last can
       // be partial, and the span's keys are read from kT and vP alone): returns the span's tokens,
       // and the rows of its last block. With `prefetch`, each block asks for the one kAhead on
-      // (the item's first, for all up to it). Not a span on: asked for in a burst, a span's blocks
-      // filled the miss buffers and the loads stalled behind them (8 x 450-token decodes over 30
-      // layers' pages: 3.6-4.0 ms a span ahead, 3.6-3.9 two blocks, 4.0-4.1 block by block).
+      // (the item's first, for all up to it). Not a span on, which was slower than no spans at all
+      // (8 x 450-token decodes over 30 layers' pages, alternated: a span ahead 4.8-5.0 ms against
+      // 4.2-4.9 block by block; two blocks ahead 3.6-3.9 against 4.0-4.1), likely because a span's
+      // 256 lines asked for at once fill the miss buffers and the reads wait behind them.
       auto load_span = [&](int64_t b0, int64_t b1, bool values, bool prefetch) {
         Loaded got{};
         for (int64_t bi = b0; bi < b1; ++bi) {
