@@ -15,6 +15,7 @@
 #include "simd.h"
 #include "thread_pool.h"
 #include "value_types.h"
+#include "work_items.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -52,64 +53,21 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t table_stride = block_tables.stride(0);
   const int64_t* stage = stage_of.defined() && stage_of.numel() ? stage_of.data_ptr<int64_t>() : nullptr;
-  // Query tokens per work item: enough rows to reuse each decoded key block, few enough that
-  // a prefill splits across threads.
-  const int64_t q_tile = std::max<int64_t>(1, 32 / G);
-  // A sliding window (window > 0): the query in slot p sees keys p - window + 1 .. p. An item
-  // starts at the block holding its first row's first key: the blocks before it are never read
-  // (a hybrid KV cache points their table entries at a null block).
-  auto first_key = [window](int64_t slot) { return window > 0 ? std::max<int64_t>(0, slot - window + 1) : 0; };
+  // A sliding window (window > 0): an item starts at the block holding its first row's first key
+  // (work_items.h); the blocks before it are never read (a hybrid KV cache points their table
+  // entries at a null block).
+  auto first_key = [window](int64_t slot) { return window_start(slot, window); };
   // Scores: the softmax weights of a sequence's query rows from score_first[b] on (-1: none),
   // summed over those rows and averaged over the group's query heads, into scores[b, h, slot].
   // A scored sequence is one item per head, so no two threads add into the same row.
   const int64_t* first = score_first.numel() ? score_first.data_ptr<int64_t>() : nullptr;
   float* sc = first ? scores.data_ptr<float>() : nullptr;
   const int64_t sc_b = first ? scores.stride(0) : 0, sc_h = first ? scores.stride(1) : 0;
-
-  // An item reads blocks [bi0, bi1) of its sequence; part >= 0: a piece of a split context, whose
-  // rows' running max, sum and weighted values go to part storage from that row on, for merging
-  // after.
-  struct Item { int64_t b, h, q0, q1, cost, bi0, bi1, part; };
-  // A decode token's keys, or a few tokens' (a speculative draft's verification), in pieces of
-  // this many blocks (about 512 keys): a long context is several items, so one long sequence
-  // keeps every thread busy (one stream: as many items as KV heads). Unsplit, a 5-token
-  // verification was 3 items on 2 threads, and its attention took 1.7x a decode token's (issue
-  // 44). Where a context is cut depends only on its length and the tokens' count, never on the batch.
-  const int64_t split_blocks = std::max<int64_t>(1, 512 / block_size);
-  constexpr int64_t kSplitTokens = 8;
-  // A split's pieces: rows each ((q1 - q0) * G), stored one piece after another from row0.
-  struct Split { int64_t h, q0, q1, row0, parts; };
-  std::vector<Item> items;
-  std::vector<Split> splits;
-  int64_t num_part_rows = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const bool scored = first && first[b] >= 0;
-    const int64_t tile = scored ? std::max<int64_t>(1, qs[b + 1] - qs[b]) : q_tile;
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t q0 = qs[b]; q0 < qs[b + 1]; q0 += tile) {
-        const int64_t q1 = std::min(q0 + tile, qs[b + 1]);
-        const int64_t keys = ctx[b] - (qs[b + 1] - q1);  // what the item's last row sees
-        const int64_t nblocks = (keys - 1) / block_size + 1;
-        const int64_t lo = first_key(ctx[b] - (qs[b + 1] - q0)) / block_size;
-        if (q1 - q0 <= kSplitTokens && !scored && nblocks - lo > split_blocks) {
-          const int64_t parts = (nblocks - lo + split_blocks - 1) / split_blocks, rows = (q1 - q0) * G;
-          splits.push_back({h, q0, q1, num_part_rows, parts});
-          for (int64_t i = 0; i < parts; ++i) {
-            const int64_t bi0 = lo + i * split_blocks, bi1 = std::min(nblocks, bi0 + split_blocks);
-            items.push_back({b, h, q0, q1, (q1 - q0) * (bi1 - bi0) * block_size, bi0, bi1, num_part_rows + i * rows});
-          }
-          num_part_rows += parts * rows;
-          continue;
-        }
-        // Rows times the keys it reads: a 2,000-token context costs 100 times a 20.
-        items.push_back({b, h, q0, q1, (q1 - q0) * (keys - lo * block_size), lo, nblocks, -1});
-      }
-  }
+  const WorkPlan plan = plan_items(B, qs, ctx, first, num_kv_heads, G, block_size, window);
+  const std::vector<Item>& items = plan.items;
+  const std::vector<Split>& splits = plan.splits;
   // The pieces' running max and sum per row and weighted values per row [.., D].
-  std::vector<float> part_m(num_part_rows), part_l(num_part_rows), part_acc(num_part_rows * D);
-  // Items are handed out one at a time, longest first: split statically, the thread that drew
-  // the long contexts ran alone while the other spun at the barrier (14% of a mixed step).
-  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::vector<float> part_m(plan.num_part_rows), part_l(plan.num_part_rows), part_acc(plan.num_part_rows * D);
   std::atomic<int64_t> next_item{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
 
