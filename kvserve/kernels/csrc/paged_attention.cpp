@@ -93,8 +93,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
   const kvserve::Team team = kvserve::team_for(q.size(0), q.scalar_type());
   kvserve::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     std::vector<c10::BFloat16> qpairs;  // bf16 query rows, unscaled, for pair_scores
-    std::vector<uint32_t> kT(pairs ? w_len * D / 2 : 0);  // a block's keys, transposed
-    // A block's values in key pairs (pair_values), and each row's weights in pairs over the block.
+    std::vector<uint32_t> kT(pairs ? w_len * D / 2 : 0);  // a span's keys, transposed
+    // A span's values in key pairs (pair_values), and each row's weights in pairs over the span.
     std::vector<uint32_t> vP(pairs ? span * ((block_size + 1) / 2) * D : 0), wpairs;
     std::vector<float> qbuf, acc, kbuf(block_size * D), vbuf(block_size * D), kscale(block_size),
         vscale(block_size), sbuf, m, l, corrections, tops;
@@ -167,22 +167,22 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
 #endif
         return got;
       };
-      // Blocks [b0, b1) as one span of keys (b0 < b1; several only where spans: only the last can
-      // be partial, and the span's keys are read from kT and vP alone): returns the span's tokens,
-      // and the rows of its last block. With `prefetch`, each block asks for the one kAhead on
-      // (the item's first, for all up to it). Not a span on, which was slower than no spans at all
+      // Blocks [b0, b1) as one span of keys and values (b0 < b1; several only where spans: only the
+      // last can be partial, and the span's keys are read from kT and vP alone): returns the span's
+      // tokens, and the rows of its last block. Each block asks for the one kAhead on (the item's
+      // first, for all up to it). Not a span on, which was slower than no spans at all
       // (8 x 450-token decodes over 30 layers' pages, alternated: a span ahead 4.8-5.0 ms against
       // 4.2-4.9 block by block; two blocks ahead 3.6-3.9 against 4.0-4.1), likely because a span's
       // 256 lines asked for at once fill the miss buffers and the reads wait behind them.
-      auto load_span = [&](int64_t b0, int64_t b1, bool values, bool prefetch) {
+      auto load_span = [&](int64_t b0, int64_t b1) {
         Loaded got{};
         for (int64_t bi = b0; bi < b1; ++bi) {
-          for (int64_t a = bi == w.bi0 ? 1 : kAhead; prefetch && !stage && a <= kAhead && bi + a < w.bi1; ++a) {
+          for (int64_t a = bi == w.bi0 ? 1 : kAhead; !stage && a <= kAhead && bi + a < w.bi1; ++a) {
             const int64_t next = tables[w.b * table_stride + bi + a];
             prefetch_block(kp, next, w.h, block_size);
             prefetch_block(vp, next, w.h, block_size);
           }
-          got = load_block(bi, values, (bi - b0) * block_size);
+          got = load_block(bi, true, (bi - b0) * block_size);
         }
         got.n += (b1 - 1 - b0) * block_size;
         return got;
@@ -241,7 +241,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         // A span ends at a multiple of `span` blocks: a sequence's spans are the same whichever
         // item reads them, and so are a row's bits.
         end = std::min(w.bi1, (bi / span + 1) * span);
-        const Loaded blk = load_span(bi, end, true, true);
+        const Loaded blk = load_span(bi, end);
         const int64_t k0 = bi * block_size;
         // A prompt item's rows that all see the whole block take its values together too (the
         // same bits as one row at a time where scale_accumulate has a register tile for D).
@@ -332,7 +332,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& quer
         float* row_scores = sc + w.b * sc_b + w.h * sc_h;
         const int64_t r0 = (first[w.b] - (w.q0 - qs[w.b])) * G;  // the first counted row
         for (int64_t bi = 0; bi < nblocks; ++bi) {
-          const Loaded blk = load_span(bi, bi + 1, false, false);
+          const Loaded blk = load_block(bi, false, 0);
           const int64_t k0 = bi * block_size;
           for (int64_t r = std::max<int64_t>(r0, 0); r < rows; ++r) {
             const int64_t visible = std::min(blk.n, pos[r] + 1 - k0);
